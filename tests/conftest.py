@@ -1,0 +1,59 @@
+"""Shared fixtures. Two logical CPU devices are configured before TensorFlow initialises its runtime."""
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+_cpus = tf.config.list_physical_devices("CPU")
+tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+@pytest.fixture
+def two_cpu_strategy() -> tf.distribute.MirroredStrategy:
+    """MirroredStrategy over the two logical CPU devices."""
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@pytest.fixture(autouse=True)
+def _clean_keras_state():
+    import keras
+
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+    keras.backend.clear_session()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_python(code: str, env: dict = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Runs `python -c code` in a fresh process with the repository and tests/ importable; raises on failure."""
+    full_env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", **(env or {}))
+    proc = subprocess.run([sys.executable, "-c", code], env=full_env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def mnist():
+    """MNIST from ../shared/data, scaled to [0, 1]."""
+    import numpy as np
+
+    with np.load(SHARED_DATA / "mnist.npz") as data:
+        return {k: (data[k].astype("float32") / 255.0 if k.startswith("x") else data[k].astype("int32"))
+                for k in data.files}
