@@ -16,13 +16,13 @@ setup(
         "absl-py",
     ],
     extras_require={
-        # jax runs the optimizer math on Keras' JAX backend in one test;
-        # matplotlib draws the paper-reproduction plots.
-        "test": ["pytest", "jax", "matplotlib"],
+        # jax: the optimizer math on Keras' JAX backend; optax: the benchmark's reference LARS;
+        # matplotlib: plots; scikit-learn: the `digits` dataset that ships offline.
+        "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn"],
     },
     entry_points={
-        # Reserved for the elastic agent's CLI (launch/elastic_run.py).
-        "console_scripts": [],
+        # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout).
+        "console_scripts": ["tf-elastic-run=tf_elastic.elastic.cli:run"],
     },
     license="Apache-2.0",
 )

@@ -1,0 +1,1 @@
+"""Everything that runs: training, the elastic agent's CLI, benchmarks and paper reproductions."""

@@ -1,0 +1,220 @@
+"""The elastic agent: one per host. Starts workers, watches them and the group, restarts at the new size.
+
+It never imports TensorFlow. Layers: a `Store` holds shared state, `Rendezvous` agrees on rounds, the
+agent runs its local workers through the states below and turns every change into a new round.
+"""
+import dataclasses
+import enum
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from absl import logging
+
+from tf_elastic.elastic import world as contract
+from tf_elastic.elastic.events import EventLog
+from tf_elastic.elastic.rendezvous import JobEnded, Rendezvous, RendezvousTimeout, Round, Timeouts
+from tf_elastic.elastic.store import Store, StoreError
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"  # every local worker finished training
+    RESTART = "restart"  # the group changed or failed: rejoin at the next round
+    LEFT = "left"  # this host left gracefully
+    FAILED = "failed"  # the job failed (max_restarts, rendezvous timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    command: List[str]
+    job_id: str
+    run_dir: str
+    nproc: int = 1
+    min_workers: int = 1
+    max_workers: int = 1
+    max_restarts: int = 3
+    heartbeat_timeout: float = 5.0  # a worker silent this long (after its first beat) is hung
+    startup_timeout: float = 120.0  # allowance before a worker's first heartbeat
+    monitor_interval: float = 0.2
+    stop_grace: float = 15.0  # SIGTERM, then SIGKILL after this many seconds
+    advertise_addr: str = "127.0.0.1"
+    host_id: str = ""
+    timeouts: Timeouts = Timeouts()
+    index_log: bool = False
+    extra_env: Optional[Dict[str, str]] = None
+
+
+@dataclasses.dataclass
+class _Worker:
+    rank: int
+    process: subprocess.Popen
+    heartbeat: Path
+    started: float
+
+
+class ElasticAgent:
+    def __init__(self, config: AgentConfig, store: Store):
+        self.config = config
+        self.host_id = config.host_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.rendezvous = Rendezvous(store, config.job_id, self.host_id, config.nproc, config.advertise_addr,
+                                     config.min_workers, config.max_workers, config.max_restarts, config.timeouts)
+        self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
+        self._leaving = False
+
+    def run(self) -> int:
+        """Runs until the job ends; returns the process exit code (0: done or left gracefully)."""
+        previous = signal.signal(signal.SIGTERM, self._on_leave_signal)
+        self.events.write("agent_start", host=self.host_id, nproc=self.config.nproc)
+        ranks: Optional[List[int]] = None
+        after = -1
+        try:
+            while True:
+                try:
+                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after)
+                except JobEnded as ended:
+                    return self._exit(0 if ended.status == "done" else 1, ended.reason)
+                except RendezvousTimeout as timeout:
+                    return self._exit(1, str(timeout))
+                ranks, after = round_.assignment[self.host_id], round_.number
+                self.events.write("rendezvous", round=round_.number, world_size=round_.world_size, ranks=ranks,
+                                  reason=round_.reason, restarts=round_.restarts)
+                outcome = self._run_round(round_, ranks)
+                if outcome is Outcome.SUCCEEDED:
+                    self.rendezvous.finish("done", "training finished")
+                    return self._exit(0, "training finished")
+                if outcome is Outcome.LEFT:
+                    return self._exit(0, "left the job gracefully")
+                if outcome is Outcome.FAILED:
+                    return self._exit(1, (self.rendezvous.outcome() or {}).get("reason", "job failed"))
+        except StoreError as error:
+            return self._exit(1, f"rendezvous store error: {error}")
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    # One round ----------------------------------------------------------------------------------------
+    def _run_round(self, round_: Round, ranks: List[int]) -> Outcome:
+        workers = [self._start(rank, round_) for rank in ranks]
+        try:
+            return self._monitor(round_, workers)
+        finally:
+            self._kill(workers)
+
+    def _start(self, rank: int, round_: Round) -> _Worker:
+        heartbeat = Path(self.config.run_dir) / "heartbeats" / f"round{round_.number}-rank{rank}"
+        heartbeat.parent.mkdir(parents=True, exist_ok=True)
+        heartbeat.unlink(missing_ok=True)
+        env = dict(os.environ, **(self.config.extra_env or {}))
+        env.update({
+            "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
+            contract.ENV_RUN_DIR: self.config.run_dir,
+            contract.ENV_ROUND: str(round_.number),
+            contract.ENV_HEARTBEAT_FILE: str(heartbeat),
+            contract.ENV_HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
+            contract.ENV_RESTARTS: str(round_.restarts),
+        })
+        if self.config.index_log:
+            env[contract.ENV_INDEX_LOG] = "1"
+        # An argv list, never a shell; a session of its own so terminal signals reach the agent only.
+        process = subprocess.Popen(self.config.command, env=env, start_new_session=True)
+        self.events.write("worker_start", round=round_.number, rank=rank, worker_pid=process.pid)
+        return _Worker(rank, process, heartbeat, time.time())
+
+    def _monitor(self, round_: Round, workers: List[_Worker]) -> Outcome:
+        while True:
+            time.sleep(self.config.monitor_interval)
+            self.rendezvous.keepalive()
+            if self._leaving:
+                return self._leave(round_, workers)
+            if self.rendezvous.outcome() is not None:
+                return Outcome.SUCCEEDED if self.rendezvous.outcome()["status"] == "done" else Outcome.FAILED
+            current = self.rendezvous.current()
+            if current is None or current.number != round_.number:
+                self.events.write("membership_change", round=round_.number,
+                                  next_round=None if current is None else current.number,
+                                  reason=None if current is None else current.reason)
+                self._stop(workers)
+                return Outcome.RESTART
+            codes = {w.rank: w.process.poll() for w in workers}
+            if all(code == contract.EXIT_DONE for code in codes.values()):
+                self.events.write("workers_done", round=round_.number, ranks=list(codes))
+                return Outcome.SUCCEEDED
+            hung = [w for w in workers if codes[w.rank] is None and self._silent(w)]
+            for worker in hung:
+                worker.process.kill()
+                self._failure(round_, "hang", worker.rank, None)
+                return Outcome.RESTART
+            for rank, code in codes.items():
+                if code not in (None, contract.EXIT_DONE):
+                    if code == contract.EXIT_STOPPED:
+                        # Stopped on its own (a preemption notice sent straight to the worker).
+                        self.events.write("worker_stopped", round=round_.number, rank=rank)
+                        self.rendezvous.open_next(current, reason=f"rank {rank} stopped", failure=False)
+                        self._stop(workers)
+                        return Outcome.RESTART
+                    kind = "peer_failure" if code == contract.EXIT_PEER_FAILURE else "worker_exit"
+                    self._failure(round_, kind, rank, code)
+                    return Outcome.RESTART
+            alive = set(self.rendezvous.alive_hosts())
+            lost = [h for h, r in (round_.assignment or {}).items() if r and h not in alive and h != self.host_id]
+            if lost:
+                self._failure(round_, "host_lost", None, None, host=lost[0])
+                return Outcome.RESTART
+
+    def _failure(self, round_: Round, kind: str, rank: Optional[int], code: Optional[int], host: str = None) -> None:
+        current = self.rendezvous.current()
+        counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
+            current, reason=f"{kind} rank={rank} host={host or self.host_id}", failure=True)
+        self.events.write("failure", round=round_.number, kind=kind, rank=rank, code=code, host=host or self.host_id,
+                          counted=counted)
+
+    def _silent(self, worker: _Worker) -> bool:
+        try:
+            last = worker.heartbeat.stat().st_mtime
+            limit = self.config.heartbeat_timeout
+        except FileNotFoundError:
+            last, limit = worker.started, self.config.startup_timeout
+        return time.time() - last > limit
+
+    def _leave(self, round_: Round, workers: List[_Worker]) -> Outcome:
+        current = self.rendezvous.current()
+        if current is not None and current.number == round_.number:
+            self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
+        self._stop(workers)
+        self.rendezvous.leave()
+        self.events.write("leave", round=round_.number, host=self.host_id)
+        return Outcome.LEFT
+
+    # Processes ---------------------------------------------------------------------------------------
+    def _stop(self, workers: List[_Worker]) -> None:
+        """SIGTERM (workers commit at their next step boundary and exit), SIGKILL after the grace period."""
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+        deadline = time.time() + self.config.stop_grace
+        for worker in workers:
+            try:
+                worker.process.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                logging.warning("rank %d ignored SIGTERM for %.0fs; killing it", worker.rank, self.config.stop_grace)
+        self._kill(workers)
+
+    @staticmethod
+    def _kill(workers: List[_Worker]) -> None:
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.kill()
+            worker.process.wait()
+
+    def _on_leave_signal(self, signum, frame) -> None:
+        del signum, frame
+        self._leaving = True
+
+    def _exit(self, code: int, reason: str) -> int:
+        self.events.write("exit", code=code, reason=reason, host=self.host_id)
+        (logging.info if code == 0 else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
+        return code

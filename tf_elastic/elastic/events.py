@@ -1,0 +1,42 @@
+"""`RUN_DIR/events.jsonl`: one JSON object per line, appended by agents and workers alike."""
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Union
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events under an exclusive lock, so lines from several processes never interleave."""
+
+    def __init__(self, run_dir: Union[str, Path], source: str):
+        self.path = Path(run_dir) / EVENTS_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.source = source
+
+    def write(self, event: str, **fields: Any) -> None:
+        record = {"time": time.time(), "event": event, "source": self.source, "pid": os.getpid(), **fields}
+        line = json.dumps(record, sort_keys=True) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(line)
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def read_events(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
+    """All events of a run, in file order; a torn last line (a process killed mid-write) is skipped."""
+    return list(_parse(Path(run_dir) / EVENTS_FILE))
+
+
+def _parse(path: Path) -> Iterator[Dict[str, Any]]:
+    if not path.exists():
+        return
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            continue

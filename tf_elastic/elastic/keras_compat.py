@@ -1,0 +1,63 @@
+"""A version-guarded fix for stock Keras 3 `model.fit` under MultiWorkerMirroredStrategy (keras#20585).
+
+Two failure points (see PLATFORM.md): the symbolic build MEAN-reduces a tuple of PerReplica input
+batches, and scalar logs are reduced with `axis=0`. Each patch is installed only when the installed
+Keras still has the faulty code, detected in its source, so the fix turns itself off once Keras is fixed.
+"""
+import inspect
+import re
+from typing import Dict
+
+_SYMBOLIC_BUILD_BUG = re.compile(r'distribute_strategy\.reduce\(\s*"MEAN",\s*maybe_distributed_data_batch')
+_SCALAR_REDUCE_BUG = re.compile(r'strategy\.reduce\("MEAN",\s*v,\s*axis=0\)')
+_installed: Dict[str, bool] = {}
+
+
+def install_fit_fix() -> Dict[str, bool]:
+    """Patches what is broken in the installed Keras; returns {fix name: installed}. Idempotent."""
+    if _installed:
+        return dict(_installed)
+    import tensorflow as tf
+    from keras.src import tree
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    trainer_cls = tf_trainer.TensorFlowTrainer
+    needs_build_fix = bool(_SYMBOLIC_BUILD_BUG.search(inspect.getsource(trainer_cls._maybe_symbolic_build)))
+    needs_reduce_fix = bool(_SCALAR_REDUCE_BUG.search(inspect.getsource(tf_trainer.reduce_per_replica)))
+
+    if needs_build_fix:
+        original_build = trainer_cls._maybe_symbolic_build
+
+        def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+            strategy = self._distribute_strategy
+            if strategy is None or iterator is None or not tf_trainer._collective_all_reduce_multi_worker(strategy):
+                return original_build(self, iterator=iterator, data_batch=data_batch)
+            for _, _, it in iterator:
+                data_batch = next(it)
+                break
+            # Shapes are all the build needs: any replica's local value has them.
+            data_batch = tree.map_structure(
+                lambda x: strategy.experimental_local_results(x)[0]
+                if isinstance(x, tf.distribute.DistributedValues) else x, data_batch)
+            with strategy.scope():
+                self._symbolic_build(data_batch=data_batch)
+
+        trainer_cls._maybe_symbolic_build = _maybe_symbolic_build
+
+    if needs_reduce_fix:
+        original_reduce = tf_trainer.reduce_per_replica
+
+        def reduce_per_replica(values, strategy, reduction):
+            if reduction not in ("mean", "auto") or not tf_trainer._collective_all_reduce_multi_worker(strategy):
+                return original_reduce(values, strategy, reduction)
+
+            def _mean(v):
+                rank = strategy.experimental_local_results(v)[0].shape.rank
+                return strategy.reduce("MEAN", v, axis=0 if rank else None)
+
+            return tree.map_structure(_mean, values)
+
+        tf_trainer.reduce_per_replica = reduce_per_replica
+
+    _installed.update(symbolic_build=needs_build_fix, scalar_reduce=needs_reduce_fix)
+    return dict(_installed)

@@ -1,0 +1,194 @@
+"""Rounds of membership agreement between agents, kept in a `Store`.
+
+A round is one JSON record at `/JOB/round`. It opens in the `joining` phase, agents add themselves
+(compare-and-set), and once enough workers are in it freezes with an assignment: ranks, survivors
+first so that rank 0 is a worker that held fresh state, and a TF cluster spec on fresh ports. Any
+change (a failure, a host lost, a join, a graceful leave) opens the next round; only failures count
+towards `max_restarts`. Hosts prove they are alive with leases at `/JOB/hosts/HOST`.
+"""
+import dataclasses
+import json
+import socket
+import time
+from typing import Dict, List, Optional
+
+from tf_elastic.elastic.store import Store, StoreError
+
+SCHEMA_VERSION = 1
+
+
+class RendezvousTimeout(RuntimeError):
+    """Fewer than `min_workers` joined within the rendezvous timeout."""
+
+
+class JobEnded(RuntimeError):
+    """The job finished or failed while we waited; `status` says which."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    rendezvous: float = 300.0  # wait this long for min_workers before failing the job
+    last_call: float = 2.0  # after enough workers joined, wait this long for stragglers unless all survivors are in
+    host_ttl: float = 3.0  # a host whose lease is older is considered gone
+    poll: float = 0.1
+
+
+@dataclasses.dataclass
+class Round:
+    number: int
+    phase: str  # "joining" or "frozen"
+    reason: str
+    restarts: int
+    opened: float
+    participants: Dict[str, Dict]
+    expected: List[str]
+    assignment: Optional[Dict[str, List[int]]] = None
+    cluster: Optional[List[str]] = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.cluster or [])
+
+    def to_json(self) -> str:
+        return json.dumps({"version": SCHEMA_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Round":
+        try:
+            record = json.loads(text)
+            if record.get("version") != SCHEMA_VERSION:
+                raise ValueError(f"schema version {record.get('version')!r}, expected {SCHEMA_VERSION}")
+            record.pop("version")
+            round_ = cls(**record)
+            if round_.phase not in ("joining", "frozen") or not isinstance(round_.participants, dict):
+                raise ValueError("bad phase or participants")
+            return round_
+        except (ValueError, TypeError, AttributeError) as error:
+            raise StoreError(f"malformed rendezvous round record ({error}): {text[:200]!r}") from None
+
+
+class Rendezvous:
+    def __init__(self, store: Store, job_id: str, host_id: str, nproc: int, addr: str, min_workers: int,
+                 max_workers: int, max_restarts: int, timeouts: Timeouts = Timeouts()):
+        self.store, self.host_id, self.nproc, self.addr = store, host_id, nproc, addr
+        self.min_workers, self.max_workers, self.max_restarts = min_workers, max_workers, max_restarts
+        self.timeouts = timeouts
+        self._round_key = f"/{job_id}/round"
+        self._hosts = f"/{job_id}/hosts"
+        self._outcome_key = f"/{job_id}/outcome"
+
+    # Leases and outcome -------------------------------------------------------------------------
+    def keepalive(self) -> None:
+        self.store.set(f"{self._hosts}/{self.host_id}", json.dumps({"addr": self.addr, "nproc": self.nproc}),
+                       ttl=self.timeouts.host_ttl)
+
+    def leave(self) -> None:
+        self.store.delete(f"{self._hosts}/{self.host_id}")
+
+    def alive_hosts(self) -> List[str]:
+        return [key.rsplit("/", 1)[-1] for key in self.store.list(self._hosts)]
+
+    def finish(self, status: str, reason: str) -> None:
+        """Records the job's outcome once; later calls keep the first."""
+        self.store.compare_and_set(self._outcome_key, None, json.dumps({"status": status, "reason": reason}))
+
+    def outcome(self) -> Optional[Dict[str, str]]:
+        raw = self.store.get(self._outcome_key)
+        return None if raw is None else json.loads(raw)
+
+    # Rounds ---------------------------------------------------------------------------------------
+    def current(self) -> Optional[Round]:
+        raw = self.store.get(self._round_key)
+        return None if raw is None else Round.from_json(raw)
+
+    def open_next(self, seen: Round, reason: str, failure: bool, leaving: bool = False) -> bool:
+        """Opens round `seen.number + 1` unless someone already moved past `seen`; True if we did.
+
+        Only the agent whose compare-and-set wins counts a failure, so a failure seen by every agent
+        is counted once."""
+        restarts = seen.restarts + int(failure)
+        if restarts > self.max_restarts:
+            self.finish("failed", f"max_restarts={self.max_restarts} exceeded ({reason})")
+        expected = [h for h, ranks in (seen.assignment or {}).items() if ranks and not (leaving and h == self.host_id)]
+        nxt = Round(seen.number + 1, "joining", reason, restarts, time.time(), {}, expected)
+        return self.store.compare_and_set(self._round_key, seen.to_json(), nxt.to_json())
+
+    def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1) -> Round:
+        """Blocks until a frozen round numbered above `after` gives this host ranks; returns it."""
+        deadline = time.monotonic() + self.timeouts.rendezvous
+        while True:
+            self._raise_if_ended()
+            self.keepalive()
+            raw = self.store.get(self._round_key)
+            if raw is None:
+                first = Round(0, "joining", "start", 0, time.time(), {}, [])
+                self.store.compare_and_set(self._round_key, None, first.to_json())
+                continue
+            round_ = Round.from_json(raw)
+            if round_.phase == "frozen":
+                if round_.number > after and self.host_id in round_.participants:
+                    if (round_.assignment or {}).get(self.host_id):
+                        return round_
+                    # Standby: more workers than max_workers; wait for the next round.
+                else:
+                    self.open_next(round_, reason=f"join {self.host_id}", failure=False)
+                    continue
+            elif self.host_id not in round_.participants:
+                round_.participants[self.host_id] = {
+                    "nproc": self.nproc, "addr": self.addr, "ports": _free_ports(self.addr, self.nproc),
+                    "joined": time.time(), "previous_rank": min(previous_ranks) if previous_ranks else None}
+                self.store.compare_and_set(self._round_key, raw, round_.to_json())
+                continue
+            elif self._ready(round_):
+                self.store.compare_and_set(self._round_key, raw, self._freeze(round_).to_json())
+                continue
+            if time.monotonic() > deadline:
+                joined = sum(p["nproc"] for p in round_.participants.values())
+                reason = (f"only {joined} of min_workers={self.min_workers} workers joined within "
+                          f"--rendezvous_timeout={self.timeouts.rendezvous:g}s")
+                self.finish("failed", reason)
+                raise RendezvousTimeout(reason)
+            time.sleep(self.timeouts.poll)
+
+    def _ready(self, round_: Round) -> bool:
+        joined = sum(p["nproc"] for p in round_.participants.values())
+        if joined >= self.max_workers:
+            return True
+        if joined < self.min_workers:
+            return False
+        alive = set(self.alive_hosts())
+        survivors_in = all(h in round_.participants for h in round_.expected if h in alive)
+        return (survivors_in and bool(round_.expected)) or time.time() - round_.opened > self.timeouts.last_call
+
+    def _freeze(self, round_: Round) -> Round:
+        order = sorted(round_.participants.items(), key=lambda item: (
+            item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0, item[1]["joined"], item[0]))
+        assignment, cluster = {}, []
+        for host, info in order:
+            take = max(0, min(info["nproc"], self.max_workers - len(cluster)))
+            assignment[host] = list(range(len(cluster), len(cluster) + take))
+            cluster += [f"{info['addr']}:{port}" for port in info["ports"][:take]]
+        return dataclasses.replace(round_, phase="frozen", assignment=assignment, cluster=cluster)
+
+    def _raise_if_ended(self) -> None:
+        outcome = self.outcome()
+        if outcome is not None:
+            raise JobEnded(outcome["status"], outcome["reason"])
+
+
+def _free_ports(addr: str, count: int) -> List[int]:
+    """Ports free right now on `addr`; fresh every round, so a stale process cannot hold one."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((addr, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()

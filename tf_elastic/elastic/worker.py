@@ -1,0 +1,277 @@
+"""The worker side: strategy, committed state, and `fit` that survives restarts at any world size.
+
+Commit / restore is the one vocabulary for what survives a failure (like Horovod elastic's `State`):
+model, optimizer slots and `iterations`, the batch-resize history, epoch, samples consumed in the
+epoch and the global step are written together by `tf.train.CheckpointManager` and read back bit-exact.
+"""
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+import keras
+from absl import logging
+
+from tf_elastic.elastic import keras_compat
+from tf_elastic.elastic import world as contract
+from tf_elastic.elastic.data_plan import DataPlan, replica_batch_size
+from tf_elastic.elastic.events import EventLog
+from tf_elastic.elastic.world import World
+from tf_elastic.schedules import BatchResizeSchedule
+
+COLLECTIVE_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+                       tf.errors.AbortedError, tf.errors.InternalError)
+CHECKPOINT_DIR = "checkpoints"
+
+
+def make_strategy(world: World) -> tf.distribute.Strategy:
+    """MultiWorkerMirroredStrategy for a world of several workers, the default strategy for one.
+
+    The coordination service's heartbeat is set from the agent's heartbeat timeout before MWMS is
+    created (MWMS keeps a configuration it finds), so a hung peer is detected in seconds, not 10+ s.
+    """
+    if world.size == 1:
+        return tf.distribute.get_strategy()
+    from tensorflow.python.eager import context
+
+    CoordinatedJob = context.coordination_config_pb2.CoordinatedJob  # wherever this TF version keeps it
+
+    context.context().configure_coordination_service(
+        "standalone", service_leader="/job:worker/replica:0/task:0",
+        heartbeat_timeout_in_ms=int(world.heartbeat_timeout * 1000),
+        coordinated_jobs=[CoordinatedJob(name="worker", num_tasks=world.size)])
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+class CommittedState:
+    """What survives a failure, saved atomically: chief to RUN_DIR/checkpoints, others to a temp dir."""
+
+    def __init__(self, world: World, run_dir: str, model: keras.Model,
+                 schedule: Optional[BatchResizeSchedule] = None, max_to_keep: int = 3):
+        self.world = world
+        self.progress = tf.Variable(np.zeros(4, np.int64), trainable=False, name="elastic_progress")
+        items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
+        if schedule is not None:
+            items["batch_history"] = schedule.state
+        self.checkpoint = tf.train.Checkpoint(**items)
+        self.directory = str(Path(run_dir) / CHECKPOINT_DIR)
+        write_dir = self.directory if world.is_chief else tempfile.mkdtemp(prefix=f"tf_elastic-rank{world.rank}-")
+        self._temp_dir = None if world.is_chief else write_dir
+        self.manager = tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=max_to_keep)
+
+    @property
+    def epoch(self) -> int:
+        return int(self.progress[0])
+
+    @property
+    def samples(self) -> int:
+        return int(self.progress[1])
+
+    @property
+    def step(self) -> int:
+        return int(self.progress[2])
+
+    def restore(self) -> bool:
+        """Restores the newest committed state (every worker reads the chief's); False if none yet."""
+        latest = tf.train.latest_checkpoint(self.directory)
+        if latest is None:
+            return False
+        self.checkpoint.restore(latest).assert_existing_objects_matched()
+        return True
+
+    def commit(self, epoch: int, samples: int, step: int, global_batch: int) -> None:
+        """All workers call this at the same step: saving may run collectives (SyncOnRead variables)."""
+        self.progress.assign(np.array([epoch, samples, step, global_batch], np.int64))
+        self.manager.save(checkpoint_number=step)
+        if self._temp_dir:
+            for path in Path(self._temp_dir).glob("*"):
+                path.unlink() if path.is_file() else shutil.rmtree(path)
+
+    def close(self) -> None:
+        if self._temp_dir:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+
+
+class _ElasticCallback(keras.callbacks.Callback):
+    """Feeds exact data positions, commits on cadence, and stops all workers at the same step."""
+
+    def __init__(self, trainer: "_ElasticFit"):
+        super().__init__()
+        self.t = trainer
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.t.begin_epoch(epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.t.end_step()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.t.end_epoch(epoch)
+
+
+class _ElasticFit:
+    def __init__(self, model, x, y, world, strategy, state, plan, batch, schedule, commit_every_steps,
+                 commit_every_seconds, sync_every_steps, events):
+        self.model, self.x, self.y, self.world, self.strategy = model, x, y, world, strategy
+        self.state, self.plan, self.batch, self.schedule, self.events = state, plan, batch, schedule, events
+        self.global_batch = batch * world.size
+        self.commit_every_steps, self.commit_every_seconds = commit_every_steps, commit_every_seconds
+        self.sync_every_steps = sync_every_steps
+        self.epoch, self.epoch_start, self.batches, self.k = state.epoch, state.samples, [], 0
+        self.step = state.step
+        self.last_commit = time.time()
+        self.stop_requested = self.stopped = False
+        self.first_step_logged = False
+        self._flags = None
+        self._index_log = None
+        if world.index_log and world.run_dir:
+            path = Path(world.run_dir) / "indices" / f"round{world.round}-rank{world.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._index_log = open(path, "a", encoding="utf-8")
+        self.set_batches(self.epoch, self.epoch_start)
+
+    def set_batches(self, epoch: int, start: int) -> None:
+        self.epoch, self.epoch_start, self.k = epoch, start, 0
+        self.batches = self.plan.replica_batches(epoch, start, self.world.size, self.world.rank, self.batch)
+
+    def dataset(self) -> tf.data.Dataset:
+        def generate():
+            for index in self.batches:
+                yield self.x[index], self.y[index]
+
+        spec = (tf.TensorSpec((self.batch, *self.x.shape[1:]), tf.as_dtype(self.x.dtype)),
+                tf.TensorSpec((self.batch, *self.y.shape[1:]), tf.as_dtype(self.y.dtype)))
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=spec)
+        # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch.
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self.batches))).prefetch(2)
+        options = tf.data.Options()
+        # Each worker feeds exactly its own slices: no automatic sharding on top.
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return dataset.with_options(options)
+
+    # Callback hooks ------------------------------------------------------------------------------
+    def begin_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.set_batches(epoch, 0)
+        else:
+            self.k = 0
+
+    def end_step(self) -> None:
+        if self._index_log is not None:
+            self._index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank, "epoch": self.epoch,
+                                              "step": self.step + 1,
+                                              "indices": self.batches[self.k].tolist()}) + "\n")
+            self._index_log.flush()
+        self.k += 1
+        self.step += 1
+        if not self.first_step_logged:
+            self.first_step_logged = True
+            self.events.write("first_step", round=self.world.round, rank=self.world.rank, step=self.step,
+                              world_size=self.world.size)
+        commit = self.commit_every_steps and self.step % self.commit_every_steps == 0
+        if self.step % self.sync_every_steps == 0:
+            stop, due = self._agree(self.stop_requested, self._commit_due())
+            commit, self.stopped = commit or due or stop, stop
+        if commit:
+            self.commit(self.epoch, self.epoch_start + self.k * self.global_batch)
+        if self.stopped:
+            self.model.stop_training = True
+
+    def end_epoch(self, epoch: int) -> None:
+        if self.stopped:
+            return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
+        start = self.epoch_start + self.k * self.global_batch
+        skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
+        if skipped:
+            self.events.write("remainder_skipped", epoch=epoch, samples=skipped, rank=self.world.rank)
+        self.commit(epoch + 1, 0)
+        self.set_batches(epoch + 1, 0)
+
+    # Commit and agreement ------------------------------------------------------------------------
+    def commit(self, epoch: int, samples: int) -> None:
+        started = time.time()
+        self.state.commit(epoch, samples, self.step, self.global_batch)
+        self.last_commit = time.time()
+        if self.world.is_chief:
+            self.events.write("commit", round=self.world.round, step=self.step, epoch=epoch, samples=samples,
+                              seconds=round(self.last_commit - started, 4))
+
+    def _commit_due(self) -> bool:
+        return bool(self.commit_every_seconds) and time.time() - self.last_commit >= self.commit_every_seconds
+
+    def _agree(self, stop: bool, commit: bool):
+        """A sum over all workers: if any wants to stop or commit, all do, at this same step."""
+        if self.world.size == 1:
+            return stop, commit
+        if self._flags is None:
+            strategy = self.strategy
+
+            @tf.function
+            def agree(local):
+                per_replica = strategy.run(lambda: tf.identity(local))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+            self._flags = agree
+        result = self._flags(tf.constant([float(stop), float(commit)])).numpy()
+        return bool(result[0] > 0), bool(result[1] > 0)
+
+    def close(self) -> None:
+        if self._index_log is not None:
+            self._index_log.close()
+
+
+def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strategy: tf.distribute.Strategy,
+        epochs: int, run_dir: str, per_replica_batch_size: Optional[int] = None,
+        global_batch_size: Optional[int] = None, batch_policy: str = "per_replica",
+        schedule: Optional[BatchResizeSchedule] = None, commit_every_steps: int = 100,
+        commit_every_seconds: Optional[float] = None, sync_every_steps: int = 5, seed: int = 0,
+        callbacks: Sequence[keras.callbacks.Callback] = (), verbose="auto") -> int:
+    """Trains a compiled model with `model.fit` from the last committed state; returns the exit code.
+
+    `contract.EXIT_DONE` when `epochs` are done, `contract.EXIT_STOPPED` after a SIGTERM (committed at
+    the next agreed step boundary). A failed collective (a peer died or hung) exits the process with
+    `contract.EXIT_PEER_FAILURE`: the TF runtime cannot be reused in-process, the agent restarts us.
+    """
+    keras_compat.install_fit_fix()
+    events = EventLog(run_dir, source=f"worker:{world.rank}")
+    batch = replica_batch_size(batch_policy, world.size, per_replica_batch_size, global_batch_size)
+    state = CommittedState(world, run_dir, model, schedule)
+    restored = state.restore()
+    events.write("restore", round=world.round, rank=world.rank, restored=restored, step=state.step,
+                 epoch=state.epoch, samples=state.samples, world_size=world.size)
+    trainer = _ElasticFit(model, x, y, world, strategy, state, DataPlan(len(x), seed), batch, schedule,
+                          commit_every_steps, commit_every_seconds, max(1, sync_every_steps), events)
+    if schedule is not None:
+        schedule.resize(state.step, trainer.global_batch)
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
+    # A restart mid-epoch trains the rest of that epoch in its own `fit` call: Keras needs every epoch
+    # of one call to have the same length.
+    partial = state.samples > 0
+    spans = [(state.epoch, state.epoch + 1)] if partial else []
+    spans += [(state.epoch + int(partial), epochs)]
+    try:
+        for first, last in spans:
+            if first >= last or trainer.stopped:
+                continue
+            model.fit(trainer.dataset(), epochs=last, initial_epoch=first, verbose=verbose,
+                      callbacks=[_ElasticCallback(trainer), *callbacks])
+    except COLLECTIVE_FAILURES as error:
+        events.write("collective_failure", round=world.round, rank=world.rank, error=type(error).__name__,
+                     step=trainer.step)
+        logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__,
+                      str(error).splitlines()[0] if str(error) else "")
+        logging.flush()
+        os._exit(contract.EXIT_PEER_FAILURE)  # noqa: the runtime is unusable; skip TF's teardown
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        trainer.close()
+        state.close()
+    code = contract.EXIT_STOPPED if trainer.stopped else contract.EXIT_DONE
+    events.write("worker_exit", round=world.round, rank=world.rank, code=code, step=trainer.step)
+    return code

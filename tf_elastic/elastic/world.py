@@ -1,0 +1,90 @@
+"""The contract between the agent and its workers: environment variables and exit codes.
+
+The agent describes the world in the environment of each worker it starts; the worker side reads it
+back with `World.from_env()`. Without an agent, a worker is a world of one.
+"""
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Dict, Mapping, Optional
+
+ENV_RUN_DIR = "TF_ELASTIC_RUN_DIR"
+ENV_ROUND = "TF_ELASTIC_ROUND"
+ENV_HEARTBEAT_FILE = "TF_ELASTIC_HEARTBEAT_FILE"
+ENV_HEARTBEAT_TIMEOUT = "TF_ELASTIC_HEARTBEAT_TIMEOUT"
+ENV_RESTARTS = "TF_ELASTIC_RESTARTS"
+ENV_INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
+
+# Worker exit codes the agent understands.
+EXIT_DONE = 0
+EXIT_STOPPED = 3  # stopped on request (preemption notice, membership change) after committing
+EXIT_PEER_FAILURE = 75  # a collective failed: another worker died or hung
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    round: int = 0
+    run_dir: Optional[str] = None
+    cluster: Optional[Dict] = None  # the TF_CONFIG cluster spec, when several workers
+    heartbeat_file: Optional[str] = None
+    heartbeat_timeout: float = 10.0
+    restarts: int = 0
+    index_log: bool = False
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def elastic(self) -> bool:
+        """True when an agent started this worker."""
+        return self.heartbeat_file is not None
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "World":
+        env = os.environ if env is None else env
+        tf_config = env.get("TF_CONFIG")
+        rank, size, cluster = 0, 1, None
+        if tf_config:
+            try:
+                config = json.loads(tf_config)
+                cluster = config["cluster"]
+                workers = cluster["worker"]
+                rank = int(config["task"]["index"])
+                if config["task"].get("type", "worker") != "worker" or not 0 <= rank < len(workers):
+                    raise ValueError("task must be a worker with an index inside cluster.worker")
+                size = len(workers)
+            except (ValueError, KeyError, TypeError) as error:
+                raise ValueError(f"TF_CONFIG is not a valid worker cluster spec ({error}): {tf_config!r}") from None
+        return cls(
+            rank=rank,
+            size=size,
+            round=int(env.get(ENV_ROUND, 0)),
+            run_dir=env.get(ENV_RUN_DIR),
+            cluster=cluster,
+            heartbeat_file=env.get(ENV_HEARTBEAT_FILE),
+            heartbeat_timeout=float(env.get(ENV_HEARTBEAT_TIMEOUT, 10.0)),
+            restarts=int(env.get(ENV_RESTARTS, 0)),
+            index_log=env.get(ENV_INDEX_LOG) == "1",
+        )
+
+
+def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
+    """Touches the agent's heartbeat file from a daemon thread; a stopped or frozen process goes silent."""
+    if not world.heartbeat_file:
+        return None
+    path = Path(world.heartbeat_file)
+
+    def beat():
+        while True:
+            path.touch()
+            time.sleep(interval)
+
+    thread = threading.Thread(target=beat, name="tf_elastic-heartbeat", daemon=True)
+    thread.start()
+    return thread
