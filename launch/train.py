@@ -7,8 +7,9 @@ import os
 import sys
 from typing import List
 
-from absl import app, flags, logging
+from absl import app, flags
 
+from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.world import World, start_heartbeat
 
 flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry.")
@@ -76,9 +77,12 @@ def main(argv: List[str]) -> int:
                        batch_policy=FLAGS.batch_policy, schedule=schedule, commit_every_steps=FLAGS.commit_every_steps,
                        commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed,
                        verbose=2 if world.elastic else "auto")
-    if code == elastic.EXIT_DONE and world.is_chief:
+    if code == elastic.EXIT_DONE:  # every worker evaluates: under MWMS evaluation runs collectives
         _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=256, verbose=0)
-        logging.info("test accuracy %.4f after %d steps", accuracy, int(model.optimizer.iterations.numpy()))
+        if world.is_chief:
+            EventLog(run_dir, "worker:0").write("evaluation", test_accuracy=float(accuracy),
+                                                step=int(model.optimizer.iterations.numpy()))
+            print(f"test accuracy {accuracy:.4f} after {int(model.optimizer.iterations.numpy())} steps", flush=True)
     return code
 
 

@@ -1,0 +1,86 @@
+"""Runs real elastic agents (and their TensorFlow workers) on 127.0.0.1 and reads what they did."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from tf_elastic.elastic.events import read_events
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class ElasticJob:
+    def __init__(self, tmp: Path, train_args: List[str], agent_args: List[str] = (), job_id: str = "job"):
+        self.tmp, self.run_dir = tmp, tmp / "run"
+        self.rdzv = f"file://{tmp / 'rdzv'}"
+        self.train_args, self.agent_args, self.job_id = list(train_args), list(agent_args), job_id
+        self.agents: Dict[str, subprocess.Popen] = {}
+
+    def start_agent(self, host: str, command: Optional[List[str]] = None, **flags) -> subprocess.Popen:
+        args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
+                f"--run_dir={self.run_dir}", f"--host_id={host}", *self.agent_args,
+                *[f"--{k}={v}" for k, v in flags.items()], "--",
+                *(command or [sys.executable, "-m", "launch.train", *self.train_args])]
+        log = open(self.tmp / f"agent-{host}.log", "ab")
+        env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+        self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return self.agents[host]
+
+    def events(self, name: Optional[str] = None, **match) -> List[Dict]:
+        return [e for e in read_events(self.run_dir) if (name is None or e["event"] == name)
+                and all(e.get(k) == v for k, v in match.items())]
+
+    def wait_for(self, predicate: Callable[[], object], timeout: float = 180, what: str = "") -> object:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            result = predicate()
+            if result:
+                return result
+            time.sleep(0.2)
+        raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.describe()}")
+
+    def wait_agents(self, timeout: float = 300) -> Dict[str, int]:
+        deadline = time.time() + timeout
+        for host, proc in self.agents.items():
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"agent {host} did not finish in {timeout}s\n{self.describe()}") from None
+        return {host: proc.returncode for host, proc in self.agents.items()}
+
+    def worker_pid(self, host: str, round_: Optional[int] = None) -> int:
+        starts = self.events("worker_start", source=f"agent:{host}")
+        if round_ is not None:
+            starts = [e for e in starts if e["round"] == round_]
+        return starts[-1]["worker_pid"]
+
+    def kill_host(self, host: str) -> None:
+        """SIGKILL the agent and its worker: the whole host is gone."""
+        worker = self.worker_pid(host)
+        self.agents[host].kill()
+        _signal(worker, signal.SIGKILL)
+
+    def describe(self) -> str:
+        lines = [f"{e['event']} {e['source']} " + str({k: v for k, v in e.items() if k not in ('time', 'event', 'source', 'pid')})
+                 for e in read_events(self.run_dir)]
+        logs = "".join(f"\n--- {p.name} (tail)\n" + p.read_text(errors="replace")[-3000:] for p in self.tmp.glob("agent-*.log"))
+        return "\n".join(lines[-60:]) + logs
+
+    def cleanup(self) -> None:
+        pids = [e["worker_pid"] for e in self.events("worker_start")]
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

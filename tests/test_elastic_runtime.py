@@ -1,0 +1,158 @@
+"""The elastic runtime end to end: real agents, real MWMS workers on 127.0.0.1, real signals."""
+import collections
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from elastic_harness import ElasticJob
+
+pytestmark = pytest.mark.slow
+
+COMMIT_EVERY = 10
+TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=16", "--threads=1",
+         f"--commit_every_steps={COMMIT_EVERY}", "--optimizer=sgd"]
+
+
+@pytest.fixture
+def job_factory(tmp_path):
+    jobs = []
+
+    def make(train_args, agent_args=(), name="job"):
+        (tmp_path / name).mkdir()
+        jobs.append(ElasticJob(tmp_path / name, train_args, agent_args))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.cleanup()
+
+
+def _index_records(job):
+    records = []
+    for path in sorted((job.run_dir / "indices").glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return records
+
+
+def _restores(job):
+    """Round -> the step every worker restored at the start of that round (rank 0's event)."""
+    return {e["round"]: e["step"] for e in job.events("restore", rank=0)}
+
+
+def _committed(job):
+    """Index records that survived: a round's steps up to the next round's restore point."""
+    restores = _restores(job)
+    records = _index_records(job)
+    committed = []
+    for record in records:
+        later = [step for round_, step in restores.items() if round_ > record["round"]]
+        if not later or record["step"] <= min(later):
+            committed.append(record)
+    return committed
+
+
+def _max_step(job, round_):
+    return max(r["step"] for r in _index_records(job) if r["round"] == round_)
+
+
+def _assert_exactly_once(job, num_examples, epochs):
+    by_epoch = collections.defaultdict(collections.Counter)
+    for record in _committed(job):
+        by_epoch[record["epoch"]].update(record["indices"])
+    assert sorted(by_epoch) == list(range(epochs))
+    largest_global_batch = 16 * max(e["world_size"] for e in job.events("rendezvous"))
+    for epoch, counts in by_epoch.items():
+        repeated = {i: c for i, c in counts.items() if c > 1}
+        assert not repeated, f"epoch {epoch}: examples used more than once: {list(repeated.items())[:10]}"
+        assert num_examples - len(counts) < largest_global_batch, f"epoch {epoch}: {num_examples - len(counts)} unused"
+
+
+def _first_step(job, round_min, world_size=None):
+    return [e for e in job.events("first_step", rank=0) if e["round"] >= round_min
+            and (world_size is None or e["world_size"] == world_size)]
+
+
+def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
+    """Host b is SIGKILLed, host c joins, host c leaves (SIGTERM): the job ends with every example of
+    every epoch used exactly once among committed work; join and leave lose no step."""
+    epochs = 6
+    job = job_factory(TRAIN + [f"--epochs={epochs}"], ["--min_workers=1", "--max_workers=2", "--index_log",
+                                                       "--heartbeat_timeout=5", "--last_call=1"])
+    job.start_agent("a")
+    job.start_agent("b")
+    job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == 0 and e["step"] >= COMMIT_EVERY],
+                 what="a commit in round 0 at world size 2")
+    job.kill_host("b")
+    survivor = job.wait_for(lambda: _first_step(job, 1, world_size=1), what="the survivor alone")[0]
+    lost = _max_step(job, 0) - _restores(job)[survivor["round"]]
+    assert 0 <= lost <= COMMIT_EVERY
+
+    job.start_agent("c")
+    joined = job.wait_for(lambda: _first_step(job, survivor["round"] + 1, world_size=2), what="c joining")[0]
+    assert _restores(job)[joined["round"]] == _max_step(job, joined["round"] - 1), "a join lost steps"
+
+    job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == joined["round"]], what="a commit with c")
+    job.agents["c"].send_signal(signal.SIGTERM)
+    alone = job.wait_for(lambda: _first_step(job, joined["round"] + 1, world_size=1), what="a alone after c left")[0]
+    assert _restores(job)[alone["round"]] == _max_step(job, joined["round"]), "a graceful leave lost steps"
+
+    codes = job.wait_agents()
+    assert codes["a"] == 0 and codes["c"] == 0, job.describe()
+    last_commit = job.events("commit")[-1]
+    assert last_commit["epoch"] == epochs and last_commit["samples"] == 0
+    counted = [e for e in job.events("rendezvous", source="agent:a")]
+    assert counted[-1]["restarts"] == 1, "only the kill is a failure; the join and the leave are free"
+    _assert_exactly_once(job, 3000, epochs)
+    assert job.events("evaluation")[-1]["test_accuracy"] > 0.8
+
+
+def test_worker_kill_restarts_at_same_size(job_factory):
+    job = job_factory(TRAIN + ["--epochs=3"], ["--min_workers=2", "--max_workers=2", "--last_call=1"])
+    job.start_agent("a")
+    job.start_agent("b")
+    job.wait_for(lambda: _first_step(job, 0), what="training")
+    os.kill(job.worker_pid("a"), signal.SIGKILL)
+    restarted = job.wait_for(lambda: _first_step(job, 1), what="the restarted group")[0]
+    assert restarted["world_size"] == 2
+    assert job.wait_agents() == {"a": 0, "b": 0}
+    failures = job.events("failure")
+    assert any(f["counted"] for f in failures)
+    assert job.events("rendezvous", source="agent:a")[-1]["restarts"] == 1
+
+
+def test_hung_worker_is_detected_and_killed(job_factory):
+    job = job_factory(TRAIN + ["--epochs=3"], ["--min_workers=2", "--max_workers=2", "--heartbeat_timeout=3",
+                                               "--last_call=1"])
+    job.start_agent("a")
+    job.start_agent("b")
+    job.wait_for(lambda: _first_step(job, 0), what="training")
+    hung = job.worker_pid("b")
+    os.kill(hung, signal.SIGSTOP)
+    job.wait_for(lambda: _first_step(job, 1), what="the group after the hang")
+    kinds = {f["kind"] for f in job.events("failure")}
+    assert kinds & {"hang", "peer_failure"}, kinds
+    job.wait_for(lambda: not os.path.exists(f"/proc/{hung}") or "zombie" in open(f"/proc/{hung}/status").read(),
+                 timeout=30, what="the hung worker to be killed")
+    assert job.wait_agents() == {"a": 0, "b": 0}
+
+
+def test_max_restarts_exceeded_ends_the_job_with_the_reason(job_factory):
+    job = job_factory([], ["--max_restarts=1", "--min_workers=1", "--max_workers=1"])
+    agent = job.start_agent("a", command=[sys.executable, "-c", "import sys; sys.exit(7)"])
+    assert agent.wait(timeout=60) != 0
+    exit_event = job.events("exit")[-1]
+    assert "max_restarts=1 exceeded" in exit_event["reason"]
+    assert len(job.events("worker_start")) == 2
+
+
+def test_min_workers_never_reached_ends_the_job_with_the_reason(job_factory):
+    job = job_factory([], ["--min_workers=2", "--max_workers=2", "--rendezvous_timeout=2"])
+    agent = job.start_agent("a", command=[sys.executable, "-c", "pass"])
+    assert agent.wait(timeout=60) != 0
+    reason = job.events("exit")[-1]["reason"]
+    assert "only 1 of min_workers=2 workers joined within --rendezvous_timeout=2s" in reason
+    assert not job.events("worker_start")

@@ -1,0 +1,115 @@
+"""The elastic runtime's pieces on their own: store, data plan, committed state, Keras fix, imports."""
+import json
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import run_python
+from tf_elastic import LARS, BatchResizeSchedule
+from tf_elastic.elastic import World, keras_compat
+from tf_elastic.elastic.data_plan import DataPlan, replica_batch_size
+from tf_elastic.elastic.rendezvous import Round
+from tf_elastic.elastic.store import FileStore, StoreError, open_store
+from tf_elastic.elastic.worker import CommittedState
+
+
+def test_agent_side_never_imports_tensorflow():
+    proc = run_python("import sys, tf_elastic, tf_elastic.elastic, tf_elastic.elastic.agent, tf_elastic.elastic.cli\n"
+                      "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
+    assert proc.stdout.strip() == "False False"
+
+
+def test_file_store_compare_and_set_and_leases(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    assert store.compare_and_set("/job/round", None, "1")
+    assert not store.compare_and_set("/job/round", None, "2")
+    assert store.compare_and_set("/job/round", "1", "2") and store.get("/job/round") == "2"
+    store.set("/job/hosts/a", "{}", ttl=0.3)
+    store.set("/job/hosts/b", "{}")
+    assert set(store.list("/job/hosts")) == {"job/hosts/a", "job/hosts/b"}
+    time.sleep(0.5)
+    assert store.get("/job/hosts/a") is None and set(store.list("/job/hosts")) == {"job/hosts/b"}
+
+
+def test_file_store_rejects_malformed_content(tmp_path):
+    store = FileStore(str(tmp_path))
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "round.json").write_text("not json")
+    with pytest.raises(StoreError, match="malformed store file"):
+        store.get("/job/round")
+    with pytest.raises(StoreError, match="malformed rendezvous round record"):
+        Round.from_json(json.dumps({"version": 99}))
+
+
+def test_unknown_store_scheme_is_named():
+    with pytest.raises(ValueError, match=r"--rdzv='zk://x': unknown store scheme 'zk'"):
+        open_store("zk://x")
+
+
+def test_data_plan_uses_every_example_once_across_resizes():
+    plan = DataPlan(1000, seed=3)
+    used, start = [], 0
+    for world, batch in ((2, 16), (3, 16), (1, 16), (4, 8)):  # resize after a few global steps each
+        batches = [plan.replica_batches(0, start, world, rank, batch) for rank in range(world)]
+        steps = min(5, len(batches[0]))
+        for k in range(steps):
+            for rank in range(world):
+                used += batches[rank][k].tolist()
+        start += steps * world * batch
+    tail = [plan.replica_batches(0, start, 2, r, 16) for r in range(2)]
+    used += [i for r in range(2) for b in tail[r] for i in b.tolist()]
+    assert len(used) == len(set(used)) and 1000 - len(used) == plan.remainder(start, 32) < 32
+    assert not np.array_equal(plan.permutation(0), plan.permutation(1))
+
+
+def test_global_batch_policy_needs_a_divisible_world():
+    assert replica_batch_size("global", 4, None, 64) == 16
+    with pytest.raises(ValueError, match=r"--global_batch_size=64 is not divisible by the world size 3"):
+        replica_batch_size("global", 3, None, 64)
+
+
+def test_world_reads_tf_config():
+    world = World.from_env({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                     "task": {"type": "worker", "index": 1}})})
+    assert (world.rank, world.size, world.is_chief) == (1, 2, False)
+    with pytest.raises(ValueError, match="TF_CONFIG is not a valid worker cluster spec"):
+        World.from_env({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"index": 5}})})
+
+
+def test_keras_fit_fix_is_installed_only_where_the_bug_is():
+    installed = keras_compat.install_fit_fix()
+    assert installed == {"symbolic_build": True, "scalar_reduce": True}, keras.__version__
+    fixed_source = 'data_batch = self.distribute_strategy.experimental_local_results(batch)[0]'
+    assert not keras_compat._SYMBOLIC_BUILD_BUG.search(fixed_source)
+    assert not keras_compat._SCALAR_REDUCE_BUG.search('strategy.reduce("MEAN", v, axis=None)')
+
+
+def _training_setup():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+    schedule = BatchResizeSchedule(0.1, 16, batch_size=32, transition="momentum", momentum=0.9)
+    model.compile(optimizer=LARS(schedule, trust_coefficient=0.02), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, schedule
+
+
+def test_commit_then_restore_is_bit_exact(tmp_path):
+    model, schedule = _training_setup()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    model.fit(x, x[:, :2], batch_size=16, epochs=2, verbose=0)
+    schedule.resize(int(model.optimizer.iterations.numpy()), 64)
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    state.commit(epoch=2, samples=48, step=8, global_batch=64)
+
+    fresh, fresh_schedule = _training_setup()
+    restored = CommittedState(World(), str(tmp_path), fresh, fresh_schedule)
+    assert restored.restore()
+    assert (restored.epoch, restored.samples, restored.step) == (2, 48, 8)
+    assert fresh_schedule.history == schedule.history == [(0, 32), (8, 64)]
+    for a, b in zip(model.optimizer.variables, fresh.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    for a, b in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
