@@ -164,6 +164,7 @@ def plot(results: Dict[str, List[Run]], path: Path) -> None:
         for step in resized.resize_steps if resized else []:
             ax.axvline(resized.samples[step - 1], color="grey", linestyle=":", linewidth=0.8)
     axes[0].set_ylabel("learning rate")
+    axes[0].set_yscale("log")
     axes[1].set_ylabel("global batch")
     axes[2].set_ylabel("train loss (10-step mean)")
     axes[2].set_yscale("log")

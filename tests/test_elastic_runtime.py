@@ -128,7 +128,7 @@ def test_worker_kill_restarts_at_same_size(job_factory):
 
 
 def test_hung_worker_is_detected_and_killed(job_factory):
-    job = job_factory(TRAIN + ["--epochs=3"], ["--min_workers=2", "--max_workers=2", "--heartbeat_timeout=3",
+    job = job_factory(TRAIN + ["--epochs=2"], ["--min_workers=2", "--max_workers=2", "--heartbeat_timeout=3",
                                                "--last_call=1"])
     job.start_agent("a")
     job.start_agent("b")

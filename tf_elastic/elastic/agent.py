@@ -134,10 +134,16 @@ class ElasticAgent:
                 return Outcome.SUCCEEDED if self.rendezvous.outcome()["status"] == "done" else Outcome.FAILED
             current = self.rendezvous.current()
             if current is None or current.number != round_.number:
+                failed = current is None or current.restarts > round_.restarts
                 self.events.write("membership_change", round=round_.number,
                                   next_round=None if current is None else current.number,
                                   reason=None if current is None else current.reason)
-                self._stop(workers)
+                # After a failure the group is broken and nothing more can be committed: kill at once.
+                # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
+                if failed:
+                    self._kill(workers)
+                else:
+                    self._stop(workers)
                 return Outcome.RESTART
             codes = {w.rank: w.process.poll() for w in workers}
             if all(code == contract.EXIT_DONE for code in codes.values()):

@@ -157,6 +157,7 @@ class _ElasticFit:
 
     # Callback hooks ------------------------------------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
+        self.epoch_began = time.time()
         if epoch != self.epoch:
             self.set_batches(epoch, 0)
         else:
@@ -186,6 +187,9 @@ class _ElasticFit:
     def end_epoch(self, epoch: int) -> None:
         if self.stopped:
             return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
+        if self.world.is_chief:
+            self.events.write("epoch_end", round=self.world.round, epoch=epoch, steps=self.k,
+                              seconds=round(time.time() - self.epoch_began, 4), world_size=self.world.size)
         start = self.epoch_start + self.k * self.global_batch
         skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
         if skipped:

@@ -1,0 +1,219 @@
+"""Recovery times and overheads of the elastic runtime, measured from `events.jsonl`.
+
+Each repetition runs one elastic job of two agents on this machine and injects, in order: a hung worker
+(SIGSTOP), a killed host (SIGKILL of an agent and its worker), and a joining host. It times each to the
+first training step of the re-formed group and counts the steps a join loses. A fault-free run under
+the runtime and a plain MultiWorkerMirroredStrategy `model.fit` of the same model give the steady-state
+step-time ratio; commit events give the commit overhead.
+
+    python -m launch.bench_elastic --repeats=5
+"""
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+from absl import app, flags
+
+from tf_elastic.elastic.events import read_events
+
+flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
+flags.DEFINE_string("rdzv_dir", None, "Parent directory for stores and run dirs (default: a temp dir).")
+flags.DEFINE_float("heartbeat_timeout", 5.0, "The agents' --heartbeat_timeout (the default).", lower_bound=0.5)
+flags.DEFINE_integer("commit_every_steps", 50, "The workers' commit interval (launch.train's default).", lower_bound=0)
+flags.DEFINE_enum("mode", "bench", ["bench", "plain_worker"], "plain_worker: one plain-MWMS worker (internal).")
+flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings.")
+FLAGS = flags.FLAGS
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = ["--dataset=mnist", "--train_examples=6000", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd"]
+
+
+def _env() -> Dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+
+
+class _Job:
+    def __init__(self, root: Path, epochs: int, extra_agent=()):
+        self.root, self.run_dir, self.agents = root, root / "run", {}
+        self.epochs, self.extra_agent = epochs, list(extra_agent)
+
+    def start(self, host: str) -> None:
+        args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv=file://{self.root / 'rdzv'}", "--job_id=bench",
+                f"--run_dir={self.run_dir}", f"--host_id={host}", "--min_workers=1", "--max_workers=2",
+                f"--heartbeat_timeout={FLAGS.heartbeat_timeout}", *self.extra_agent, "--",
+                sys.executable, "-m", "launch.train", *TRAIN, f"--epochs={self.epochs}",
+                f"--commit_every_steps={FLAGS.commit_every_steps}"]
+        log = open(self.root / f"{host}.log", "ab")
+        self.agents[host] = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+
+    def events(self, name: str, **match) -> List[Dict]:
+        return [e for e in read_events(self.run_dir) if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+    def wait(self, predicate, timeout=180.0):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            found = predicate()
+            if found:
+                return found
+            time.sleep(0.05)
+        raise RuntimeError(f"benchmark job stalled; see {self.root}")
+
+    def first_step_after(self, moment: float, world_size: int = None) -> Dict:
+        return self.wait(lambda: [e for e in self.events("first_step", rank=0) if e["time"] > moment
+                                  and (world_size is None or e["world_size"] == world_size)])[0]
+
+    def worker_pid(self, host: str) -> int:
+        return self.events("worker_start", source=f"agent:{host}")[-1]["worker_pid"]
+
+    def stop(self) -> None:
+        pids = [e["worker_pid"] for e in self.events("worker_start")]
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _fault_sequence(root: Path) -> Dict[str, float]:
+    job = _Job(root, epochs=50)
+    try:
+        job.start("a")
+        job.start("b")
+        started = job.first_step_after(0, world_size=2)
+        job.wait(lambda: [e for e in job.events("commit") if e["time"] > started["time"]])
+        hung = job.worker_pid("b")
+        t_hang = time.time()
+        os.kill(hung, signal.SIGSTOP)
+        after_hang = job.first_step_after(t_hang, world_size=2)
+        job.wait(lambda: [e for e in job.events("commit") if e["time"] > after_hang["time"]])
+        t_kill = time.time()
+        worker = job.worker_pid("b")
+        job.agents["b"].kill()
+        os.kill(worker, signal.SIGKILL)
+        after_kill = job.first_step_after(t_kill, world_size=1)
+        t_join = time.time()
+        job.start("c")
+        after_join = job.first_step_after(t_join, world_size=2)
+        reached = max(e["step"] for e in job.events("worker_exit", rank=0) if e["round"] < after_join["round"])
+        restored = job.events("restore", rank=0, round=after_join["round"])[0]["step"]
+        return {"hang": after_hang["time"] - t_hang, "kill": after_kill["time"] - t_kill,
+                "join": after_join["time"] - t_join, "join_lost_steps": reached - restored}
+    finally:
+        job.stop()
+
+
+def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
+    job = _Job(root, epochs=epochs, extra_agent=["--last_call=30"])
+    job.start("a")
+    job.start("b")
+    for proc in job.agents.values():
+        proc.wait(timeout=600)
+    epoch_ends = job.events("epoch_end")[1:]  # the first epoch includes tracing
+    commits = sum(e["seconds"] for e in job.events("commit"))
+    train_time = sum(e["seconds"] for e in job.events("epoch_end"))
+    return {"step_ms": statistics.median(1e3 * e["seconds"] / e["steps"] for e in epoch_ends),
+            "commit_share": commits / train_time}
+
+
+def _plain_steady(root: Path, epochs: int) -> float:
+    ports = []
+    import socket
+
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    procs = []
+    for rank in range(2):
+        env = dict(_env(), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "launch.bench_elastic", "--mode=plain_worker",
+                                       f"--out={root / f'plain{rank}.json'}"], cwd=REPO, env=env,
+                                      stdout=open(root / f"plain{rank}.log", "ab"), stderr=subprocess.STDOUT))
+    for proc in procs:
+        proc.wait(timeout=600)
+    epochs_seconds = json.loads((root / "plain0.json").read_text())
+    return statistics.median(1e3 * s / n for s, n in epochs_seconds[1:])
+
+
+def plain_worker() -> None:
+    """Plain MWMS: the same model, data and per-replica batch, stock `model.fit` (plus the Keras fix)."""
+    import keras
+    import tensorflow as tf
+
+    import models
+    from launch import data as datasets
+    from tf_elastic import elastic
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    elastic.install_fit_fix()
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    data = datasets.load("mnist", datasets.DEFAULT_DATA_DIR)
+    x, y = data.x_train[:6000], data.y_train[:6000]
+    global_batch = 16 * strategy.num_replicas_in_sync
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(6000, seed=0).batch(global_batch, drop_remainder=True)
+    with strategy.scope():
+        model = models.get("mnist_cnn", x.shape[1:], 10)
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    timings = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start, self.steps = time.time(), 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.steps += 1
+
+        def on_epoch_end(self, epoch, logs=None):
+            timings.append((time.time() - self.start, self.steps))
+
+    model.fit(dataset, epochs=4, verbose=0, callbacks=[Timer()])
+    Path(FLAGS.out).write_text(json.dumps(timings))
+
+
+def main(argv: List[str]) -> None:
+    del argv
+    if FLAGS.mode == "plain_worker":
+        plain_worker()
+        return
+    root = Path(FLAGS.rdzv_dir or tempfile.mkdtemp(prefix="tf_elastic-bench-"))
+    faults = [_fault_sequence(root / f"faults{i}") for i in range(FLAGS.repeats)]
+    runtime = [_runtime_steady(root / f"steady{i}", epochs=4) for i in range(2)]
+    plain = [_plain_steady(root / f"plain{i}", epochs=4) for i in range(2)]
+    (root / "results.json").write_text(json.dumps({"faults": faults, "runtime": runtime, "plain": plain}))
+
+    def row(name, values, unit, target):
+        print(f"| {name} | {statistics.median(values):.2f} {unit} | {max(values):.2f} {unit} | {target} |")
+
+    print(f"\nElastic runtime, 2 agents x 1 worker on this machine, mnist_cnn, {FLAGS.repeats} repetitions "
+          f"(heartbeat_timeout={FLAGS.heartbeat_timeout:g}s)\n")
+    print("| measure | median | max | target |\n|---|---:|---:|---|")
+    row("kill -> first step of the new group", [f["kill"] for f in faults], "s", "<= 5 s")
+    row("hang (SIGSTOP) -> first step", [f["hang"] for f in faults], "s", "<= 8 s")
+    row("join -> first step at the new size", [f["join"] for f in faults], "s", "<= 8 s")
+    row("steps lost by a join", [f["join_lost_steps"] for f in faults], "", "0")
+    step_runtime = statistics.median(r["step_ms"] for r in runtime)
+    step_plain = statistics.median(plain)
+    print(f"| steady-state step, runtime / plain MWMS | {step_runtime:.2f} / {step_plain:.2f} ms = "
+          f"{step_runtime / step_plain:.3f} x | | <= 1.03 x |")
+    share = [r["commit_share"] for r in runtime]
+    print(f"| commit overhead at commit_every_steps={FLAGS.commit_every_steps} | {100 * statistics.median(share):.2f} % "
+          f"| {100 * max(share):.2f} % | <= 2 % |")
+    print(f"\nraw results: {root / 'results.json'}")
+
+
+if __name__ == "__main__":
+    app.run(main)

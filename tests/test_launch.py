@@ -1,0 +1,31 @@
+"""The launch scripts run end to end in their short forms."""
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, run_python
+
+
+@pytest.mark.slow
+def test_reproduce_dynamic_sgd_quick(tmp_path):
+    proc = run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}'];"
+                      "from launch import reproduce_dynamic_sgd as r; from absl import app; app.run(r.main)")
+    table = (tmp_path / "table.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "configuration" not in line]
+    assert len(rows) == 7, table  # static, immediate, ramp 8k, ramp 32k (quick sweep), momentum, 2x LARS
+    assert (tmp_path / "dynamic_sgd.png").stat().st_size > 10_000
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["static batch"][0]["resize_steps"] == []
+    assert len(results["Dynamic SGD, ramp 8k (default)"][0]["resize_steps"]) == 3
+    assert "| static batch |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_train_single_process_without_agent(tmp_path):
+    """Started without an agent, launch.train is a plain single-process run that commits and finishes."""
+    proc = run_python(f"import sys; sys.argv = ['t', '--dataset=digits', '--epochs=2', '--run_dir={tmp_path}'];"
+                      "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
+    assert "test accuracy" in proc.stdout
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in events if e["event"] == "commit"][-1] == 2
