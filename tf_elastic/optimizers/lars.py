@@ -7,7 +7,7 @@ import keras
 from keras import ops
 from keras.src.optimizers.optimizer import base_optimizer_keyword_args
 
-from tf_elastic.optimizers._compile import maybe_xla
+from tf_elastic.optimizers._compile import compile_update
 
 Exclusion = Union[None, str, Callable, Sequence[Union[str, Callable]]]
 
@@ -111,7 +111,7 @@ class LARS(keras.optimizers.Optimizer):
             "exclude_from_layer_adaptation", exclude_from_layer_adaptation
         )
         self.jit_compile = bool(jit_compile)
-        self._update = maybe_xla(self._update_math, self.jit_compile, name="lars_update")
+        self._update = compile_update(self._update_math, self.jit_compile, name="lars_update")
 
     def build(self, variables):
         """Creates the momentum slots and decides, once, which variables decay and adapt.
@@ -131,18 +131,10 @@ class LARS(keras.optimizers.Optimizer):
         momentum = self.momentums[index]
         gradient = ops.cast(ops.convert_to_tensor(gradient), variable.dtype)  # densifies IndexedSlices
         learning_rate = ops.cast(learning_rate, variable.dtype)
-        new_variable, new_momentum = self._update(
-            variable,
-            gradient,
-            momentum,
-            learning_rate,
-            self._decays[index],
-            self._adapts[index],
-        )
-        self.assign(momentum, new_momentum)
-        self.assign(variable, new_variable)
+        self._update(self.assign, (variable, momentum), (gradient, learning_rate),
+                     (self._decays[index], self._adapts[index]))
 
-    def _update_math(self, w, g, v, lr, decays: bool, adapts: bool):
+    def _update_math(self, w, v, g, lr, decays: bool, adapts: bool):
         """Returns (new w, new v); `decays`/`adapts` are Python flags, so each combination traces once."""
         beta = self.lars_weight_decay if decays else 0.0
         d = g + beta * w if beta else g
