@@ -21,7 +21,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from tf_elastic.elastic.events import read_events
+from launch.local_job import LocalJob
 
 flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
 flags.DEFINE_string("rdzv_dir", None, "Parent directory for stores and run dirs (default: a temp dir).")
@@ -29,6 +29,7 @@ flags.DEFINE_float("heartbeat_timeout", 5.0, "The agents' --heartbeat_timeout (t
 flags.DEFINE_integer("commit_every_steps", 50, "The workers' commit interval (launch.train's default).", lower_bound=0)
 flags.DEFINE_enum("mode", "bench", ["bench", "plain_worker"], "plain_worker: one plain-MWMS worker (internal).")
 flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings.")
+flags.DEFINE_integer("epochs", 4, "Epochs of the fault-free steady-state runs.", lower_bound=2)
 FLAGS = flags.FLAGS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,86 +40,46 @@ def _env() -> Dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
 
 
-class _Job:
-    def __init__(self, root: Path, epochs: int, extra_agent=()):
-        self.root, self.run_dir, self.agents = root, root / "run", {}
-        self.epochs, self.extra_agent = epochs, list(extra_agent)
-
-    def start(self, host: str) -> None:
-        args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv=file://{self.root / 'rdzv'}", "--job_id=bench",
-                f"--run_dir={self.run_dir}", f"--host_id={host}", "--min_workers=1", "--max_workers=2",
-                f"--heartbeat_timeout={FLAGS.heartbeat_timeout}", *self.extra_agent, "--",
-                sys.executable, "-m", "launch.train", *TRAIN, f"--epochs={self.epochs}",
-                f"--commit_every_steps={FLAGS.commit_every_steps}"]
-        log = open(self.root / f"{host}.log", "ab")
-        self.agents[host] = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
-
-    def events(self, name: str, **match) -> List[Dict]:
-        return [e for e in read_events(self.run_dir) if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
-
-    def wait(self, predicate, timeout=180.0):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            found = predicate()
-            if found:
-                return found
-            time.sleep(0.05)
-        raise RuntimeError(f"benchmark job stalled; see {self.root}")
-
-    def first_step_after(self, moment: float, world_size: int = None) -> Dict:
-        return self.wait(lambda: [e for e in self.events("first_step", rank=0) if e["time"] > moment
-                                  and (world_size is None or e["world_size"] == world_size)])[0]
-
-    def worker_pid(self, host: str) -> int:
-        return self.events("worker_start", source=f"agent:{host}")[-1]["worker_pid"]
-
-    def stop(self) -> None:
-        pids = [e["worker_pid"] for e in self.events("worker_start")]
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+def _job(root: Path, epochs: int, *agent_args: str) -> LocalJob:
+    root.mkdir(parents=True)
+    return LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--commit_every_steps={FLAGS.commit_every_steps}"],
+                    ["--min_workers=1", "--max_workers=2", f"--heartbeat_timeout={FLAGS.heartbeat_timeout}",
+                     *agent_args], job_id="bench")
 
 
 def _fault_sequence(root: Path) -> Dict[str, float]:
-    job = _Job(root, epochs=50)
+    job = _job(root, 50)
     try:
-        job.start("a")
-        job.start("b")
+        job.start_agent("a")
+        job.start_agent("b")
         started = job.first_step_after(0, world_size=2)
-        job.wait(lambda: [e for e in job.events("commit") if e["time"] > started["time"]])
+        job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > started["time"]])
         hung = job.worker_pid("b")
         t_hang = time.time()
         os.kill(hung, signal.SIGSTOP)
         after_hang = job.first_step_after(t_hang, world_size=2)
-        job.wait(lambda: [e for e in job.events("commit") if e["time"] > after_hang["time"]])
+        job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > after_hang["time"]])
         t_kill = time.time()
         worker = job.worker_pid("b")
         job.agents["b"].kill()
         os.kill(worker, signal.SIGKILL)
         after_kill = job.first_step_after(t_kill, world_size=1)
         t_join = time.time()
-        job.start("c")
+        job.start_agent("c")
         after_join = job.first_step_after(t_join, world_size=2)
         reached = max(e["step"] for e in job.events("worker_exit", rank=0) if e["round"] < after_join["round"])
         restored = job.events("restore", rank=0, round=after_join["round"])[0]["step"]
         return {"hang": after_hang["time"] - t_hang, "kill": after_kill["time"] - t_kill,
                 "join": after_join["time"] - t_join, "join_lost_steps": reached - restored}
     finally:
-        job.stop()
+        job.cleanup()
 
 
 def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
-    job = _Job(root, epochs=epochs, extra_agent=["--last_call=30"])
-    job.start("a")
-    job.start("b")
-    for proc in job.agents.values():
-        proc.wait(timeout=600)
+    job = _job(root, epochs, "--last_call=30")
+    job.start_agent("a")
+    job.start_agent("b")
+    job.wait_agents(timeout=600)
     epoch_ends = job.events("epoch_end")[1:]  # the first epoch includes tracing
     commits = sum(e["seconds"] for e in job.events("commit"))
     train_time = sum(e["seconds"] for e in job.events("epoch_end"))
@@ -127,6 +88,7 @@ def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
 
 
 def _plain_steady(root: Path, epochs: int) -> float:
+    root.mkdir(parents=True)
     ports = []
     import socket
 
@@ -139,6 +101,7 @@ def _plain_steady(root: Path, epochs: int) -> float:
     for rank in range(2):
         env = dict(_env(), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
         procs.append(subprocess.Popen([sys.executable, "-m", "launch.bench_elastic", "--mode=plain_worker",
+                                       f"--epochs={epochs}",
                                        f"--out={root / f'plain{rank}.json'}"], cwd=REPO, env=env,
                                       stdout=open(root / f"plain{rank}.log", "ab"), stderr=subprocess.STDOUT))
     for proc in procs:
@@ -180,7 +143,7 @@ def plain_worker() -> None:
         def on_epoch_end(self, epoch, logs=None):
             timings.append((time.time() - self.start, self.steps))
 
-    model.fit(dataset, epochs=4, verbose=0, callbacks=[Timer()])
+    model.fit(dataset, epochs=FLAGS.epochs, verbose=0, callbacks=[Timer()])
     Path(FLAGS.out).write_text(json.dumps(timings))
 
 
@@ -191,8 +154,8 @@ def main(argv: List[str]) -> None:
         return
     root = Path(FLAGS.rdzv_dir or tempfile.mkdtemp(prefix="tf_elastic-bench-"))
     faults = [_fault_sequence(root / f"faults{i}") for i in range(FLAGS.repeats)]
-    runtime = [_runtime_steady(root / f"steady{i}", epochs=4) for i in range(2)]
-    plain = [_plain_steady(root / f"plain{i}", epochs=4) for i in range(2)]
+    runtime = [_runtime_steady(root / f"steady{i}", FLAGS.epochs) for i in range(2)]
+    plain = [_plain_steady(root / f"plain{i}", FLAGS.epochs) for i in range(2)]
     (root / "results.json").write_text(json.dumps({"faults": faults, "runtime": runtime, "plain": plain}))
 
     def row(name, values, unit, target):

@@ -78,7 +78,10 @@ def _model_garden_contender(shapes) -> Optional[Callable[[], Tuple[float, float]
         variables = [tf.Variable(rng.standard_normal(s, dtype=np.float32) * 0.05) for s in shapes]
         grads = [tf.constant(rng.standard_normal(s, dtype=np.float32) * 0.01) for s in shapes]
         optimizer = GardenLARS(LEARNING_RATE, momentum=MOMENTUM, weight_decay_rate=WEIGHT_DECAY, eeta=ETA)
-        step = tf.function(lambda: optimizer.apply_gradients(zip(grads, variables)))
+        @tf.function
+        def step():
+            optimizer.apply_gradients(zip(grads, variables))  # returns an Operation, which tf.function rejects
+
         return _median_ms(step, lambda _: variables[-1].numpy())
 
     return run

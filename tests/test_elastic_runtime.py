@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from elastic_harness import ElasticJob
+from launch.local_job import LocalJob
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def job_factory(tmp_path):
 
     def make(train_args, agent_args=(), name="job"):
         (tmp_path / name).mkdir()
-        jobs.append(ElasticJob(tmp_path / name, train_args, agent_args))
+        jobs.append(LocalJob(tmp_path / name, train_args, agent_args))
         return jobs[-1]
 
     yield make

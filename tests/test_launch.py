@@ -29,3 +29,25 @@ def test_train_single_process_without_agent(tmp_path):
     assert "test accuracy" in proc.stdout
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in events if e["event"] == "commit"][-1] == 2
+
+
+@pytest.mark.slow
+def test_main_job_runs_end_to_end(tmp_path):
+    """The README's first command, shortened: a host lost, a host joined, a summary and a plot that
+    agree with events.jsonl."""
+    proc = run_python(f"import sys; sys.argv = ['m', '--run_dir={tmp_path}', '--epochs=6'];"
+                      "from launch import main_job; from absl import app; app.run(lambda a: sys.exit(main_job.main(a)))",
+                      timeout=600)
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    rendezvous = [e for e in events if e["event"] == "rendezvous" and e["source"] == "agent:host-a"]
+    sizes = [e["world_size"] for e in rendezvous]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
+    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| round")]
+    trained_rounds = {e["round"] for e in events if e["event"] == "restore"}
+    assert len(table) == len(trained_rounds)
+    assert "examples used more than once in an epoch (committed work): 0" in proc.stdout
+    commits = [e for e in events if e["event"] == "commit"]
+    assert f"final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" in proc.stdout
+    accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]
+    assert f"test accuracy: {accuracy:.4f}" in proc.stdout
+    assert (tmp_path / "run" / "run.png").stat().st_size > 10_000

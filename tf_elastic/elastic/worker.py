@@ -109,7 +109,7 @@ class _ElasticCallback(keras.callbacks.Callback):
         self.t.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.t.end_step()
+        self.t.end_step(logs or {})
 
     def on_epoch_end(self, epoch, logs=None):
         self.t.end_epoch(epoch)
@@ -128,6 +128,7 @@ class _ElasticFit:
         self.last_commit = time.time()
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
+        self.last_loss = None
         self._flags = None
         self._index_log = None
         if world.index_log and world.run_dir:
@@ -163,7 +164,8 @@ class _ElasticFit:
         else:
             self.k = 0
 
-    def end_step(self) -> None:
+    def end_step(self, logs: Dict) -> None:
+        self.last_loss = logs.get("loss")
         if self._index_log is not None:
             self._index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank, "epoch": self.epoch,
                                               "step": self.step + 1,
@@ -203,8 +205,11 @@ class _ElasticFit:
         self.state.commit(epoch, samples, self.step, self.global_batch)
         self.last_commit = time.time()
         if self.world.is_chief:
+            loss = None if self.last_loss is None else float(self.last_loss)
             self.events.write("commit", round=self.world.round, step=self.step, epoch=epoch, samples=samples,
-                              seconds=round(self.last_commit - started, 4))
+                              seconds=round(self.last_commit - started, 4), loss=loss,
+                              learning_rate=float(self.model.optimizer.learning_rate),
+                              world_size=self.world.size, global_batch=self.global_batch)
 
     def _commit_due(self) -> bool:
         return bool(self.commit_every_seconds) and time.time() - self.last_commit >= self.commit_every_seconds

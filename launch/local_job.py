@@ -1,4 +1,8 @@
-"""Runs real elastic agents (and their TensorFlow workers) on 127.0.0.1 and reads what they did."""
+"""Runs elastic agents (and their TensorFlow workers) on this machine and reads what they did.
+
+Shared by the tests, the benchmarks and the demo: agents are real processes sharing a file store;
+faults are real signals, sent by PID to processes this job started.
+"""
 import os
 import signal
 import subprocess
@@ -12,7 +16,7 @@ from tf_elastic.elastic.events import read_events
 REPO = Path(__file__).resolve().parents[1]
 
 
-class ElasticJob:
+class LocalJob:
     def __init__(self, tmp: Path, train_args: List[str], agent_args: List[str] = (), job_id: str = "job"):
         self.tmp, self.run_dir = tmp, tmp / "run"
         self.rdzv = f"file://{tmp / 'rdzv'}"
@@ -39,7 +43,7 @@ class ElasticJob:
             result = predicate()
             if result:
                 return result
-            time.sleep(0.2)
+            time.sleep(0.05)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.describe()}")
 
     def wait_agents(self, timeout: float = 300) -> Dict[str, int]:
@@ -50,6 +54,12 @@ class ElasticJob:
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"agent {host} did not finish in {timeout}s\n{self.describe()}") from None
         return {host: proc.returncode for host, proc in self.agents.items()}
+
+    def first_step_after(self, moment: float, world_size: Optional[int] = None, timeout: float = 180) -> Dict:
+        """The chief's first training step of a group that started after `moment`."""
+        return self.wait_for(lambda: [e for e in self.events("first_step", rank=0) if e["time"] > moment and
+                                      (world_size is None or e["world_size"] == world_size)],
+                             timeout, what=f"a first step after {moment:.2f} at world size {world_size}")[0]
 
     def worker_pid(self, host: str, round_: Optional[int] = None) -> int:
         starts = self.events("worker_start", source=f"agent:{host}")
