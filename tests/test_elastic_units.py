@@ -113,3 +113,51 @@ def test_commit_then_restore_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
     for a, b in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_sigterm_commits_at_a_step_boundary_and_a_rerun_resumes_there_with_user_callbacks(tmp_path):
+    """A preemption notice (SIGTERM) mid-epoch: fit commits at the next agreed step and returns
+    EXIT_STOPPED; a second fit resumes at exactly that step and epoch and finishes. The user's callback
+    sees every trained batch, in both runs."""
+    import os
+    import signal
+
+    from tf_elastic import elastic
+
+    x = np.random.default_rng(0).standard_normal((200, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+
+    class UserCallback(keras.callbacks.Callback):
+        def __init__(self, preempt_at=None):
+            super().__init__()
+            self.batches, self.epochs, self.preempt_at = 0, [], preempt_at
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batches += 1
+            if self.batches == self.preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epochs.append(epoch)
+
+    def run(callback):
+        model, schedule = _training_setup()
+        model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        code = elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), epochs=3,
+                           run_dir=str(tmp_path), per_replica_batch_size=16, schedule=schedule,
+                           commit_every_steps=0, sync_every_steps=5, callbacks=[callback], verbose=0)
+        return code, model
+
+    first = UserCallback(preempt_at=17)  # epoch 1, its 5th batch; the next agreement is at step 20
+    code, _ = run(first)
+    assert code == elastic.EXIT_STOPPED
+    assert first.batches == 20 and first.epochs == [0, 1]  # Keras ends the stopped epoch too
+    second = UserCallback()
+    code, model = run(second)
+    assert code == elastic.EXIT_DONE
+    from tf_elastic.elastic.events import read_events
+
+    restore = [e for e in read_events(tmp_path) if e["event"] == "restore"][-1]
+    assert (restore["step"], restore["epoch"], restore["samples"]) == (20, 1, 8 * 16)
+    assert second.batches == 36 - 20 and second.epochs == [1, 2]
+    assert int(model.optimizer.iterations.numpy()) == 36  # 12 steps an epoch (200 // 16), 3 epochs

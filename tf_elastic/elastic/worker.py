@@ -268,7 +268,7 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
         for first, last in spans:
             if first >= last or trainer.stopped:
                 continue
-            model.fit(trainer.dataset(), epochs=last, initial_epoch=first, verbose=verbose,
+            model.fit(trainer.dataset(), epochs=last, initial_epoch=first, verbose=verbose, shuffle=False,
                       callbacks=[_ElasticCallback(trainer), *callbacks])
     except COLLECTIVE_FAILURES as error:
         events.write("collective_failure", round=world.round, rank=world.rank, error=type(error).__name__,
