@@ -38,8 +38,6 @@ FLAGS = flags.FLAGS
 
 def main(argv: List[str]) -> int:
     del argv
-    world = World.from_env()
-    start_heartbeat(world)  # before the slow TensorFlow import: the agent sees us alive at once
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
     import tensorflow as tf
@@ -52,11 +50,14 @@ def main(argv: List[str]) -> int:
     if FLAGS.threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
         tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
-    run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
     data = datasets.load(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
     x, y = data.x_train, data.y_train
     if FLAGS.train_examples:
         x, y = x[: FLAGS.train_examples], y[: FLAGS.train_examples]
+    # Everything above is independent of the world: a warm-started worker has done it before its round.
+    world = World.from_env()
+    start_heartbeat(world)
+    run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
     strategy = elastic.make_strategy(world)
     keras.utils.set_random_seed(FLAGS.seed)
     global_batch = (FLAGS.per_replica_batch_size * world.size if FLAGS.batch_policy == "per_replica"

@@ -161,3 +161,22 @@ def test_sigterm_commits_at_a_step_boundary_and_a_rerun_resumes_there_with_user_
     assert (restore["step"], restore["epoch"], restore["samples"]) == (20, 1, 8 * 16)
     assert second.batches == 36 - 20 and second.epochs == [1, 2]
     assert int(model.optimizer.iterations.numpy()) == 36  # 12 steps an epoch (200 // 16), 3 epochs
+
+
+def test_warm_worker_waits_for_its_world_on_stdin():
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("from tf_elastic.elastic.world import World\n"
+            "w = World.from_env()\nprint(w.rank, w.size, w.round, flush=True)")
+    env = {"PYTHONPATH": str(REPO), "TF_ELASTIC_WARM": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    world = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]},
+                                      "task": {"type": "worker", "index": 2}}), "TF_ELASTIC_ROUND": "7"}
+    out, _ = proc.communicate(json.dumps(world) + "\n", timeout=120)
+    assert out.split() == ["2", "3", "7"]
+    unused = subprocess.run([sys.executable, "-c", code], env=env, input="", capture_output=True, text=True, timeout=120)
+    assert unused.returncode == 0 and unused.stdout == ""  # the agent closed it unused: a quiet exit

@@ -46,6 +46,7 @@ class AgentConfig:
     host_id: str = ""
     timeouts: Timeouts = Timeouts()
     index_log: bool = False
+    warm_start: bool = True  # keep a worker per slot started ahead of the next round
     extra_env: Optional[Dict[str, str]] = None
 
 
@@ -65,6 +66,7 @@ class ElasticAgent:
                                      config.min_workers, config.max_workers, config.max_restarts, config.timeouts)
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
         self._leaving = False
+        self._warm: List[subprocess.Popen] = []
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (0: done or left gracefully)."""
@@ -95,10 +97,17 @@ class ElasticAgent:
             return self._exit(1, f"rendezvous store error: {error}")
         finally:
             signal.signal(signal.SIGTERM, previous)
+            for process in self._warm:
+                process.kill()
+                process.wait()
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> Outcome:
         workers = [self._start(rank, round_) for rank in ranks]
+        if self.config.warm_start:
+            # Pay the next round's process start-up (imports, data) now, while this round trains.
+            self._warm += [self._spawn(dict(self._base_env(), **{contract.ENV_WARM: "1"}), warm=True)
+                           for _ in range(len(ranks) - len(self._warm))]
         try:
             return self._monitor(round_, workers)
         finally:
@@ -108,21 +117,43 @@ class ElasticAgent:
         heartbeat = Path(self.config.run_dir) / "heartbeats" / f"round{round_.number}-rank{rank}"
         heartbeat.parent.mkdir(parents=True, exist_ok=True)
         heartbeat.unlink(missing_ok=True)
-        env = dict(os.environ, **(self.config.extra_env or {}))
-        env.update({
+        world = {
             "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
             contract.ENV_RUN_DIR: self.config.run_dir,
             contract.ENV_ROUND: str(round_.number),
             contract.ENV_HEARTBEAT_FILE: str(heartbeat),
             contract.ENV_HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
             contract.ENV_RESTARTS: str(round_.restarts),
-        })
+        }
         if self.config.index_log:
-            env[contract.ENV_INDEX_LOG] = "1"
-        # An argv list, never a shell; a session of its own so terminal signals reach the agent only.
-        process = subprocess.Popen(self.config.command, env=env, start_new_session=True)
-        self.events.write("worker_start", round=round_.number, rank=rank, worker_pid=process.pid)
+            world[contract.ENV_INDEX_LOG] = "1"
+        process = self._take_warm(world) or self._spawn(dict(self._base_env(), **world), warm=False)
+        self.events.write("worker_start", round=round_.number, rank=rank, worker_pid=process.pid,
+                          warm=process.stdin is not None)
         return _Worker(rank, process, heartbeat, time.time())
+
+    def _base_env(self) -> Dict[str, str]:
+        return dict(os.environ, **(self.config.extra_env or {}))
+
+    def _spawn(self, env: Dict[str, str], warm: bool) -> subprocess.Popen:
+        # An argv list, never a shell; a session of its own so terminal signals reach the agent only.
+        return subprocess.Popen(self.config.command, env=env, start_new_session=True,
+                                stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
+
+    def _take_warm(self, world: Dict[str, str]) -> Optional[subprocess.Popen]:
+        """A warm worker, handed this round's world on its stdin; None if none is alive."""
+        while self._warm:
+            process = self._warm.pop(0)
+            if process.poll() is not None:
+                continue
+            try:
+                process.stdin.write((json.dumps(world) + "\n").encode())
+                process.stdin.close()
+                return process
+            except (BrokenPipeError, OSError):
+                process.kill()
+                process.wait()
+        return None
 
     def _monitor(self, round_: Round, workers: List[_Worker]) -> Outcome:
         while True:
@@ -202,10 +233,11 @@ class ElasticAgent:
             if worker.process.poll() is None:
                 worker.process.send_signal(signal.SIGTERM)
         deadline = time.time() + self.config.stop_grace
+        while any(w.process.poll() is None for w in workers) and time.time() < deadline:
+            self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
+            time.sleep(self.config.monitor_interval)
         for worker in workers:
-            try:
-                worker.process.wait(timeout=max(0.0, deadline - time.time()))
-            except subprocess.TimeoutExpired:
+            if worker.process.poll() is None:
                 logging.warning("rank %d ignored SIGTERM for %.0fs; killing it", worker.rank, self.config.stop_grace)
         self._kill(workers)
 

@@ -27,10 +27,13 @@ flags.DEFINE_float("monitor_interval", 0.2, "Seconds between checks of workers a
 flags.DEFINE_float("rendezvous_timeout", 300.0, "Seconds to wait for min_workers before failing.", lower_bound=0.1)
 flags.DEFINE_float("last_call", 2.0, "Seconds a round stays open for stragglers once min_workers joined.",
                    lower_bound=0.0)
+flags.DEFINE_float("survivor_wait", 30.0, "Seconds a round waits for a live survivor still stopping its workers.",
+                   lower_bound=0.0)
 flags.DEFINE_float("host_ttl", 3.0, "Seconds after its last keepalive that a host counts as lost.", lower_bound=0.2)
 flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
 flags.DEFINE_string("advertise_addr", "127.0.0.1", "Address other hosts use to reach this host's workers.")
 flags.DEFINE_string("host_id", None, "This host's id in the job (default: hostname-pid).")
+flags.DEFINE_bool("warm_start", True, "Start each next worker ahead of its round (imports done before a restart).")
 flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indices they train on.")
 FLAGS = flags.FLAGS
 
@@ -61,8 +64,9 @@ def main(argv: List[str]) -> int:
         heartbeat_timeout=FLAGS.heartbeat_timeout, startup_timeout=FLAGS.startup_timeout,
         monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=FLAGS.advertise_addr,
         host_id=FLAGS.host_id or f"{socket.gethostname()}-{__import__('os').getpid()}",
-        timeouts=Timeouts(rendezvous=FLAGS.rendezvous_timeout, last_call=FLAGS.last_call, host_ttl=FLAGS.host_ttl),
-        index_log=FLAGS.index_log)
+        timeouts=Timeouts(rendezvous=FLAGS.rendezvous_timeout, last_call=FLAGS.last_call,
+                          survivor_wait=FLAGS.survivor_wait, host_ttl=FLAGS.host_ttl),
+        index_log=FLAGS.index_log, warm_start=FLAGS.warm_start)
     code = ElasticAgent(config, store).run()
     store.close()
     return code

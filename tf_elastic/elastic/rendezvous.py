@@ -33,6 +33,7 @@ class JobEnded(RuntimeError):
 class Timeouts:
     rendezvous: float = 300.0  # wait this long for min_workers before failing the job
     last_call: float = 2.0  # after enough workers joined, wait this long for stragglers unless all survivors are in
+    survivor_wait: float = 30.0  # how long a round waits for a live survivor that is still stopping its workers
     host_ttl: float = 3.0  # a host whose lease is older is considered gone
     poll: float = 0.1
 
@@ -155,14 +156,21 @@ class Rendezvous:
             time.sleep(self.timeouts.poll)
 
     def _ready(self, round_: Round) -> bool:
+        """Freeze once enough workers are in and no live survivor is still on its way.
+
+        A survivor whose host lease is alive is stopping its workers and will join; freezing without it
+        would only make it open yet another round. `survivor_wait` bounds that wait."""
         joined = sum(p["nproc"] for p in round_.participants.values())
         if joined >= self.max_workers:
             return True
         if joined < self.min_workers:
             return False
+        waited = time.time() - round_.opened
         alive = set(self.alive_hosts())
-        survivors_in = all(h in round_.participants for h in round_.expected if h in alive)
-        return (survivors_in and bool(round_.expected)) or time.time() - round_.opened > self.timeouts.last_call
+        missing = [h for h in round_.expected if h in alive and h not in round_.participants]
+        if missing:
+            return waited > self.timeouts.survivor_wait
+        return bool(round_.expected) or waited > self.timeouts.last_call
 
     def _freeze(self, round_: Round) -> Round:
         order = sorted(round_.participants.items(), key=lambda item: (

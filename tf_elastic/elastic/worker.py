@@ -129,7 +129,7 @@ class _ElasticFit:
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
         self.last_loss = None
-        self._flags = None
+        self._sum = None
         self._index_log = None
         if world.index_log and world.run_dir:
             path = Path(world.run_dir) / "indices" / f"round{world.round}-rank{world.rank}.jsonl"
@@ -215,20 +215,23 @@ class _ElasticFit:
         return bool(self.commit_every_seconds) and time.time() - self.last_commit >= self.commit_every_seconds
 
     def _agree(self, stop: bool, commit: bool):
-        """A sum over all workers: if any wants to stop or commit, all do, at this same step."""
+        """If any worker wants to stop or commit, all do, at this same step."""
+        stops, commits = self.sum_over_workers([float(stop), float(commit)])
+        return stops > 0, commits > 0
+
+    def sum_over_workers(self, values: List[float]) -> np.ndarray:
         if self.world.size == 1:
-            return stop, commit
-        if self._flags is None:
+            return np.asarray(values, np.float64)
+        if self._sum is None:
             strategy = self.strategy
 
             @tf.function
-            def agree(local):
+            def total(local):
                 per_replica = strategy.run(lambda: tf.identity(local))
                 return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-            self._flags = agree
-        result = self._flags(tf.constant([float(stop), float(commit)])).numpy()
-        return bool(result[0] > 0), bool(result[1] > 0)
+            self._sum = total
+        return self._sum(tf.constant(values, tf.float64)).numpy()
 
     def close(self) -> None:
         if self._index_log is not None:
@@ -256,6 +259,11 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
                  epoch=state.epoch, samples=state.samples, world_size=world.size)
     trainer = _ElasticFit(model, x, y, world, strategy, state, DataPlan(len(x), seed), batch, schedule,
                           commit_every_steps, commit_every_seconds, max(1, sync_every_steps), events)
+    if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
+        # A worker of the previous round was still committing while we restored: start the round again.
+        events.write("restore_mismatch", round=world.round, rank=world.rank, step=state.step)
+        logging.flush()
+        os._exit(contract.EXIT_PEER_FAILURE)
     if schedule is not None:
         schedule.resize(state.step, trainer.global_batch)
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))

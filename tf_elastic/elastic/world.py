@@ -6,6 +6,7 @@ back with `World.from_env()`. Without an agent, a worker is a world of one.
 import dataclasses
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +18,9 @@ ENV_HEARTBEAT_FILE = "TF_ELASTIC_HEARTBEAT_FILE"
 ENV_HEARTBEAT_TIMEOUT = "TF_ELASTIC_HEARTBEAT_TIMEOUT"
 ENV_RESTARTS = "TF_ELASTIC_RESTARTS"
 ENV_INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
+# Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks in
+# `World.from_env()` until the agent writes the round's variables to its stdin as one JSON line.
+ENV_WARM = "TF_ELASTIC_WARM"
 
 # Worker exit codes the agent understands.
 EXIT_DONE = 0
@@ -47,6 +51,12 @@ class World:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "World":
+        """The world the agent described; a warm-started worker first waits for it on stdin."""
+        if env is None and os.environ.pop(ENV_WARM, None) == "1":
+            line = sys.stdin.readline()
+            if not line:
+                raise SystemExit(0)  # the agent shut down without using this warm worker
+            os.environ.update(json.loads(line))
         env = os.environ if env is None else env
         tf_config = env.get("TF_CONFIG")
         rank, size, cluster = 0, 1, None
