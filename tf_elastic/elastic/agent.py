@@ -38,8 +38,8 @@ class AgentConfig:
     min_workers: int = 1
     max_workers: int = 1
     max_restarts: int = 3
-    heartbeat_timeout: float = 5.0  # a worker silent this long (after its first beat) is hung
-    startup_timeout: float = 120.0  # allowance before a worker's first heartbeat
+    heartbeat_timeout: float = 5.0  # a training worker silent this long is hung
+    startup_timeout: float = 120.0  # allowance for a worker to reach its first step
     monitor_interval: float = 0.2
     stop_grace: float = 15.0  # SIGTERM, then SIGKILL after this many seconds
     advertise_addr: str = "127.0.0.1"
@@ -210,12 +210,14 @@ class ElasticAgent:
                           counted=counted)
 
     def _silent(self, worker: _Worker) -> bool:
+        """No heartbeat for heartbeat_timeout once training, or for startup_timeout before the first step."""
+        step = contract.read_heartbeat(worker.heartbeat)
+        if not step:
+            return time.time() - worker.started > self.config.startup_timeout
         try:
-            last = worker.heartbeat.stat().st_mtime
-            limit = self.config.heartbeat_timeout
+            return time.time() - worker.heartbeat.stat().st_mtime > self.config.heartbeat_timeout
         except FileNotFoundError:
-            last, limit = worker.started, self.config.startup_timeout
-        return time.time() - last > limit
+            return False
 
     def _leave(self, round_: Round, workers: List[_Worker]) -> Outcome:
         current = self.rendezvous.current()

@@ -21,8 +21,9 @@ flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
 flags.DEFINE_string("run_dir", None, "Run directory (checkpoints, events.jsonl); shared by all hosts.")
 flags.DEFINE_integer("max_restarts", 3, "Failures tolerated before the job fails (joins and leaves are free).",
                      lower_bound=0)
-flags.DEFINE_float("heartbeat_timeout", 5.0, "Seconds of worker silence that count as a hang.", lower_bound=0.5)
-flags.DEFINE_float("startup_timeout", 120.0, "Seconds a new worker may take to its first heartbeat.", lower_bound=1.0)
+flags.DEFINE_float("heartbeat_timeout", 5.0, "Seconds of silence from a training worker that count as a hang.",
+                   lower_bound=0.5)
+flags.DEFINE_float("startup_timeout", 120.0, "Seconds a new worker may take to reach its first step.", lower_bound=1.0)
 flags.DEFINE_float("monitor_interval", 0.2, "Seconds between checks of workers and store.", lower_bound=0.01)
 flags.DEFINE_float("rendezvous_timeout", 300.0, "Seconds to wait for min_workers before failing.", lower_bound=0.1)
 flags.DEFINE_float("last_call", 2.0, "Seconds a round stays open for stragglers once min_workers joined.",

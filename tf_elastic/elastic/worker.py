@@ -173,6 +173,7 @@ class _ElasticFit:
             self._index_log.flush()
         self.k += 1
         self.step += 1
+        contract.report_progress(self.step)
         if not self.first_step_logged:
             self.first_step_logged = True
             self.events.write("first_step", round=self.world.round, rank=self.world.rank, step=self.step,

@@ -84,15 +84,39 @@ class World:
         )
 
 
+_progress = {"step": 0}
+
+
+def report_progress(step: int) -> None:
+    """The training step the heartbeat reports; 0 means the worker is still starting up."""
+    _progress["step"] = step
+
+
+def read_heartbeat(path: Path) -> Optional[int]:
+    """The step in a heartbeat file, or None if there is none yet."""
+    try:
+        return int(path.read_text() or 0)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return 0
+
+
 def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
-    """Touches the agent's heartbeat file from a daemon thread; a stopped or frozen process goes silent."""
+    """Writes the current step to the agent's heartbeat file from a daemon thread.
+
+    A stopped or frozen process goes silent. Before the first step the agent allows `startup_timeout`:
+    bringing MultiWorkerMirroredStrategy up can hold the GIL while it waits for slow peers.
+    """
     if not world.heartbeat_file:
         return None
     path = Path(world.heartbeat_file)
+    temp = path.with_name(path.name + ".tmp")
 
     def beat():
         while True:
-            path.touch()
+            temp.write_text(str(_progress["step"]))
+            os.replace(temp, path)
             time.sleep(interval)
 
     thread = threading.Thread(target=beat, name="tf_elastic-heartbeat", daemon=True)
