@@ -14,6 +14,7 @@ setup(
         "tensorflow>=2.20,<2.22",
         "keras>=3.10,<4",
         "absl-py",
+        "tensorboard",  # TF 2.21 no longer pulls it in; tf.summary needs it
     ],
     extras_require={
         # jax: the optimizer math on Keras' JAX backend; optax: the benchmark's reference LARS;

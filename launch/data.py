@@ -6,7 +6,7 @@ import numpy as np
 
 # ../shared/data beside the repository root, whatever the current directory.
 DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[1].parent / "shared" / "data")
-DATASETS = ("mnist", "digits")
+DATASETS = ("mnist", "digits", "synthetic", "tfds:NAME")
 
 
 class Dataset(NamedTuple):
@@ -36,7 +36,31 @@ def load(name: str, data_dir: str = DEFAULT_DATA_DIR) -> Dataset:
         split = int(0.8 * len(y))
         x_train, y_train, x_test, y_test = x[:split], y[:split], x[split:], y[split:]
         scale = 16.0
+    elif name == "synthetic":
+        # Learnable noise: the label is which of 10 fixed patterns the image is closest to.
+        rng = np.random.default_rng(0)
+        patterns = rng.random((10, 28, 28))
+        labels = rng.integers(0, 10, 6000)
+        images = 0.6 * patterns[labels] + 0.4 * rng.random((6000, 28, 28))
+        x_train, y_train, x_test, y_test = images[:5000], labels[:5000], images[5000:], labels[5000:]
+        scale = 1.0
+    elif name.startswith("tfds:"):
+        return _tfds(name[len("tfds:"):], data_dir)
     else:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}.")
     prepare = lambda x: (x.astype(np.float32) / scale)[..., None]
     return Dataset(prepare(x_train), y_train.astype(np.int32), prepare(x_test), y_test.astype(np.int32), 10)
+
+
+def _tfds(name: str, data_dir: str) -> Dataset:
+    """An image-classification dataset already prepared in TFDS's data dir (nothing is downloaded)."""
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise ValueError(f"--dataset=tfds:{name} needs tensorflow-datasets (pip install tensorflow-datasets)") from None
+    splits = tfds.as_numpy(tfds.load(name, split=["train", "test"], as_supervised=True, batch_size=-1,
+                                     download=False, data_dir=None if data_dir == DEFAULT_DATA_DIR else data_dir))
+    (x_train, y_train), (x_test, y_test) = splits
+    prepare = lambda x: x.astype(np.float32) / 255.0
+    return Dataset(prepare(x_train), y_train.astype(np.int32), prepare(x_test), y_test.astype(np.int32),
+                   int(max(y_train.max(), y_test.max())) + 1)

@@ -2,38 +2,120 @@
 
     python -m launch.train --dataset=digits --epochs=3                       # one process
     python -m launch.elastic_run --nproc=1 -- python -m launch.train ...      # under the elastic agent
+    python -m launch.train --flagfile=my_run.flags                           # flags from a file
+    python -m launch.train --helpfull                                        # every flag, absl's too
 """
 import os
 import sys
+import traceback
 from typing import List
 
 from absl import app, flags
 
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.world import World, start_heartbeat
+from tf_elastic.elastic.world import World, exit_now, start_heartbeat
 
-flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry.")
-flags.DEFINE_enum("dataset", "digits", ["digits", "mnist"], "digits ships with scikit-learn; mnist reads --data_dir.")
+# Model and data.
+flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry (models.NAMES).")
+flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnist (--data_dir), synthetic, "
+                    "or tfds:NAME (needs tensorflow-datasets and the data prepared locally).")
 flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data beside the repo).")
 flags.DEFINE_integer("train_examples", 0, "Use only this many training examples (0: all).", lower_bound=0)
 flags.DEFINE_integer("epochs", 3, "Epochs to train.", lower_bound=1)
+# Batch and optimisation.
 flags.DEFINE_enum("batch_policy", "per_replica", ["per_replica", "global"],
                   "per_replica: the global batch follows the world size; global: constant global batch.")
-flags.DEFINE_integer("per_replica_batch_size", 32, "Batch per worker (batch_policy=per_replica).", lower_bound=1)
+flags.DEFINE_integer("per_replica_batch_size", 32, "Batch per replica (batch_policy=per_replica).", lower_bound=1)
 flags.DEFINE_integer("global_batch_size", None, "Global batch (batch_policy=global).", lower_bound=1)
 flags.DEFINE_integer("reference_batch_size", 32, "Global batch that --learning_rate is meant for.", lower_bound=1)
-flags.DEFINE_enum("optimizer", "lars", ["lars", "sgd"], "Optimizer.")
-flags.DEFINE_float("learning_rate", None, "Learning rate at the reference batch (default: lars 0.1, sgd 0.05).",
-                   lower_bound=0.0)
+flags.DEFINE_enum("optimizer", "lars", ["lars", "sgd", "adam", "lamb"], "Optimizer (adam and lamb from Keras).")
+flags.DEFINE_float("learning_rate", None, "Peak learning rate at the reference batch (default: lars 0.1, sgd 0.05, "
+                   "adam/lamb 0.001).", lower_bound=0.0)
+flags.DEFINE_float("momentum", 0.9, "Momentum (lars, sgd).", lower_bound=0.0, upper_bound=0.999)
 flags.DEFINE_float("trust_coefficient", 0.05, "LARS trust coefficient (eta).", lower_bound=0.0)
-flags.DEFINE_float("momentum", 0.9, "Momentum.", lower_bound=0.0, upper_bound=0.999)
+flags.DEFINE_float("weight_decay", 5e-4, "Weight decay (LARS: inside the trust ratio).", lower_bound=0.0)
+flags.DEFINE_enum("base_schedule", "constant", ["constant", "warmup_cosine", "warmup_poly"],
+                  "Base schedule in reference-batch steps (warmup_poly: LARS/MLPerf).")
+flags.DEFINE_float("warmup_epochs", 1.0, "Warm-up of warmup_* schedules, in epochs.", lower_bound=0.0)
+flags.DEFINE_enum("scaling", "linear", ["linear", "sqrt", "none"], "LR scale for the global batch (BatchResizeSchedule).")
 flags.DEFINE_enum("transition", "linear", ["linear", "momentum", "none"], "LR transition after a batch resize.")
-flags.DEFINE_string("run_dir", None, "Where checkpoints and events go (default: the agent's, else runs/train).")
+flags.DEFINE_integer("transition_steps", None, "Fixed ramp length for transition=linear (default: 8 per factor).",
+                     lower_bound=0)
+# Distribution.
+flags.DEFINE_enum("strategy", "auto", ["auto", "one_device", "mirrored", "mwms", "tpu"],
+                  "auto: MWMS under the agent, MirroredStrategy over several local GPUs, else one device.")
+flags.DEFINE_string("tpu", None, "TPU name or grpc://HOST:PORT for --strategy=tpu (TPUClusterResolver).")
+flags.DEFINE_enum("collective", "auto", ["auto", "ring", "nccl"], "MWMS all-reduce (nccl: GPUs only).")
+flags.DEFINE_string("dtype_policy", "float32", "Keras dtype policy: float32, mixed_float16, mixed_bfloat16.")
+flags.DEFINE_integer("cpu_devices", 1, "Split the CPU into this many logical devices (mirrored on a CPU machine).",
+                     lower_bound=1)
+flags.DEFINE_integer("threads", 0, "TF intra/inter-op threads per worker (0: TensorFlow's default).", lower_bound=0)
+# State.
+flags.DEFINE_string("run_dir", None, "Where checkpoints, events and TensorBoard go (default: the agent's, else runs/train).")
 flags.DEFINE_integer("commit_every_steps", 50, "Commit state every N steps (0: only at epoch ends).", lower_bound=0)
 flags.DEFINE_float("commit_every_seconds", None, "Also commit when this many seconds passed.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Seed for weights and the data order.")
-flags.DEFINE_integer("threads", 0, "TF intra/inter-op threads per worker (0: TensorFlow's default).", lower_bound=0)
 FLAGS = flags.FLAGS
+
+flags.register_validator("dtype_policy", lambda v: v in ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16",
+                                                          "float16"),
+                         "--dtype_policy must be float32, mixed_float16, mixed_bfloat16, bfloat16 or float16")
+flags.register_validator("dataset", lambda v: v in ("digits", "mnist", "synthetic") or
+                         (v.startswith("tfds:") and len(v) > 5), "--dataset must be digits, mnist, synthetic or tfds:NAME")
+flags.register_validator("model", lambda v: v in __import__("models").NAMES,
+                         f"--model must be one of {', '.join(__import__('models').NAMES)}")
+flags.register_multi_flags_validator(
+    ["strategy", "tpu"], lambda f: f["strategy"] != "tpu" or bool(f["tpu"]), "--strategy=tpu needs --tpu")
+flags.register_multi_flags_validator(
+    ["batch_policy", "global_batch_size"], lambda f: f["batch_policy"] != "global" or bool(f["global_batch_size"]),
+    "--batch_policy=global needs --global_batch_size")
+
+
+def build_optimizer(schedule, keras):
+    from tf_elastic import LARS
+
+    if FLAGS.optimizer == "lars":
+        return LARS(schedule, momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay,
+                    trust_coefficient=FLAGS.trust_coefficient)
+    if FLAGS.optimizer == "sgd":
+        return keras.optimizers.SGD(schedule, momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay or None)
+    if FLAGS.optimizer == "adam":
+        return keras.optimizers.Adam(schedule)
+    return keras.optimizers.Lamb(schedule)
+
+
+def base_schedule(peak: float, steps_per_epoch: int, keras):
+    from tf_elastic import WarmupPolynomialDecay
+
+    total = max(1, FLAGS.epochs * steps_per_epoch)
+    warmup = int(FLAGS.warmup_epochs * steps_per_epoch)
+    if FLAGS.base_schedule == "constant":
+        return peak
+    if FLAGS.base_schedule == "warmup_poly":
+        return WarmupPolynomialDecay(peak, warmup, max(1, total - warmup))
+    return keras.optimizers.schedules.CosineDecay(0.0, max(1, total - warmup), warmup_target=peak, warmup_steps=warmup)
+
+
+class SummaryCallback:
+    """TensorBoard scalars at each epoch end, written by the chief: loss, accuracy, LR, batch, world, restarts."""
+
+    def __new__(cls, run_dir: str, world: World, global_batch: int, keras, tf):
+        class _Summaries(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.writer = tf.summary.create_file_writer(os.path.join(run_dir, "tensorboard"))
+
+            def on_epoch_end(self, epoch, logs=None):
+                step = int(self.model.optimizer.iterations.numpy())
+                scalars = {k: float(v) for k, v in (logs or {}).items()}
+                scalars.update(learning_rate=float(self.model.optimizer.learning_rate), global_batch=global_batch,
+                               world_size=world.size, restarts=world.restarts)
+                with self.writer.as_default():
+                    for name, value in scalars.items():
+                        tf.summary.scalar(name, value, step=step)
+                self.writer.flush()
+
+        return _Summaries()
 
 
 def main(argv: List[str]) -> int:
@@ -44,12 +126,16 @@ def main(argv: List[str]) -> int:
 
     import models
     from launch import data as datasets
-    from tf_elastic import LARS, BatchResizeSchedule
+    from tf_elastic import BatchResizeSchedule
     from tf_elastic import elastic
 
     if FLAGS.threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
         tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
+    if FLAGS.cpu_devices > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * FLAGS.cpu_devices)
+    keras.mixed_precision.set_global_policy(FLAGS.dtype_policy)
     data = datasets.load(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
     x, y = data.x_train, data.y_train
     if FLAGS.train_examples:
@@ -58,34 +144,47 @@ def main(argv: List[str]) -> int:
     world = World.from_env()
     start_heartbeat(world)
     run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
-    strategy = elastic.make_strategy(world)
+    strategy = elastic.make_strategy(world, FLAGS.strategy, FLAGS.collective, FLAGS.tpu)
     keras.utils.set_random_seed(FLAGS.seed)
-    global_batch = (FLAGS.per_replica_batch_size * world.size if FLAGS.batch_policy == "per_replica"
+    replicas = strategy.num_replicas_in_sync
+    global_batch = (FLAGS.per_replica_batch_size * replicas if FLAGS.batch_policy == "per_replica"
                     else FLAGS.global_batch_size)
-    learning_rate = FLAGS.learning_rate if FLAGS.learning_rate is not None else {"lars": 0.1, "sgd": 0.05}[FLAGS.optimizer]
+    peak = FLAGS.learning_rate if FLAGS.learning_rate is not None else {
+        "lars": 0.1, "sgd": 0.05, "adam": 0.001, "lamb": 0.001}[FLAGS.optimizer]
     with strategy.scope():
         model = models.get(FLAGS.model, x.shape[1:], data.num_classes)
-        schedule = BatchResizeSchedule(learning_rate, FLAGS.reference_batch_size, batch_size=global_batch or 1,
-                                       transition=FLAGS.transition, momentum=FLAGS.momentum)
-        optimizer = (LARS(schedule, momentum=FLAGS.momentum, weight_decay=5e-4,
-                                                         trust_coefficient=FLAGS.trust_coefficient) if FLAGS.optimizer == "lars"
-                     else keras.optimizers.SGD(schedule, momentum=FLAGS.momentum))
+        schedule = BatchResizeSchedule(
+            base_schedule(peak, len(x) // FLAGS.reference_batch_size, keras), FLAGS.reference_batch_size,
+            batch_size=global_batch, scaling=FLAGS.scaling, transition=FLAGS.transition,
+            transition_steps=FLAGS.transition_steps, momentum=FLAGS.momentum)
+        optimizer = build_optimizer(schedule, keras)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
         optimizer.build(model.trainable_variables)  # eagerly, before tracing (keras#23085)
+    callbacks = [SummaryCallback(run_dir, world, global_batch, keras, tf)] if world.is_chief else []
     code = elastic.fit(model, x, y, world=world, strategy=strategy, epochs=FLAGS.epochs, run_dir=run_dir,
                        per_replica_batch_size=FLAGS.per_replica_batch_size, global_batch_size=FLAGS.global_batch_size,
                        batch_policy=FLAGS.batch_policy, schedule=schedule, commit_every_steps=FLAGS.commit_every_steps,
-                       commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed,
-                       verbose=2 if world.elastic else "auto")
+                       commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed, callbacks=callbacks,
+                       verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
     if code == elastic.EXIT_DONE:  # every worker evaluates: under MWMS evaluation runs collectives
         _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=256, verbose=0)
         if world.is_chief:
-            EventLog(run_dir, "worker:0").write("evaluation", test_accuracy=float(accuracy),
-                                                step=int(model.optimizer.iterations.numpy()))
-            print(f"test accuracy {accuracy:.4f} after {int(model.optimizer.iterations.numpy())} steps", flush=True)
+            steps = int(model.optimizer.iterations.numpy())
+            EventLog(run_dir, "worker:0").write("evaluation", test_accuracy=float(accuracy), step=steps)
+            print(f"test accuracy {accuracy:.4f} after {steps} steps", flush=True)
     return code
 
 
+def run(argv: List[str]) -> None:
+    """Runs `main` and ends the process at once (MWMS has no clean shutdown), also after an error."""
+    try:
+        code = main(argv)
+    except Exception:  # noqa: BLE001 - reported, then a non-zero exit the agent counts as a failure
+        traceback.print_exc()
+        code = 1
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    app.run(lambda argv: sys.exit(main(argv)))
+    app.run(run)

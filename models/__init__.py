@@ -18,6 +18,28 @@ def mnist_cnn(input_shape: Sequence[int], num_classes: int) -> keras.Model:
     ], name="mnist_cnn")
 
 
+def resnet20(input_shape: Sequence[int], num_classes: int) -> keras.Model:
+    """The CIFAR-style ResNet-20 of He et al. 2016: 3 stages of 3 basic blocks, 16/32/64 filters."""
+    inputs = keras.Input(tuple(input_shape))
+    x = _conv_bn(inputs, 16, 1, activation=True)
+    for stage, filters in enumerate((16, 32, 64)):
+        for block in range(3):
+            strides = 2 if stage and not block else 1
+            shortcut = x if strides == 1 and x.shape[-1] == filters else _conv_bn(x, filters, strides, size=1)
+            y = _conv_bn(x, filters, strides, activation=True)
+            y = _conv_bn(y, filters, 1)
+            x = keras.layers.ReLU()(keras.layers.Add()([shortcut, y]))
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(num_classes)(x), name="resnet20")
+
+
+def _conv_bn(x, filters: int, strides: int, size: int = 3, activation: bool = False):
+    x = keras.layers.Conv2D(filters, size, strides=strides, padding="same", use_bias=False,
+                            kernel_initializer="he_normal")(x)
+    x = keras.layers.BatchNormalization()(x)
+    return keras.layers.ReLU()(x) if activation else x
+
+
 def _application(factory: Callable) -> Callable[[Sequence[int], int], keras.Model]:
     def build(input_shape: Sequence[int], num_classes: int) -> keras.Model:
         return factory(weights=None, input_shape=tuple(input_shape), classes=num_classes, classifier_activation=None)
@@ -28,6 +50,7 @@ def _application(factory: Callable) -> Callable[[Sequence[int], int], keras.Mode
 
 _REGISTRY: Dict[str, Callable[[Sequence[int], int], keras.Model]] = {
     "mnist_cnn": mnist_cnn,
+    "resnet20": resnet20,
     "resnet50": _application(keras.applications.ResNet50),
     "mobilenet_v2": _application(keras.applications.MobileNetV2),
     "inception_v3": _application(keras.applications.InceptionV3),

@@ -212,3 +212,16 @@ def test_resize_errors_leave_history_untouched():
         small.resize(20, 128)
     assert schedule.history == [(0, 32), (100, 64)]
     assert tf_elastic.BatchResizeSchedule is BatchResizeSchedule
+
+
+def test_warmup_polynomial_decay():
+    from tf_elastic import WarmupPolynomialDecay
+
+    schedule = WarmupPolynomialDecay(2.0, warmup_steps=10, decay_steps=100, end=0.1, power=2.0)
+    expected = lambda s: 2.0 * s / 10 if s < 10 else (2.0 - 0.1) * (1 - min((s - 10) / 100, 1)) ** 2 + 0.1
+    for step in (0, 5, 10, 60, 110, 200):
+        assert float(schedule(step)) == pytest.approx(expected(step), rel=1e-6)
+    clone = WarmupPolynomialDecay.from_config(schedule.get_config())
+    assert float(clone(42)) == float(schedule(42))
+    with pytest.raises(ValueError, match="`decay_steps` must be > 0"):
+        WarmupPolynomialDecay(1.0, 10, 0)

@@ -67,7 +67,7 @@ def test_data_plan_uses_every_example_once_across_resizes():
 
 def test_global_batch_policy_needs_a_divisible_world():
     assert replica_batch_size("global", 4, None, 64) == 16
-    with pytest.raises(ValueError, match=r"--global_batch_size=64 is not divisible by the world size 3"):
+    with pytest.raises(ValueError, match=r"--global_batch_size=64 is not divisible by the 3 replicas of this world"):
         replica_batch_size("global", 3, None, 64)
 
 

@@ -51,3 +51,12 @@ def test_main_job_runs_end_to_end(tmp_path):
     accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]
     assert f"test accuracy: {accuracy:.4f}" in proc.stdout
     assert (tmp_path / "run" / "run.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_reproduce_lars_quick(tmp_path):
+    run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}'];"
+               "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
+    table = (tmp_path / "table.md").read_text()
+    assert table.count("| SGD,") == 2 and table.count("| LARS,") == 1 and "goal: within 1 point" in table
+    assert (tmp_path / "lars.png").stat().st_size > 10_000

@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LARS": "tf_elastic.optimizers",
     "BatchResizeSchedule": "tf_elastic.schedules",
+    "WarmupPolynomialDecay": "tf_elastic.schedules",
 }
 __all__ = sorted(_LAZY)
 

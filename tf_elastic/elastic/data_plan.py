@@ -12,8 +12,8 @@ import numpy as np
 BATCH_POLICIES = ("per_replica", "global")
 
 
-def replica_batch_size(policy: str, world_size: int, per_replica: Optional[int], global_batch: Optional[int]) -> int:
-    """The per-replica batch for this world; `global` keeps the global batch and must divide evenly."""
+def replica_batch_size(policy: str, replicas: int, per_replica: Optional[int], global_batch: Optional[int]) -> int:
+    """The per-replica batch for `replicas`; `global` keeps the global batch and must divide evenly."""
     if policy == "per_replica":
         if not per_replica or per_replica <= 0:
             raise ValueError(f"--per_replica_batch_size must be > 0 with --batch_policy=per_replica; got {per_replica}.")
@@ -21,10 +21,10 @@ def replica_batch_size(policy: str, world_size: int, per_replica: Optional[int],
     if policy == "global":
         if not global_batch or global_batch <= 0:
             raise ValueError(f"--global_batch_size must be > 0 with --batch_policy=global; got {global_batch}.")
-        if global_batch % world_size:
-            raise ValueError(f"--global_batch_size={global_batch} is not divisible by the world size {world_size} "
-                             f"(--batch_policy=global needs equal per-replica batches).")
-        return global_batch // world_size
+        if global_batch % replicas:
+            raise ValueError(f"--global_batch_size={global_batch} is not divisible by the {replicas} replicas of "
+                             f"this world (--batch_policy=global needs equal per-replica batches).")
+        return global_batch // replicas
     raise ValueError(f"--batch_policy must be one of {', '.join(BATCH_POLICIES)}; got {policy!r}.")
 
 

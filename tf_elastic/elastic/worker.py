@@ -5,7 +5,6 @@ model, optimizer slots and `iterations`, the batch-resize history, epoch, sample
 epoch and the global step are written together by `tf.train.CheckpointManager` and read back bit-exact.
 """
 import json
-import os
 import shutil
 import signal
 import tempfile
@@ -30,23 +29,56 @@ COLLECTIVE_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededErr
 CHECKPOINT_DIR = "checkpoints"
 
 
-def make_strategy(world: World) -> tf.distribute.Strategy:
-    """MultiWorkerMirroredStrategy for a world of several workers, the default strategy for one.
+STRATEGIES = ("auto", "one_device", "mirrored", "mwms", "tpu")
+COLLECTIVES = ("auto", "ring", "nccl")
 
-    The coordination service's heartbeat is set from the agent's heartbeat timeout before MWMS is
-    created (MWMS keeps a configuration it finds), so a hung peer is detected in seconds, not 10+ s.
+
+def make_strategy(world: World, kind: str = "auto", collective: str = "auto",
+                  tpu: Optional[str] = None) -> tf.distribute.Strategy:
+    """The strategy for this world.
+
+    `auto`: MultiWorkerMirroredStrategy when the world has several workers, MirroredStrategy over
+    several local GPUs, else the default strategy. Before MWMS is created, the coordination service's
+    heartbeat is set from the agent's heartbeat timeout (MWMS keeps a configuration it finds), so a hung
+    peer is detected in seconds, not 10+ s. `collective` picks MWMS's all-reduce (`nccl` for GPUs).
+    `tpu` connects to `--tpu` through `TPUClusterResolver` (a fixed-size, single-worker path).
     """
-    if world.size == 1:
-        return tf.distribute.get_strategy()
-    from tensorflow.python.eager import context
+    if kind not in STRATEGIES:
+        raise ValueError(f"--strategy must be one of {', '.join(STRATEGIES)}; got {kind!r}.")
+    if collective not in COLLECTIVES:
+        raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}.")
+    if world.size > 1 and kind not in ("auto", "mwms"):
+        raise ValueError(f"--strategy={kind} is single-worker, but this world has {world.size} workers; use mwms.")
+    # Physical devices only: listing logical ones initialises the runtime, after which MWMS can no
+    # longer configure its collectives.
+    several_gpus = len(tf.config.list_physical_devices("GPU")) > 1
+    if kind == "tpu":
+        if not tpu:
+            raise ValueError("--strategy=tpu needs --tpu (a TPU name or grpc://HOST:PORT).")
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+        return tf.distribute.TPUStrategy(resolver)
+    if kind == "one_device":
+        return tf.distribute.OneDeviceStrategy("/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0")
+    if kind == "mirrored":
+        gpus = tf.config.list_logical_devices("GPU")
+        return tf.distribute.MirroredStrategy([d.name for d in gpus or tf.config.list_logical_devices("CPU")])
+    if kind == "auto" and world.size == 1:
+        return tf.distribute.MirroredStrategy() if several_gpus else tf.distribute.get_strategy()
+    if world.size > 1:
+        from tensorflow.python.eager import context
 
-    CoordinatedJob = context.coordination_config_pb2.CoordinatedJob  # wherever this TF version keeps it
-
-    context.context().configure_coordination_service(
-        "standalone", service_leader="/job:worker/replica:0/task:0",
-        heartbeat_timeout_in_ms=int(world.heartbeat_timeout * 1000),
-        coordinated_jobs=[CoordinatedJob(name="worker", num_tasks=world.size)])
-    return tf.distribute.MultiWorkerMirroredStrategy()
+        CoordinatedJob = context.coordination_config_pb2.CoordinatedJob  # wherever this TF version keeps it
+        context.context().configure_coordination_service(
+            "standalone", service_leader="/job:worker/replica:0/task:0",
+            heartbeat_timeout_in_ms=int(world.heartbeat_timeout * 1000),
+            coordinated_jobs=[CoordinatedJob(name="worker", num_tasks=world.size)])
+    implementation = {"auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+                      "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+                      "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL}[collective]
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(implementation=implementation))
 
 
 class CommittedState:
@@ -253,7 +285,10 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
     """
     keras_compat.install_fit_fix()
     events = EventLog(run_dir, source=f"worker:{world.rank}")
-    batch = replica_batch_size(batch_policy, world.size, per_replica_batch_size, global_batch_size)
+    replicas = strategy.num_replicas_in_sync
+    # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
+    batch = replica_batch_size(batch_policy, replicas, per_replica_batch_size, global_batch_size) * (
+        replicas // world.size)
     state = CommittedState(world, run_dir, model, schedule)
     restored = state.restore()
     events.write("restore", round=world.round, rank=world.rank, restored=restored, step=state.step,
@@ -264,7 +299,7 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
         # A worker of the previous round was still committing while we restored: start the round again.
         events.write("restore_mismatch", round=world.round, rank=world.rank, step=state.step)
         logging.flush()
-        os._exit(contract.EXIT_PEER_FAILURE)
+        contract.exit_now(contract.EXIT_PEER_FAILURE)
     if schedule is not None:
         schedule.resize(state.step, trainer.global_batch)
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
@@ -285,7 +320,7 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
         logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__,
                       str(error).splitlines()[0] if str(error) else "")
         logging.flush()
-        os._exit(contract.EXIT_PEER_FAILURE)  # noqa: the runtime is unusable; skip TF's teardown
+        contract.exit_now(contract.EXIT_PEER_FAILURE)  # the runtime is unusable: skip TF's teardown
     finally:
         signal.signal(signal.SIGTERM, previous)
         trainer.close()
