@@ -51,6 +51,13 @@ class AgentConfig:
 
 
 @dataclasses.dataclass
+class _Spare:
+    """A warm worker: started ahead of its round, blocked until it is handed a world on stdin."""
+    process: subprocess.Popen
+    ready: Path  # created by the worker once its imports are done
+
+
+@dataclasses.dataclass
 class _Worker:
     rank: int
     process: subprocess.Popen
@@ -66,7 +73,8 @@ class ElasticAgent:
                                      config.min_workers, config.max_workers, config.max_restarts, config.timeouts)
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
         self._leaving = False
-        self._warm: List[subprocess.Popen] = []
+        self._warm: List[_Spare] = []
+        self._warm_spawned = 0
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (0: done or left gracefully)."""
@@ -75,6 +83,10 @@ class ElasticAgent:
         ranks: Optional[List[int]] = None
         after = -1
         try:
+            if self.config.warm_start:
+                # Join only once our workers are warm: the group trains on while a newcomer starts up.
+                self._spawn_warm(self.config.nproc)
+                self._wait_warm_ready()
             while True:
                 try:
                     round_ = self.rendezvous.join(previous_ranks=ranks, after=after)
@@ -97,17 +109,13 @@ class ElasticAgent:
             return self._exit(1, f"rendezvous store error: {error}")
         finally:
             signal.signal(signal.SIGTERM, previous)
-            for process in self._warm:
-                process.kill()
-                process.wait()
+            for spare in self._warm:
+                spare.process.kill()
+                spare.process.wait()
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> Outcome:
         workers = [self._start(rank, round_) for rank in ranks]
-        if self.config.warm_start:
-            # Pay the next round's process start-up (imports, data) now, while this round trains.
-            self._warm += [self._spawn(dict(self._base_env(), **{contract.ENV_WARM: "1"}), warm=True)
-                           for _ in range(len(ranks) - len(self._warm))]
         try:
             return self._monitor(round_, workers)
         finally:
@@ -140,10 +148,27 @@ class ElasticAgent:
         return subprocess.Popen(self.config.command, env=env, start_new_session=True,
                                 stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
 
+    def _spawn_warm(self, count: int) -> None:
+        for _ in range(count):
+            self._warm_spawned += 1
+            ready = Path(self.config.run_dir) / "heartbeats" / f"warm-{self.host_id}-{self._warm_spawned}.ready"
+            ready.parent.mkdir(parents=True, exist_ok=True)
+            env = dict(self._base_env(), **{contract.ENV_WARM: "1", contract.ENV_WARM_READY: str(ready)})
+            self._warm.append(_Spare(self._spawn(env, warm=True), ready))
+
+    def _wait_warm_ready(self) -> None:
+        """Waits (up to startup_timeout) until every warm worker has done its imports."""
+        deadline = time.time() + self.config.startup_timeout
+        while time.time() < deadline and not self._leaving and any(
+                s.process.poll() is None and not s.ready.exists() for s in self._warm):
+            time.sleep(self.config.monitor_interval)
+        for spare in self._warm:
+            spare.ready.unlink(missing_ok=True)
+
     def _take_warm(self, world: Dict[str, str]) -> Optional[subprocess.Popen]:
         """A warm worker, handed this round's world on its stdin; None if none is alive."""
         while self._warm:
-            process = self._warm.pop(0)
+            process = self._warm.pop(0).process
             if process.poll() is not None:
                 continue
             try:
@@ -176,6 +201,10 @@ class ElasticAgent:
                 else:
                     self._stop(workers)
                 return Outcome.RESTART
+            if self.config.warm_start and len(self._warm) < len(workers) and all(
+                    contract.read_heartbeat(w.heartbeat) for w in workers):
+                # Pay the next round's start-up (imports, data) now that this round is training.
+                self._spawn_warm(len(workers) - len(self._warm))
             codes = {w.rank: w.process.poll() for w in workers}
             if all(code == contract.EXIT_DONE for code in codes.values()):
                 self.events.write("workers_done", round=round_.number, ranks=list(codes))

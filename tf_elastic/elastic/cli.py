@@ -30,7 +30,7 @@ flags.DEFINE_float("last_call", 2.0, "Seconds a round stays open for stragglers 
                    lower_bound=0.0)
 flags.DEFINE_float("survivor_wait", 30.0, "Seconds a round waits for a live survivor still stopping its workers.",
                    lower_bound=0.0)
-flags.DEFINE_float("host_ttl", 3.0, "Seconds after its last keepalive that a host counts as lost.", lower_bound=0.2)
+flags.DEFINE_float("host_ttl", 2.0, "Seconds after its last keepalive that a host counts as lost.", lower_bound=0.2)
 flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
 flags.DEFINE_string("advertise_addr", "127.0.0.1", "Address other hosts use to reach this host's workers.")
 flags.DEFINE_string("host_id", None, "This host's id in the job (default: hostname-pid).")

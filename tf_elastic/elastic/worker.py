@@ -223,8 +223,12 @@ class _ElasticFit:
         if self.stopped:
             return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
         if self.world.is_chief:
+            seconds = time.time() - self.epoch_began
             self.events.write("epoch_end", round=self.world.round, epoch=epoch, steps=self.k,
-                              seconds=round(time.time() - self.epoch_began, 4), world_size=self.world.size)
+                              seconds=round(seconds, 4), world_size=self.world.size)
+            logging.info("epoch %d done: world size %d, global batch %d, learning rate %.4g, loss %.4f, %.1fs",
+                         epoch + 1, self.world.size, self.global_batch, float(self.model.optimizer.learning_rate),
+                         float(self.last_loss or 0.0), seconds)
         start = self.epoch_start + self.k * self.global_batch
         skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
         if skipped:

@@ -21,6 +21,7 @@ ENV_INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example ind
 # Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks in
 # `World.from_env()` until the agent writes the round's variables to its stdin as one JSON line.
 ENV_WARM = "TF_ELASTIC_WARM"
+ENV_WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it is ready to be handed a world
 
 # Worker exit codes the agent understands.
 EXIT_DONE = 0
@@ -53,6 +54,9 @@ class World:
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "World":
         """The world the agent described; a warm-started worker first waits for it on stdin."""
         if env is None and os.environ.pop(ENV_WARM, None) == "1":
+            ready = os.environ.pop(ENV_WARM_READY, None)
+            if ready:
+                Path(ready).touch()
             line = sys.stdin.readline()
             if not line:
                 raise SystemExit(0)  # the agent shut down without using this warm worker

@@ -1,0 +1,75 @@
+"""Bad flag values give an error that names the flag, before anything runs."""
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+from conftest import REPO
+from launch import train  # noqa: F401 - defines the training flags
+
+TRAIN_BAD = [
+    ("--epochs=0", "epochs"),
+    ("--per_replica_batch_size=0", "per_replica_batch_size"),
+    ("--global_batch_size=-8", "global_batch_size"),
+    ("--reference_batch_size=0", "reference_batch_size"),
+    ("--optimizer=adagrad", "optimizer"),
+    ("--learning_rate=-1", "learning_rate"),
+    ("--momentum=1.5", "momentum"),
+    ("--trust_coefficient=-0.1", "trust_coefficient"),
+    ("--weight_decay=-1", "weight_decay"),
+    ("--base_schedule=step", "base_schedule"),
+    ("--warmup_epochs=-1", "warmup_epochs"),
+    ("--scaling=cubic", "scaling"),
+    ("--transition=cosine", "transition"),
+    ("--transition_steps=-5", "transition_steps"),
+    ("--strategy=parameter_server", "strategy"),
+    ("--collective=mpi", "collective"),
+    ("--dtype_policy=int8", "dtype_policy"),
+    ("--dataset=cifar", "dataset"),
+    ("--dataset=tfds:", "dataset"),
+    ("--model=vgg", "model"),
+    ("--cpu_devices=0", "cpu_devices"),
+    ("--commit_every_steps=-1", "commit_every_steps"),
+    ("--commit_every_seconds=0", "commit_every_seconds"),
+    ("--batch_policy=half", "batch_policy"),
+    ("--batch_policy=global", "global_batch_size"),
+    ("--strategy=tpu", "--tpu"),
+]
+
+
+@pytest.mark.parametrize("argument,name", TRAIN_BAD, ids=[a for a, _ in TRAIN_BAD])
+def test_train_flag_errors_name_the_flag(argument, name):
+    try:
+        with pytest.raises(flags.Error) as error:
+            flags.FLAGS(["train", argument])
+        assert name in str(error.value)
+    finally:
+        flags.FLAGS.unparse_flags()
+
+
+AGENT_BAD = [
+    (["--nproc=0"], "--nproc"),
+    (["--min_workers=3", "--max_workers=2"], "--min_workers=3 must be <= --max_workers=2"),
+    (["--rdzv=zk://127.0.0.1:2181"], "unknown store scheme 'zk'"),
+    (["--rdzv=file://otherhost/dir"], "expected file:///ABSOLUTE/DIR"),
+    (["--heartbeat_timeout=0.1"], "--heartbeat_timeout"),
+    (["--monitor_interval=10"], "--monitor_interval=10.0 must be < --heartbeat_timeout"),
+    (["--max_restarts=-1"], "--max_restarts"),
+    (["--job_id="], "--job_id is required"),
+    (["--no_command"], "give the worker command after '--'"),
+]
+
+
+@pytest.mark.parametrize("arguments,fragment", AGENT_BAD, ids=[" ".join(a) for a, _ in AGENT_BAD])
+def test_agent_flag_errors_name_the_flag(tmp_path, arguments, fragment):
+    base = {"--rdzv": f"file://{tmp_path}/rdzv", "--job_id": "j", "--run_dir": str(tmp_path / "run")}
+    for argument in arguments:
+        base.pop(argument.split("=")[0], None)
+    argv = [f"{k}={v}" for k, v in base.items()] + [a for a in arguments if a != "--no_command"]
+    command = [] if "--no_command" in arguments else ["--", sys.executable, "-c", "pass"]
+    proc = subprocess.run([sys.executable, "-m", "launch.elastic_run", *argv, *command], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert fragment in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
