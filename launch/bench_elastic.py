@@ -1,7 +1,9 @@
 """Recovery times and overheads of the elastic runtime, measured from `events.jsonl`.
 
 Each repetition runs one elastic job of two agents on this machine and injects, in order: a hung worker
-(SIGSTOP), a killed host (SIGKILL of an agent and its worker), and a joining host. It times each to the
+(SIGSTOP), a killed host (SIGKILL of an agent and its worker), and a joining host. Each fault waits
+until the survivors' warm spares are ready again (`spare_ready` events): a fault that comes sooner also
+pays the rest of a worker's start-up. It times each to the
 first training step of the re-formed group and counts the steps a join loses. A fault-free run under
 the runtime and a plain MultiWorkerMirroredStrategy `model.fit` of the same model give the steady-state
 step-time ratio; commit events give the commit overhead.
@@ -47,6 +49,12 @@ def _job(root: Path, epochs: int, *agent_args: str) -> LocalJob:
                      *agent_args], job_id="bench")
 
 
+def _spares_ready(job: LocalJob, host: str, since: float) -> None:
+    """Waits until `host`'s agent has a warm spare ready again, so each fault meets a recovered job."""
+    job.wait_for(lambda: [e for e in job.events("spare_ready", source=f"agent:{host}") if e["time"] > since],
+                 what=f"a warm spare on {host}")
+
+
 def _fault_sequence(root: Path) -> Dict[str, float]:
     job = _job(root, 50)
     try:
@@ -54,16 +62,20 @@ def _fault_sequence(root: Path) -> Dict[str, float]:
         job.start_agent("b")
         started = job.first_step_after(0, world_size=2)
         job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > started["time"]])
+        _spares_ready(job, "a", started["time"])
+        _spares_ready(job, "b", started["time"])
         hung = job.worker_pid("b")
         t_hang = time.time()
         os.kill(hung, signal.SIGSTOP)
         after_hang = job.first_step_after(t_hang, world_size=2)
         job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > after_hang["time"]])
+        _spares_ready(job, "a", after_hang["time"])
         t_kill = time.time()
         worker = job.worker_pid("b")
         job.agents["b"].kill()
         os.kill(worker, signal.SIGKILL)
         after_kill = job.first_step_after(t_kill, world_size=1)
+        _spares_ready(job, "a", after_kill["time"])
         t_join = time.time()
         job.start_agent("c")
         after_join = job.first_step_after(t_join, world_size=2)

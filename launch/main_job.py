@@ -8,15 +8,15 @@ samples seen, with failures and resizes marked).
 
     python -m launch.main_job                      # about 1-2 minutes on 2 cores
 """
-import collections
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 from absl import app, flags
 
+from launch import report
 from launch.local_job import LocalJob
 
 flags.DEFINE_string("run_dir", None, "Where the store, checkpoints, events and plot go (default: a new temp dir).")
@@ -59,79 +59,13 @@ def run_job(root: Path) -> LocalJob:
         raise
 
 
-def summary(job: LocalJob) -> str:
-    events = job.events()
-    restores = {e["round"]: e for e in events if e["event"] == "restore" and e["rank"] == 0}
-    firsts = {e["round"]: e for e in events if e["event"] == "first_step" and e["rank"] == 0}
-    rounds = {e["round"]: e for e in events if e["event"] == "rendezvous" and e["round"] in restores}
-    lines = ["| round | world size | why | restarts | restored at step | first step at |",
-             "|---:|---:|---|---:|---:|---:|"]
-    start = events[0]["time"]
-    for number, rendezvous in sorted(rounds.items()):
-        first = firsts.get(number)
-        first_at = "-" if first is None else f"{first['time'] - start:.1f}s"
-        lines.append(f"| {number} | {rendezvous['world_size']} | {rendezvous['reason']} | {rendezvous['restarts']} | "
-                     f"{restores[number]['step']} | {first_at} |")
-    failures = [e for e in events if e["event"] == "failure"]
-    evaluation = [e for e in events if e["event"] == "evaluation"]
-    commits = [e for e in events if e["event"] == "commit"]
-    lines += ["", f"- failures detected: {len(failures)} ({', '.join(sorted({f['kind'] for f in failures})) or 'none'})",
-              f"- final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}",
-              f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a",
-              f"- examples used more than once in an epoch (committed work): {_repeats(job, restores)}"]
-    return "\n".join(lines)
-
-
-def _repeats(job: LocalJob, restores: Dict[int, Dict]) -> int:
-    import json
-
-    counts = collections.defaultdict(collections.Counter)
-    for path in (job.run_dir / "indices").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            later = [r["step"] for n, r in restores.items() if n > record["round"]]
-            if not later or record["step"] <= min(later):
-                counts[record["epoch"]].update(record["indices"])
-    return sum(c - 1 for epoch in counts.values() for c in epoch.values() if c > 1)
-
-
-def plot(job: LocalJob, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    seen = lambda e: e["epoch"] * DATASET_SIZE + e["samples"]
-    commits = [e for e in job.events("commit") if e.get("loss") is not None]
-    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    loss_ax.plot([seen(e) for e in commits], [e["loss"] for e in commits], marker=".")
-    lr_ax.step([seen(e) for e in commits], [e["learning_rate"] for e in commits], where="post", marker=".")
-    restores = {e["round"]: e for e in job.events("restore", rank=0)}
-    for rendezvous in job.events("rendezvous"):
-        restore = restores.get(rendezvous["round"])
-        if restore is None or rendezvous["round"] == 0:
-            continue
-        failure = rendezvous["restarts"] > 0 and "join" not in rendezvous["reason"]
-        for ax in (loss_ax, lr_ax):
-            ax.axvline(seen(restore), color="red" if failure else "grey", linestyle="--", linewidth=0.9)
-        loss_ax.annotate(f"world {rendezvous['world_size']}: {rendezvous['reason'].split(' ')[0]}",
-                         (seen(restore), loss_ax.get_ylim()[1]), fontsize=7, rotation=90, va="top")
-    loss_ax.set_ylabel("training loss (at commits)")
-    lr_ax.set_ylabel("learning rate")
-    lr_ax.set_xlabel("samples seen")
-    loss_ax.set_title("tf_elastic main job (red: failure, grey: membership change)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(argv: List[str]) -> int:
     del argv
     root = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="tf_elastic-main-"))
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
-    print("\n" + summary(job))
-    plot(job, job.run_dir / "run.png")
+    print("\n" + report.summary(job.run_dir))
+    report.plot(job.run_dir, job.run_dir / "run.png", dataset_size=DATASET_SIZE)
     print(f"\nplot: {job.run_dir / 'run.png'}\nevents: {job.run_dir / 'events.jsonl'}")
     return 0 if all(code == 0 for host, code in job.wait_agents().items() if host != "host-b") else 1
 

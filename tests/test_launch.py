@@ -29,6 +29,18 @@ def test_train_single_process_without_agent(tmp_path):
     assert "test accuracy" in proc.stdout
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in events if e["event"] == "commit"][-1] == 2
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard scalars"
+
+
+@pytest.mark.slow
+def test_train_mirrored_on_two_logical_cpus(tmp_path):
+    proc = run_python(f"import sys; sys.argv = ['t', '--dataset=digits', '--epochs=1', '--strategy=mirrored', "
+                      f"'--cpu_devices=2', '--per_replica_batch_size=16', '--run_dir={tmp_path}'];"
+                      "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
+    assert "test accuracy" in proc.stdout
+    commits = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
+               if '"commit"' in line]
+    assert commits[-1]["global_batch"] == 32 and commits[-1]["epoch"] == 1  # 2 replicas x 16
 
 
 @pytest.mark.slow

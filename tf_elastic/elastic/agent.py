@@ -55,6 +55,7 @@ class _Spare:
     """A warm worker: started ahead of its round, blocked until it is handed a world on stdin."""
     process: subprocess.Popen
     ready: Path  # created by the worker once its imports are done
+    announced: bool = False
 
 
 @dataclasses.dataclass
@@ -205,6 +206,10 @@ class ElasticAgent:
                     contract.read_heartbeat(w.heartbeat) for w in workers):
                 # Pay the next round's start-up (imports, data) now that this round is training.
                 self._spawn_warm(len(workers) - len(self._warm))
+            for spare in self._warm:
+                if not spare.announced and spare.ready.exists():
+                    spare.announced = True
+                    self.events.write("spare_ready", round=round_.number, worker_pid=spare.process.pid)
             codes = {w.rank: w.process.poll() for w in workers}
             if all(code == contract.EXIT_DONE for code in codes.values()):
                 self.events.write("workers_done", round=round_.number, ranks=list(codes))

@@ -1,0 +1,102 @@
+"""A run's story from `RUN_DIR/events.jsonl`: a summary table and `run.png`.
+
+    python -m launch.report --run_dir=RUN_DIR --dataset_size=1437
+"""
+import collections
+import json
+from pathlib import Path
+from typing import Dict, List
+
+from absl import app, flags
+
+from tf_elastic.elastic.events import read_events
+
+
+def _by_round(events: List[Dict], name: str) -> Dict[int, Dict]:
+    return {e["round"]: e for e in events if e["event"] == name and e.get("rank", 0) == 0}
+
+
+def summary(run_dir: Path) -> str:
+    """Rounds that trained (world size, why, restarts, restore point, first step), then the outcome."""
+    events = read_events(run_dir)
+    restores, firsts = _by_round(events, "restore"), _by_round(events, "first_step")
+    rounds = {e["round"]: e for e in events if e["event"] == "rendezvous" and e["round"] in restores}
+    start = events[0]["time"]
+    lines = ["| round | world size | why | restarts | restored at step | first step at |",
+             "|---:|---:|---|---:|---:|---:|"]
+    for number, rendezvous in sorted(rounds.items()):
+        first = firsts.get(number)
+        first_at = "-" if first is None else f"{first['time'] - start:.1f}s"
+        lines.append(f"| {number} | {rendezvous['world_size']} | {rendezvous['reason']} | {rendezvous['restarts']} | "
+                     f"{restores[number]['step']} | {first_at} |")
+    failures = [e for e in events if e["event"] == "failure"]
+    evaluation = [e for e in events if e["event"] == "evaluation"]
+    commits = [e for e in events if e["event"] == "commit"]
+    lines += ["", f"- failures detected: {len(failures)} ({', '.join(sorted({f['kind'] for f in failures})) or 'none'})",
+              f"- final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" if commits else "- no commit",
+              f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a"]
+    if (Path(run_dir) / "indices").is_dir():
+        lines.append(f"- examples used more than once in an epoch (committed work): {repeats(run_dir, restores)}")
+    return "\n".join(lines)
+
+
+def repeats(run_dir: Path, restores: Dict[int, Dict]) -> int:
+    """Extra uses of examples within an epoch among committed work, from the workers' index logs."""
+    counts = collections.defaultdict(collections.Counter)
+    for path in (Path(run_dir) / "indices").glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            later = [r["step"] for n, r in restores.items() if n > record["round"]]
+            if not later or record["step"] <= min(later):
+                counts[record["epoch"]].update(record["indices"])
+    return sum(c - 1 for epoch in counts.values() for c in epoch.values() if c > 1)
+
+
+def plot(run_dir: Path, path: Path, dataset_size: int) -> None:
+    """Loss and learning rate at each commit against samples seen; failures red, membership changes grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    events = read_events(run_dir)
+    seen = lambda e: e["epoch"] * dataset_size + e["samples"]
+    commits = [e for e in events if e["event"] == "commit" and e.get("loss") is not None]
+    fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    loss_ax.plot([seen(e) for e in commits], [e["loss"] for e in commits], marker=".")
+    lr_ax.step([seen(e) for e in commits], [e["learning_rate"] for e in commits], where="post", marker=".")
+    restores = _by_round(events, "restore")
+    previous = 0
+    for rendezvous in (e for e in events if e["event"] == "rendezvous" and e["source"].startswith("agent:")):
+        restore = restores.get(rendezvous["round"])
+        if restore is None or rendezvous["round"] == 0 or rendezvous["round"] <= previous:
+            continue
+        previous = rendezvous["round"]
+        failure = rendezvous["restarts"] > max((r["restarts"] for r in events if r["event"] == "rendezvous"
+                                                and r["round"] < rendezvous["round"]), default=0)
+        for ax in (loss_ax, lr_ax):
+            ax.axvline(seen(restore), color="red" if failure else "grey", linestyle="--", linewidth=0.9)
+        loss_ax.annotate(f"world {rendezvous['world_size']}: {rendezvous['reason'].split(' ')[0]}",
+                         (seen(restore), max(e["loss"] for e in commits)), fontsize=7, rotation=90, va="top")
+    loss_ax.set_ylabel("training loss (at commits)")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_xlabel("samples seen")
+    loss_ax.set_title("tf_elastic run (red: failure, grey: membership change)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: List[str]) -> None:
+    del argv
+    run_dir = Path(flags.FLAGS.run_dir)
+    print(summary(run_dir))
+    plot(run_dir, run_dir / "run.png", flags.FLAGS.dataset_size)
+    print(f"\nplot: {run_dir / 'run.png'}")
+
+
+if __name__ == "__main__":
+    flags.DEFINE_string("run_dir", None, "The run directory (holding events.jsonl).", required=True)
+    flags.DEFINE_integer("dataset_size", 0, "Training examples an epoch, to place commits on the samples axis.",
+                         lower_bound=1, required=True)
+    app.run(main)
