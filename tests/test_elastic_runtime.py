@@ -159,3 +159,13 @@ def test_min_workers_never_reached_ends_the_job_with_the_reason(job_factory):
     reason = job.events("exit")[-1]["reason"]
     assert "only 1 of min_workers=2 workers joined within --rendezvous_timeout=2s" in reason
     assert not job.events("worker_start")
+
+
+def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
+    job = job_factory([], ["--min_workers=2", "--max_workers=2", "--rendezvous_timeout=60"])
+    agent = job.start_agent("a", command=[sys.executable, "-c", "pass"])
+    job.wait_for(lambda: job.events("agent_start"), timeout=30, what="the agent")
+    time.sleep(1.0)  # let it reach the rendezvous wait
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=30) == 0
+    assert "while waiting for a round" in job.events("exit")[-1]["reason"]

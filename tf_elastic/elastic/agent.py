@@ -90,11 +90,14 @@ class ElasticAgent:
                 self._wait_warm_ready()
             while True:
                 try:
-                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after)
+                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after, cancelled=lambda: self._leaving)
                 except JobEnded as ended:
                     return self._exit(0 if ended.status == "done" else 1, ended.reason)
                 except RendezvousTimeout as timeout:
                     return self._exit(1, str(timeout))
+                if round_ is None:
+                    self.rendezvous.leave()
+                    return self._exit(0, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
                 self.events.write("rendezvous", round=round_.number, world_size=round_.world_size, ranks=ranks,
                                   reason=round_.reason, restarts=round_.restarts)

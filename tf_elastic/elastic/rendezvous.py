@@ -10,7 +10,7 @@ import dataclasses
 import json
 import socket
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from tf_elastic.elastic.store import Store, StoreError
 
@@ -118,10 +118,14 @@ class Rendezvous:
         nxt = Round(seen.number + 1, "joining", reason, restarts, time.time(), {}, expected)
         return self.store.compare_and_set(self._round_key, seen.to_json(), nxt.to_json())
 
-    def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1) -> Round:
-        """Blocks until a frozen round numbered above `after` gives this host ranks; returns it."""
+    def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1,
+             cancelled: Callable[[], bool] = lambda: False) -> Optional[Round]:
+        """Blocks until a frozen round numbered above `after` gives this host ranks; returns it, or None
+        once `cancelled()` (the agent was asked to leave while waiting)."""
         deadline = time.monotonic() + self.timeouts.rendezvous
         while True:
+            if cancelled():
+                return None
             self._raise_if_ended()
             self.keepalive()
             raw = self.store.get(self._round_key)
