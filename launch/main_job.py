@@ -20,7 +20,8 @@ from launch import report
 from launch.local_job import LocalJob
 
 flags.DEFINE_string("run_dir", None, "Where the store, checkpoints, events and plot go (default: a new temp dir).")
-flags.DEFINE_integer("epochs", 10, "Epochs to train.", lower_bound=2)
+flags.DEFINE_integer("epochs", 40, "Epochs to train (long enough for the kill and the join to happen mid-run).",
+                     lower_bound=2)
 flags.DEFINE_integer("commit_every_steps", 20, "Workers commit every N steps.", lower_bound=1)
 flags.DEFINE_bool("faults", True, "Kill host-b part-way and let host-c join (False: a plain two-host run).")
 FLAGS = flags.FLAGS
@@ -41,6 +42,7 @@ def run_job(root: Path) -> LocalJob:
         say(f"round {first['round']}: training at world size 2")
         if FLAGS.faults:
             job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > first["time"]], what="a commit")
+            job.wait_for(lambda: job.events("spare_ready", source="agent:host-a"), what="host-a's warm spare")
             killed = time.time()
             job.kill_host("host-b")
             say("host-b killed (SIGKILL of its agent and worker)")
@@ -50,7 +52,9 @@ def run_job(root: Path) -> LocalJob:
             job.start_agent("host-c")
             say("host-c starting")
             grown = job.first_step_after(joining, world_size=2)
-            say(f"round {grown['round']}: world size 2 again, {grown['time'] - joining:.1f}s after host-c started")
+            opened = [e["time"] for e in job.events("membership_change", source="agent:host-a") if e["time"] > joining]
+            say(f"round {grown['round']}: world size 2 again, {grown['time'] - opened[0]:.1f}s after host-c joined "
+                f"({grown['time'] - joining:.1f}s after it started, its warm-up included)")
         codes = job.wait_agents(timeout=600)
         say(f"agents finished: {codes}")
         return job

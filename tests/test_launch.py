@@ -47,7 +47,7 @@ def test_train_mirrored_on_two_logical_cpus(tmp_path):
 def test_main_job_runs_end_to_end(tmp_path):
     """The README's first command, shortened: a host lost, a host joined, a summary and a plot that
     agree with events.jsonl."""
-    proc = run_python(f"import sys; sys.argv = ['m', '--run_dir={tmp_path}', '--epochs=6'];"
+    proc = run_python(f"import sys; sys.argv = ['m', '--run_dir={tmp_path}', '--epochs=30'];"
                       "from launch import main_job; from absl import app; app.run(lambda a: sys.exit(main_job.main(a)))",
                       timeout=600)
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
