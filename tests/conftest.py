@@ -18,9 +18,10 @@ _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def two_cpu_strategy() -> tf.distribute.MirroredStrategy:
-    """MirroredStrategy over the two logical CPU devices."""
+    """MirroredStrategy over the two logical CPU devices, one for the whole session: collective instance
+    keys are process-wide, and a second strategy would reuse the first one's (a shape-mismatch abort)."""
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
