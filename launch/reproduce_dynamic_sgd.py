@@ -13,7 +13,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple
 
 from absl import app, flags, logging
 

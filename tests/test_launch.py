@@ -1,10 +1,9 @@
 """The launch scripts run end to end in their short forms."""
 import json
-import sys
 
 import pytest
 
-from conftest import REPO, run_python
+from conftest import run_python
 
 
 @pytest.mark.slow

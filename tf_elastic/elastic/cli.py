@@ -7,7 +7,7 @@ import socket
 import sys
 from typing import List
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from tf_elastic.elastic.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.rendezvous import Timeouts

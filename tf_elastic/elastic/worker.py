@@ -148,10 +148,10 @@ class _ElasticCallback(keras.callbacks.Callback):
 
 
 class _ElasticFit:
-    def __init__(self, model, x, y, world, strategy, state, plan, batch, schedule, commit_every_steps,
-                 commit_every_seconds, sync_every_steps, events):
+    def __init__(self, model, x, y, world, strategy, state, plan, batch, commit_every_steps, commit_every_seconds,
+                 sync_every_steps, events):
         self.model, self.x, self.y, self.world, self.strategy = model, x, y, world, strategy
-        self.state, self.plan, self.batch, self.schedule, self.events = state, plan, batch, schedule, events
+        self.state, self.plan, self.batch, self.events = state, plan, batch, events
         self.global_batch = batch * world.size
         self.commit_every_steps, self.commit_every_seconds = commit_every_steps, commit_every_seconds
         self.sync_every_steps = sync_every_steps
@@ -297,8 +297,8 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
     restored = state.restore()
     events.write("restore", round=world.round, rank=world.rank, restored=restored, step=state.step,
                  epoch=state.epoch, samples=state.samples, world_size=world.size)
-    trainer = _ElasticFit(model, x, y, world, strategy, state, DataPlan(len(x), seed), batch, schedule,
-                          commit_every_steps, commit_every_seconds, max(1, sync_every_steps), events)
+    trainer = _ElasticFit(model, x, y, world, strategy, state, DataPlan(len(x), seed), batch, commit_every_steps,
+                          commit_every_seconds, max(1, sync_every_steps), events)
     if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
         # A worker of the previous round was still committing while we restored: start the round again.
         events.write("restore_mismatch", round=world.round, rank=world.rank, step=state.step)

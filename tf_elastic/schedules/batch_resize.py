@@ -1,6 +1,6 @@
 """Dynamic mini-batch SGD's learning rate: follow the global batch size smoothly (Lin et al. 2019)."""
 import math
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
