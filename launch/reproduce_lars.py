@@ -6,7 +6,7 @@ the same CNN, the same epochs on MNIST, ≥ 3 seeds, under (1) SGD at the base b
 batch with linear LR scaling and warm-up, (3) LARS at 32x with warm-up and polynomial decay. Prints a
 markdown table and writes a plot; the goal is LARS at 32x within 1 % of the baseline.
 
-    python -m launch.reproduce_lars            # ~10 min on 2 CPU cores
+    python -m launch.reproduce_lars            # ~20 min on 2 CPU cores
     python -m launch.reproduce_lars --quick    # ~1 min, for the test suite
 """
 import json
