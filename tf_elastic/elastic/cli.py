@@ -3,7 +3,6 @@
     tf-elastic-run --nproc=1 --min_workers=1 --max_workers=2 --rdzv=file:///tmp/rdzv --job_id=demo \\
         --run_dir=/tmp/run -- python -m launch.train --dataset=digits
 """
-import socket
 import sys
 from typing import List
 
@@ -64,7 +63,7 @@ def main(argv: List[str]) -> int:
         min_workers=FLAGS.min_workers, max_workers=FLAGS.max_workers, max_restarts=FLAGS.max_restarts,
         heartbeat_timeout=FLAGS.heartbeat_timeout, startup_timeout=FLAGS.startup_timeout,
         monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=FLAGS.advertise_addr,
-        host_id=FLAGS.host_id or f"{socket.gethostname()}-{__import__('os').getpid()}",
+        host_id=FLAGS.host_id or "",  # empty: the agent uses hostname-pid
         timeouts=Timeouts(rendezvous=FLAGS.rendezvous_timeout, last_call=FLAGS.last_call,
                           survivor_wait=FLAGS.survivor_wait, host_ttl=FLAGS.host_ttl),
         index_log=FLAGS.index_log, warm_start=FLAGS.warm_start)
