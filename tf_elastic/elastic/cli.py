@@ -29,7 +29,7 @@ flags.DEFINE_float("last_call", 2.0, "Seconds a round stays open for stragglers 
                    lower_bound=0.0)
 flags.DEFINE_float("survivor_wait", 30.0, "Seconds a round waits for a live survivor still stopping its workers.",
                    lower_bound=0.0)
-flags.DEFINE_float("host_ttl", 2.0, "Seconds after its last keepalive that a host counts as lost.", lower_bound=0.2)
+flags.DEFINE_float("host_ttl", 1.0, "Seconds after its last keepalive that a host counts as lost.", lower_bound=0.2)
 flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
 flags.DEFINE_string("advertise_addr", "127.0.0.1", "Address other hosts use to reach this host's workers.")
 flags.DEFINE_string("host_id", None, "This host's id in the job (default: hostname-pid).")
@@ -47,6 +47,9 @@ def _validate() -> None:
     if FLAGS.monitor_interval >= FLAGS.heartbeat_timeout:
         raise app.UsageError(f"--monitor_interval={FLAGS.monitor_interval} must be < "
                              f"--heartbeat_timeout={FLAGS.heartbeat_timeout}.")
+    if 2 * FLAGS.monitor_interval > FLAGS.host_ttl:
+        raise app.UsageError(f"--monitor_interval={FLAGS.monitor_interval} must be at most half of "
+                             f"--host_ttl={FLAGS.host_ttl}: the host lease is renewed every monitor interval.")
 
 
 def main(argv: List[str]) -> int:

@@ -10,7 +10,7 @@ import signal
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -82,7 +82,14 @@ def make_strategy(world: World, kind: str = "auto", collective: str = "auto",
 
 
 class CommittedState:
-    """What survives a failure, saved atomically: chief to RUN_DIR/checkpoints, others to a temp dir."""
+    """What survives a failure, saved atomically: chief to RUN_DIR/checkpoints, others to a temp dir.
+
+    A commit is a traced `Checkpoint.write` followed by the `checkpoint` state file that
+    `tf.train.CheckpointManager` and `tf.train.latest_checkpoint` read. The manager's own `save`
+    re-serialises the object graph in Python on every call (measured 20-35 ms against 4 ms traced for
+    mnist_cnn: 3 % of training at 50-step commits). The state file is replaced atomically once the files
+    it names are complete, so a worker killed mid-commit leaves the previous commit in force.
+    """
 
     def __init__(self, world: World, run_dir: str, model: keras.Model,
                  schedule: Optional[BatchResizeSchedule] = None, max_to_keep: int = 3):
@@ -93,9 +100,15 @@ class CommittedState:
             items["batch_history"] = schedule.state
         self.checkpoint = tf.train.Checkpoint(**items)
         self.directory = str(Path(run_dir) / CHECKPOINT_DIR)
-        write_dir = self.directory if world.is_chief else tempfile.mkdtemp(prefix=f"tf_elastic-rank{world.rank}-")
-        self._temp_dir = None if world.is_chief else write_dir
-        self.manager = tf.train.CheckpointManager(self.checkpoint, write_dir, max_to_keep=max_to_keep)
+        self._write_dir = self.directory if world.is_chief else tempfile.mkdtemp(prefix=f"tf_elastic-rank{world.rank}-")
+        self._temp_dir = None if world.is_chief else self._write_dir
+        Path(self._write_dir).mkdir(parents=True, exist_ok=True)
+        self._max_to_keep = max_to_keep
+        kept = tf.train.get_checkpoint_state(self._write_dir)
+        # (path, time) pairs: with the times, `tf.train.CheckpointManager` also lists these commits.
+        self._kept = list(zip(kept.all_model_checkpoint_paths, kept.all_model_checkpoint_timestamps)) if kept else []
+        # Traced on the first commit, once every variable (optimizer slots included) exists.
+        self._write = tf.function(lambda prefix: self.checkpoint.write(prefix))
 
     @property
     def epoch(self) -> int:
@@ -109,21 +122,45 @@ class CommittedState:
     def step(self) -> int:
         return int(self.progress[2])
 
-    def restore(self) -> bool:
-        """Restores the newest committed state (every worker reads the chief's); False if none yet."""
-        latest = tf.train.latest_checkpoint(self.directory)
-        if latest is None:
-            return False
-        self.checkpoint.restore(latest).assert_existing_objects_matched()
-        return True
+    def restore(self) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+        """Restores the newest readable commit (every worker reads the chief's).
+
+        Returns its path (None when nothing was committed yet) and the newer ones skipped as unreadable
+        (truncated or corrupted files), each with the error. A commit of another model is an error."""
+        kept = tf.train.get_checkpoint_state(self.directory)
+        skipped = []
+        for path in reversed(kept.all_model_checkpoint_paths if kept else []):
+            try:
+                self.checkpoint.read(path).assert_existing_objects_matched()
+                return path, skipped
+            except (tf.errors.OpError, IndexError) as error:  # the reader raises IndexError on a short file
+                skipped.append((path, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
+            except (AssertionError, ValueError) as error:
+                raise ValueError(f"the committed state {path} does not fit this model or optimizer "
+                                 f"({str(error).splitlines()[0][:300]}); use another --run_dir or the "
+                                 f"configuration it was written with") from None
+        if skipped:
+            raise ValueError(f"no readable commit in {self.directory}: " + "; ".join(e for _, e in skipped))
+        return None, skipped
 
     def commit(self, epoch: int, samples: int, step: int, global_batch: int) -> None:
         """All workers call this at the same step: saving may run collectives (SyncOnRead variables)."""
         self.progress.assign(np.array([epoch, samples, step, global_batch], np.int64))
-        self.manager.save(checkpoint_number=step)
+        # Named by the whole position: a commit never overwrites the files the state file names.
+        prefix = str(Path(self._write_dir) / f"ckpt-{step}-{epoch}-{samples}")
+        self._write(tf.constant(prefix))
         if self._temp_dir:
             for path in Path(self._temp_dir).glob("*"):
                 path.unlink() if path.is_file() else shutil.rmtree(path)
+            return
+        self._kept.append((prefix, time.time()))
+        expired, self._kept = self._kept[:-self._max_to_keep], self._kept[-self._max_to_keep:]
+        paths, times = zip(*self._kept)
+        tf.compat.v1.train.update_checkpoint_state(self._write_dir, prefix, all_model_checkpoint_paths=paths,
+                                                   all_model_checkpoint_timestamps=times)
+        for old, _ in expired:
+            for path in Path(old).parent.glob(Path(old).name + ".*"):
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._temp_dir:
@@ -294,9 +331,12 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
     batch = replica_batch_size(batch_policy, replicas, per_replica_batch_size, global_batch_size) * (
         replicas // world.size)
     state = CommittedState(world, run_dir, model, schedule)
-    restored = state.restore()
-    events.write("restore", round=world.round, rank=world.rank, restored=restored, step=state.step,
-                 epoch=state.epoch, samples=state.samples, world_size=world.size)
+    restored, skipped = state.restore()
+    for path, error in skipped:
+        events.write("checkpoint_skipped", round=world.round, rank=world.rank, path=path, error=error)
+        logging.warning("skipped the unreadable commit %s: %s", path, error)
+    events.write("restore", round=world.round, rank=world.rank, restored=restored is not None, path=restored,
+                 step=state.step, epoch=state.epoch, samples=state.samples, world_size=world.size)
     trainer = _ElasticFit(model, x, y, world, strategy, state, DataPlan(len(x), seed), batch, commit_every_steps,
                           commit_every_seconds, max(1, sync_every_steps), events)
     if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
