@@ -13,6 +13,7 @@ setup(
     install_requires=[
         "tensorflow>=2.20,<2.22",
         "keras>=3.10,<4",
+        "requests>=2.28",
         "absl-py",
         "tensorboard",  # TF 2.21 no longer pulls it in; tf.summary needs it
     ],

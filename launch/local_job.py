@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -17,19 +18,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class LocalJob:
-    def __init__(self, tmp: Path, train_args: List[str], agent_args: List[str] = (), job_id: str = "job"):
+    def __init__(self, tmp: Path, train_args: List[str], agent_args: List[str] = (), job_id: Optional[str] = None,
+                 rdzv: Optional[str] = None):
+        """`rdzv`: the store URL (default: a file store in `tmp`); `job_id`: default unique, so that jobs
+        can share one etcd."""
         self.tmp, self.run_dir = tmp, tmp / "run"
-        self.rdzv = f"file://{tmp / 'rdzv'}"
-        self.train_args, self.agent_args, self.job_id = list(train_args), list(agent_args), job_id
+        self.rdzv = rdzv or f"file://{tmp / 'rdzv'}"
+        self.train_args, self.agent_args = list(train_args), list(agent_args)
+        self.job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
         self.agents: Dict[str, subprocess.Popen] = {}
 
-    def start_agent(self, host: str, command: Optional[List[str]] = None, **flags) -> subprocess.Popen:
+    def start_agent(self, host: str, command: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None,
+                    **flags) -> subprocess.Popen:
         args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
                 f"--run_dir={self.run_dir}", f"--host_id={host}", *self.agent_args,
                 *[f"--{k}={v}" for k, v in flags.items()], "--",
                 *(command or [sys.executable, "-m", "launch.train", *self.train_args])]
         log = open(self.tmp / f"agent-{host}.log", "ab")
-        env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+        env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
         self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.agents[host]
 

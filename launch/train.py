@@ -52,7 +52,7 @@ flags.DEFINE_integer("cpu_devices", 1, "Split the CPU into this many logical dev
 flags.DEFINE_integer("threads", 0, "TF intra/inter-op threads per worker (0: TensorFlow's default).", lower_bound=0)
 # State.
 flags.DEFINE_string("run_dir", None, "Where checkpoints, events and TensorBoard go (default: the agent's, else runs/train).")
-flags.DEFINE_integer("commit_every_steps", 50, "Commit state every N steps (0: only at epoch ends).", lower_bound=0)
+flags.DEFINE_integer("commit_every_steps", 100, "Commit state every N steps (0: only at epoch ends).", lower_bound=0)
 flags.DEFINE_float("commit_every_seconds", None, "Also commit when this many seconds passed.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Seed for weights and the data order.")
 FLAGS = flags.FLAGS

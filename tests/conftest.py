@@ -58,3 +58,20 @@ def mnist():
     with np.load(SHARED_DATA / "mnist.npz") as data:
         return {k: (data[k].astype("float32") / 255.0 if k.startswith("x") else data[k].astype("int32"))
                 for k in data.files}
+
+
+@pytest.fixture(scope="session")
+def etcd():
+    """One real etcd on 127.0.0.1 for the session; tests keep apart by job id."""
+    from launch.etcd_server import EtcdServer
+
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(params=["file", "etcd"])
+def rdzv_url(request, tmp_path) -> str:
+    """Each rendezvous and elastic test runs against both store backends."""
+    if request.param == "file":
+        return f"file://{tmp_path / 'rdzv'}"
+    return request.getfixturevalue("etcd").url

@@ -18,12 +18,13 @@ TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=1
 
 
 @pytest.fixture
-def job_factory(tmp_path):
+def job_factory(tmp_path, rdzv_url):
+    """Jobs on the file store and on etcd (`rdzv_url` is parametrised in conftest)."""
     jobs = []
 
     def make(train_args, agent_args=(), name="job"):
         (tmp_path / name).mkdir()
-        jobs.append(LocalJob(tmp_path / name, train_args, agent_args))
+        jobs.append(LocalJob(tmp_path / name, train_args, agent_args, rdzv=rdzv_url))
         return jobs[-1]
 
     yield make

@@ -22,18 +22,6 @@ def test_agent_side_never_imports_tensorflow():
     assert proc.stdout.strip() == "False False"
 
 
-def test_file_store_compare_and_set_and_leases(tmp_path):
-    store = open_store(f"file://{tmp_path}")
-    assert store.compare_and_set("/job/round", None, "1")
-    assert not store.compare_and_set("/job/round", None, "2")
-    assert store.compare_and_set("/job/round", "1", "2") and store.get("/job/round") == "2"
-    store.set("/job/hosts/a", "{}", ttl=0.3)
-    store.set("/job/hosts/b", "{}")
-    assert set(store.list("/job/hosts")) == {"job/hosts/a", "job/hosts/b"}
-    time.sleep(0.5)
-    assert store.get("/job/hosts/a") is None and set(store.list("/job/hosts")) == {"job/hosts/b"}
-
-
 def test_file_store_rejects_malformed_content(tmp_path):
     store = FileStore(str(tmp_path))
     (tmp_path / "job").mkdir()

@@ -12,14 +12,17 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
 from tf_elastic.elastic import world as contract
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.rendezvous import JobEnded, Rendezvous, RendezvousTimeout, Round, Timeouts
+from tf_elastic.elastic.rendezvous import JobEnded, Rendezvous, RendezvousTimeout, Round, Timeouts, TokenRefused
 from tf_elastic.elastic.store import Store, StoreError
+
+
+_AGENT_SECRETS = ("TF_ELASTIC_JOB_TOKEN", "TF_ELASTIC_RDZV_PASSWORD")
 
 
 class Outcome(enum.Enum):
@@ -38,7 +41,7 @@ class AgentConfig:
     min_workers: int = 1
     max_workers: int = 1
     max_restarts: int = 3
-    heartbeat_timeout: float = 5.0  # a training worker silent this long is hung
+    heartbeat_timeout: float = 3.0  # a training worker silent this long is hung (it beats every 0.5 s)
     startup_timeout: float = 120.0  # allowance for a worker to reach its first step
     monitor_interval: float = 0.2
     stop_grace: float = 15.0  # SIGTERM, then SIGKILL after this many seconds
@@ -48,6 +51,10 @@ class AgentConfig:
     index_log: bool = False
     warm_start: bool = True  # keep a worker per slot started ahead of the next round
     extra_env: Optional[Dict[str, str]] = None
+    job_token: Optional[str] = None  # shared secret every agent of the job presents
+    port_range: Optional[Tuple[int, int]] = None  # workers' TF server ports come from here
+    blacklist_after: int = 2  # this many failures of our own workers in a row keep this host out...
+    blacklist_cooldown: float = 60.0  # ...for this long, doubled at each further strike
 
 
 @dataclasses.dataclass
@@ -71,11 +78,13 @@ class ElasticAgent:
         self.config = config
         self.host_id = config.host_id or f"{socket.gethostname()}-{os.getpid()}"
         self.rendezvous = Rendezvous(store, config.job_id, self.host_id, config.nproc, config.advertise_addr,
-                                     config.min_workers, config.max_workers, config.max_restarts, config.timeouts)
+                                     config.min_workers, config.max_workers, config.max_restarts, config.timeouts,
+                                     token=config.job_token, port_range=config.port_range)
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
         self._leaving = False
         self._warm: List[_Spare] = []
         self._warm_spawned = 0
+        self._own_failures = 0  # failures of this host's own workers, in a row
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (0: done or left gracefully)."""
@@ -90,6 +99,7 @@ class ElasticAgent:
                 self._wait_warm_ready()
             while True:
                 try:
+                    self._sit_out_blacklist()
                     round_ = self.rendezvous.join(previous_ranks=ranks, after=after, cancelled=lambda: self._leaving)
                 except JobEnded as ended:
                     return self._exit(0 if ended.status == "done" else 1, ended.reason)
@@ -100,7 +110,7 @@ class ElasticAgent:
                     return self._exit(0, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
                 self.events.write("rendezvous", round=round_.number, world_size=round_.world_size, ranks=ranks,
-                                  reason=round_.reason, restarts=round_.restarts)
+                                  reason=round_.reason, restarts=round_.restarts, cluster=round_.cluster)
                 outcome = self._run_round(round_, ranks)
                 if outcome is Outcome.SUCCEEDED:
                     self.rendezvous.finish("done", "training finished")
@@ -109,6 +119,8 @@ class ElasticAgent:
                     return self._exit(0, "left the job gracefully")
                 if outcome is Outcome.FAILED:
                     return self._exit(1, (self.rendezvous.outcome() or {}).get("reason", "job failed"))
+        except TokenRefused as refused:
+            return self._exit(2, str(refused))
         except StoreError as error:
             return self._exit(1, f"rendezvous store error: {error}")
         finally:
@@ -116,6 +128,23 @@ class ElasticAgent:
             for spare in self._warm:
                 spare.process.kill()
                 spare.process.wait()
+
+    def _sit_out_blacklist(self) -> None:
+        """Stays out of the job while this host is blacklisted: no lease, so no round waits for it."""
+        try:
+            seconds = self.rendezvous.blacklisted_for()
+        except StoreError:
+            return  # the rendezvous retries the store and reports it
+        if not seconds:
+            return
+        self.rendezvous.leave()
+        self.events.write("blacklisted", host=self.host_id, seconds=round(seconds, 1))
+        logging.warning("host %s is blacklisted for %.0fs after repeated worker failures", self.host_id, seconds)
+        deadline = time.time() + seconds
+        while time.time() < deadline and not self._leaving:
+            if self.rendezvous.outcome() is not None:
+                return  # join() reports how the job ended
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> Outcome:
@@ -145,7 +174,8 @@ class ElasticAgent:
         return _Worker(rank, process, heartbeat, time.time())
 
     def _base_env(self) -> Dict[str, str]:
-        return dict(os.environ, **(self.config.extra_env or {}))
+        env = {k: v for k, v in os.environ.items() if k not in _AGENT_SECRETS}  # workers never need them
+        return dict(env, **(self.config.extra_env or {}))
 
     def _spawn(self, env: Dict[str, str], warm: bool) -> subprocess.Popen:
         # An argv list, never a shell; a session of its own so terminal signals reach the agent only.
@@ -185,19 +215,48 @@ class ElasticAgent:
         return None
 
     def _monitor(self, round_: Round, workers: List[_Worker]) -> Outcome:
+        """Watches the workers and the store until the round ends. While the store is unreachable the
+        workers train on; whatever needs the store is retried once it is back."""
+        unreachable_since = None
+        changed = True
         while True:
-            time.sleep(self.config.monitor_interval)
-            self.rendezvous.keepalive()
-            if self._leaving:
-                return self._leave(round_, workers)
-            if self.rendezvous.outcome() is not None:
-                return Outcome.SUCCEEDED if self.rendezvous.outcome()["status"] == "done" else Outcome.FAILED
+            try:
+                self.rendezvous.keepalive()
+                outcome = self._check_round(round_, workers, changed)
+            except StoreError as error:
+                if unreachable_since is None:
+                    unreachable_since = time.time()
+                    self.events.write("store_unreachable", round=round_.number, error=str(error)[:300])
+                    logging.warning("rendezvous store unreachable (%s); the workers train on", error)
+                outcome = None
+            else:
+                if unreachable_since is not None:
+                    self.events.write("store_reachable", round=round_.number,
+                                      seconds=round(time.time() - unreachable_since, 2))
+                    unreachable_since = None
+            if outcome is not None:
+                return outcome
+            # The local workers are checked every interval; the store only when it may have changed.
+            changed = self.rendezvous.wait_for_change(self.config.monitor_interval) or unreachable_since is not None
+
+    def _check_round(self, round_: Round, workers: List[_Worker], changed: bool) -> Optional[Outcome]:
+        if self._leaving:
+            return self._leave(round_, workers)
+        codes = {w.rank: w.process.poll() for w in workers}
+        own_failure = any(code not in (None, contract.EXIT_DONE, contract.EXIT_STOPPED, contract.EXIT_PEER_FAILURE)
+                          for code in codes.values())
+        current = round_
+        if changed:
+            outcome = self.rendezvous.outcome()
+            if outcome is not None:
+                return Outcome.SUCCEEDED if outcome["status"] == "done" else Outcome.FAILED
             current = self.rendezvous.current()
             if current is None or current.number != round_.number:
                 failed = current is None or current.restarts > round_.restarts
                 self.events.write("membership_change", round=round_.number,
                                   next_round=None if current is None else current.number,
                                   reason=None if current is None else current.reason)
+                self._count_own_failure(own_failure)
                 # After a failure the group is broken and nothing more can be committed: kill at once.
                 # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
                 if failed:
@@ -205,41 +264,53 @@ class ElasticAgent:
                 else:
                     self._stop(workers)
                 return Outcome.RESTART
-            if self.config.warm_start and len(self._warm) < len(workers) and all(
-                    contract.read_heartbeat(w.heartbeat) for w in workers):
-                # Pay the next round's start-up (imports, data) now that this round is training.
-                self._spawn_warm(len(workers) - len(self._warm))
-            for spare in self._warm:
-                if not spare.announced and spare.ready.exists():
-                    spare.announced = True
-                    self.events.write("spare_ready", round=round_.number, worker_pid=spare.process.pid)
-            codes = {w.rank: w.process.poll() for w in workers}
-            if all(code == contract.EXIT_DONE for code in codes.values()):
-                self.events.write("workers_done", round=round_.number, ranks=list(codes))
-                return Outcome.SUCCEEDED
-            hung = [w for w in workers if codes[w.rank] is None and self._silent(w)]
-            for worker in hung:
+        if self.config.warm_start and len(self._warm) < len(workers) and all(
+                contract.read_heartbeat(w.heartbeat) for w in workers):
+            # Pay the next round's start-up (imports, data) now that this round is training.
+            self._spawn_warm(len(workers) - len(self._warm))
+        for spare in self._warm:
+            if not spare.announced and spare.ready.exists():
+                spare.announced = True
+                self.events.write("spare_ready", round=round_.number, worker_pid=spare.process.pid)
+        if all(code == contract.EXIT_DONE for code in codes.values()):
+            self.events.write("workers_done", round=round_.number, ranks=list(codes))
+            return Outcome.SUCCEEDED
+        for worker in workers:
+            if codes[worker.rank] is None and self._silent(worker):
                 worker.process.kill()
-                self._failure(round_, "hang", worker.rank, None)
+                self._failure(round_, "hang", worker.rank, None, own=True)
                 return Outcome.RESTART
-            for rank, code in codes.items():
-                if code not in (None, contract.EXIT_DONE):
-                    if code == contract.EXIT_STOPPED:
-                        # Stopped on its own (a preemption notice sent straight to the worker).
-                        self.events.write("worker_stopped", round=round_.number, rank=rank)
-                        self.rendezvous.open_next(current, reason=f"rank {rank} stopped", failure=False)
-                        self._stop(workers)
-                        return Outcome.RESTART
-                    kind = "peer_failure" if code == contract.EXIT_PEER_FAILURE else "worker_exit"
-                    self._failure(round_, kind, rank, code)
+        for rank, code in codes.items():
+            if code not in (None, contract.EXIT_DONE):
+                if code == contract.EXIT_STOPPED:
+                    # Stopped on its own (a preemption notice sent straight to the worker).
+                    self.events.write("worker_stopped", round=round_.number, rank=rank)
+                    self.rendezvous.open_next(current, reason=f"rank {rank} stopped", failure=False)
+                    self._stop(workers)
                     return Outcome.RESTART
+                kind = "peer_failure" if code == contract.EXIT_PEER_FAILURE else "worker_exit"
+                self._failure(round_, kind, rank, code, own=own_failure)
+                return Outcome.RESTART
+        if changed:
             alive = set(self.rendezvous.alive_hosts())
             lost = [h for h, r in (round_.assignment or {}).items() if r and h not in alive and h != self.host_id]
             if lost:
                 self._failure(round_, "host_lost", None, None, host=lost[0])
                 return Outcome.RESTART
+        return None
 
-    def _failure(self, round_: Round, kind: str, rank: Optional[int], code: Optional[int], host: str = None) -> None:
+    def _count_own_failure(self, own: bool) -> None:
+        """Blacklists this host after `blacklist_after` failures of its own workers in a row."""
+        self._own_failures = self._own_failures + 1 if own else 0
+        if own and self._own_failures >= self.config.blacklist_after:
+            self._own_failures = 0
+            seconds = self.rendezvous.blacklist(self.config.blacklist_cooldown)
+            logging.warning("host %s: %d failures of its own workers in a row; out for %.0fs", self.host_id,
+                            self.config.blacklist_after, seconds)
+
+    def _failure(self, round_: Round, kind: str, rank: Optional[int], code: Optional[int], host: str = None,
+                 own: bool = False) -> None:
+        self._count_own_failure(own)
         current = self.rendezvous.current()
         counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
             current, reason=f"{kind} rank={rank} host={host or self.host_id}", failure=True)
@@ -273,7 +344,10 @@ class ElasticAgent:
                 worker.process.send_signal(signal.SIGTERM)
         deadline = time.time() + self.config.stop_grace
         while any(w.process.poll() is None for w in workers) and time.time() < deadline:
-            self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
+            try:
+                self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
+            except StoreError:
+                pass  # the monitor reports the outage; stopping goes on
             time.sleep(self.config.monitor_interval)
         for worker in workers:
             if worker.process.poll() is None:

@@ -3,24 +3,36 @@
     tf-elastic-run --nproc=1 --min_workers=1 --max_workers=2 --rdzv=file:///tmp/rdzv --job_id=demo \\
         --run_dir=/tmp/run -- python -m launch.train --dataset=digits
 """
+import os
+import re
+import socket
 import sys
-from typing import List
+from typing import List, Optional, Tuple
 
 from absl import app, flags
 
 from tf_elastic.elastic.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.rendezvous import Timeouts
-from tf_elastic.elastic.store import open_store
+from tf_elastic.elastic.store import StoreOptions, open_store
 
 flags.DEFINE_integer("nproc", 1, "Workers on this host.", lower_bound=1)
 flags.DEFINE_integer("min_workers", 1, "Fewest workers the job trains with.", lower_bound=1)
 flags.DEFINE_integer("max_workers", 1, "Most workers the job trains with.", lower_bound=1)
-flags.DEFINE_string("rdzv", None, "Rendezvous store URL, e.g. file:///shared/rdzv.")
+flags.DEFINE_string("rdzv", None, "Rendezvous store URL: file:///SHARED/DIR or etcd://HOST:PORT[,HOST:PORT...].")
+flags.DEFINE_string("rdzv_user", None, "etcd user name (with --rdzv_password or TF_ELASTIC_RDZV_PASSWORD).")
+flags.DEFINE_string("rdzv_password", None, "etcd password; prefer TF_ELASTIC_RDZV_PASSWORD (argv is visible in ps).")
+flags.DEFINE_string("rdzv_ca_cert", None, "TLS: CA certificate to verify etcd with (switches to https).")
+flags.DEFINE_string("rdzv_cert", None, "TLS: client certificate for etcd (with --rdzv_key).")
+flags.DEFINE_string("rdzv_key", None, "TLS: client key for etcd (with --rdzv_cert).")
+flags.DEFINE_float("rdzv_request_timeout", 2.0, "Seconds per store request before an endpoint counts as down.",
+                   lower_bound=0.1)
+flags.DEFINE_string("job_token", None, "Shared secret every agent of the job presents (or TF_ELASTIC_JOB_TOKEN); "
+                    "an agent with another token is refused.")
 flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
 flags.DEFINE_string("run_dir", None, "Run directory (checkpoints, events.jsonl); shared by all hosts.")
 flags.DEFINE_integer("max_restarts", 3, "Failures tolerated before the job fails (joins and leaves are free).",
                      lower_bound=0)
-flags.DEFINE_float("heartbeat_timeout", 5.0, "Seconds of silence from a training worker that count as a hang.",
+flags.DEFINE_float("heartbeat_timeout", 3.0, "Seconds of silence from a training worker (it beats every 0.5 s) that count as a hang.",
                    lower_bound=0.5)
 flags.DEFINE_float("startup_timeout", 120.0, "Seconds a new worker may take to reach its first step.", lower_bound=1.0)
 flags.DEFINE_float("monitor_interval", 0.2, "Seconds between checks of workers and store.", lower_bound=0.01)
@@ -31,7 +43,13 @@ flags.DEFINE_float("survivor_wait", 30.0, "Seconds a round waits for a live surv
                    lower_bound=0.0)
 flags.DEFINE_float("host_ttl", 1.0, "Seconds after its last keepalive that a host counts as lost.", lower_bound=0.2)
 flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
-flags.DEFINE_string("advertise_addr", "127.0.0.1", "Address other hosts use to reach this host's workers.")
+flags.DEFINE_string("advertise_addr", None,
+                    "Address other hosts use to reach this host's workers (default: this host name's address).")
+flags.DEFINE_string("port_range", None, "LOW-HIGH: the workers' TF server ports come from this range (firewalls).")
+flags.DEFINE_integer("blacklist_after", 2, "Failures of this host's own workers in a row that blacklist it.",
+                     lower_bound=1)
+flags.DEFINE_float("blacklist_cooldown", 60.0, "Seconds a blacklisted host stays out; doubled at each strike.",
+                   lower_bound=0.0)
 flags.DEFINE_string("host_id", None, "This host's id in the job (default: hostname-pid).")
 flags.DEFINE_bool("warm_start", True, "Start each next worker ahead of its round (imports done before a restart).")
 flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indices they train on.")
@@ -42,6 +60,8 @@ def _validate() -> None:
     for name in ("rdzv", "job_id", "run_dir"):
         if not getattr(FLAGS, name):
             raise app.UsageError(f"--{name} is required.")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", FLAGS.job_id) or FLAGS.job_id in (".", ".."):
+        raise app.UsageError(f"--job_id={FLAGS.job_id!r}: use 1-128 letters, digits, '_', '.', '-' (it names store keys).")
     if FLAGS.min_workers > FLAGS.max_workers:
         raise app.UsageError(f"--min_workers={FLAGS.min_workers} must be <= --max_workers={FLAGS.max_workers}.")
     if FLAGS.monitor_interval >= FLAGS.heartbeat_timeout:
@@ -52,24 +72,52 @@ def _validate() -> None:
                              f"--host_ttl={FLAGS.host_ttl}: the host lease is renewed every monitor interval.")
 
 
+def _port_range() -> Optional[Tuple[int, int]]:
+    if FLAGS.port_range is None:
+        return None
+    low, _, high = FLAGS.port_range.partition("-")
+    if not (low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
+        raise app.UsageError(f"--port_range={FLAGS.port_range!r}: expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535.")
+    if int(high) - int(low) + 1 < FLAGS.nproc:
+        raise app.UsageError(f"--port_range={FLAGS.port_range} holds fewer ports than --nproc={FLAGS.nproc}.")
+    return int(low), int(high)
+
+
+def _advertise_addr() -> str:
+    if FLAGS.advertise_addr:
+        return FLAGS.advertise_addr
+    try:
+        return socket.gethostbyname(socket.getfqdn())
+    except OSError as error:
+        raise app.UsageError(f"cannot resolve this host's name ({error}); give --advertise_addr.") from None
+
+
 def main(argv: List[str]) -> int:
     command = argv[1:]
     if not command:
         raise app.UsageError("give the worker command after '--', e.g. -- python -m launch.train")
     _validate()
+    if bool(FLAGS.rdzv_cert) != bool(FLAGS.rdzv_key):
+        raise app.UsageError("--rdzv_cert and --rdzv_key go together.")
+    options = StoreOptions(user=FLAGS.rdzv_user,
+                           password=FLAGS.rdzv_password or os.environ.get("TF_ELASTIC_RDZV_PASSWORD"),
+                           ca_cert=FLAGS.rdzv_ca_cert, cert=FLAGS.rdzv_cert, key=FLAGS.rdzv_key,
+                           request_timeout=FLAGS.rdzv_request_timeout)
     try:
-        store = open_store(FLAGS.rdzv)
+        store = open_store(FLAGS.rdzv, options)
     except ValueError as error:
         raise app.UsageError(str(error))
     config = AgentConfig(
         command=command, job_id=FLAGS.job_id, run_dir=FLAGS.run_dir, nproc=FLAGS.nproc,
         min_workers=FLAGS.min_workers, max_workers=FLAGS.max_workers, max_restarts=FLAGS.max_restarts,
         heartbeat_timeout=FLAGS.heartbeat_timeout, startup_timeout=FLAGS.startup_timeout,
-        monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=FLAGS.advertise_addr,
+        monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=_advertise_addr(),
         host_id=FLAGS.host_id or "",  # empty: the agent uses hostname-pid
         timeouts=Timeouts(rendezvous=FLAGS.rendezvous_timeout, last_call=FLAGS.last_call,
                           survivor_wait=FLAGS.survivor_wait, host_ttl=FLAGS.host_ttl),
-        index_log=FLAGS.index_log, warm_start=FLAGS.warm_start)
+        index_log=FLAGS.index_log, warm_start=FLAGS.warm_start,
+        job_token=FLAGS.job_token or os.environ.get("TF_ELASTIC_JOB_TOKEN"), port_range=_port_range(),
+        blacklist_after=FLAGS.blacklist_after, blacklist_cooldown=FLAGS.blacklist_cooldown)
     code = ElasticAgent(config, store).run()
     store.close()
     return code

@@ -5,6 +5,7 @@ one host or a shared filesystem; other backends (etcd) register themselves in `B
 Values are JSON text: nothing is pickled, on the wire or on disk.
 """
 import abc
+import dataclasses
 import fcntl
 import json
 import os
@@ -19,8 +20,21 @@ class StoreError(RuntimeError):
     """The store is unreachable or holds content we cannot accept."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """Connection settings a networked backend needs; the file store needs none."""
+    user: Optional[str] = None
+    password: Optional[str] = None
+    ca_cert: Optional[str] = None  # TLS: verify the server against this CA
+    cert: Optional[str] = None  # TLS client certificate and its key
+    key: Optional[str] = None
+    request_timeout: float = 2.0  # seconds per request before an endpoint counts as unreachable
+
+
 class Store(abc.ABC):
     """Keys are '/'-separated paths; values are strings; every key lives under the job's prefix."""
+
+    notifies = False  # True when `wait` wakes on changes rather than sleeping
 
     @abc.abstractmethod
     def get(self, key: str) -> Optional[str]:
@@ -42,24 +56,34 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Removes `key` if present."""
 
+    def wait(self, prefix: str, timeout: float) -> bool:
+        """Blocks until a key under `prefix` may have changed (True) or `timeout` passed (False).
+
+        Backends that cannot notify just sleep and answer True: read again."""
+        time.sleep(timeout)
+        return True
+
     def close(self) -> None:
         """Releases connections; the default has none."""
 
 
-BACKENDS: Dict[str, Callable[[urllib.parse.ParseResult], Store]] = {}
+Factory = Callable[[urllib.parse.ParseResult, StoreOptions], Store]
+BACKENDS: Dict[str, Factory] = {}
 
 
-def register_backend(scheme: str, factory: Callable[[urllib.parse.ParseResult], Store]) -> None:
+def register_backend(scheme: str, factory: Factory) -> None:
     BACKENDS[scheme] = factory
 
 
-def open_store(url: str) -> Store:
-    """Opens the store that `url` names, e.g. `file:///tmp/rdzv`."""
+def open_store(url: str, options: StoreOptions = StoreOptions()) -> Store:
+    """Opens the store that `url` names, e.g. `file:///tmp/rdzv` or `etcd://127.0.0.1:2379`."""
+    from tf_elastic.elastic import etcd_store  # noqa: F401  registers etcd://
+
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme not in BACKENDS:
         raise ValueError(f"--rdzv={url!r}: unknown store scheme {parsed.scheme!r}; known: "
                          f"{', '.join(s + '://' for s in sorted(BACKENDS))}.")
-    return BACKENDS[parsed.scheme](parsed)
+    return BACKENDS[parsed.scheme](parsed, options)
 
 
 class FileStore(Store):
@@ -144,7 +168,8 @@ class FileStore(Store):
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _file_store(url: urllib.parse.ParseResult) -> Store:
+def _file_store(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
+    del options  # a directory needs no credentials
     if url.netloc not in ("", "localhost") or not url.path:
         raise ValueError(f"--rdzv=file://{url.netloc}{url.path}: expected file:///ABSOLUTE/DIR.")
     return FileStore(url.path)

@@ -1,0 +1,76 @@
+"""A throwaway single-member etcd on 127.0.0.1 (Debian's `etcd-server`), for tests, benchmarks and chaos.
+
+Started with a short heartbeat and election timeout: etcd raises a lease TTL below 1.5 election
+timeouts to that minimum, and the agents' host leases are 1 s.
+"""
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import requests
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    def __init__(self, data_dir: Optional[str] = None):
+        if shutil.which("etcd") is None:
+            raise RuntimeError("etcd is not installed: apt-get install etcd-server")
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tf_elastic-etcd-"))
+        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://127.0.0.1:{self.client_port}"
+
+    def start(self, timeout: float = 20.0) -> "EtcdServer":
+        """Starts etcd (again, after `stop`, on the same ports and data) and waits until it answers."""
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        log = open(self.data_dir.with_suffix(".log"), "ab")
+        self.process = subprocess.Popen(
+            ["etcd", "--name=tf_elastic", f"--data-dir={self.data_dir}", f"--listen-client-urls={client}",
+             f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
+             f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=tf_elastic={peer}",
+             "--heartbeat-interval=25", "--election-timeout=250"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                if requests.post(f"{client}/v3/kv/range", json={"key": "eA=="}, timeout=0.5).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"etcd did not start within {timeout}s; see {self.data_dir.with_suffix('.log')}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self.data_dir.with_suffix(".log").unlink(missing_ok=True)
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

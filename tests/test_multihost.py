@@ -1,0 +1,92 @@
+"""Multi-host behaviour on one machine: job tokens, blacklisting, an etcd outage, agents on three
+loopback addresses. Real agents, real etcd, real signals."""
+import sys
+
+import pytest
+
+from launch.etcd_server import EtcdServer
+from launch.local_job import LocalJob
+
+pytestmark = pytest.mark.slow
+
+TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=16", "--threads=1",
+         "--commit_every_steps=10", "--optimizer=sgd"]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(6)"]  # a worker that ends well (exit 0)
+CRASHER = [sys.executable, "-c", "import sys; sys.exit(7)"]
+
+
+@pytest.fixture
+def jobs():
+    made = []
+    yield made
+    for job in made:
+        job.cleanup()
+
+
+def _job(jobs, tmp_path, rdzv, train=(), agent=()):
+    jobs.append(LocalJob(tmp_path, list(train), list(agent), rdzv=rdzv))
+    return jobs[-1]
+
+
+def test_an_agent_with_another_job_token_is_refused_and_the_job_goes_on(jobs, tmp_path, rdzv_url):
+    job = _job(jobs, tmp_path, rdzv_url, agent=["--nowarm_start", "--max_workers=2", "--last_call=0.5"])
+    job.start_agent("a", command=SLEEPER, env={"TF_ELASTIC_JOB_TOKEN": "right"})
+    job.wait_for(lambda: job.events("worker_start"), what="a's worker")
+    intruder = job.start_agent("x", command=SLEEPER, job_token="wrong")
+    assert intruder.wait(timeout=60) == 2
+    refusal = job.events("exit", source="agent:x")[-1]["reason"]
+    assert f"refused to join job '{job.job_id}'" in refusal and "wrong" not in refusal
+    assert job.agents["a"].wait(timeout=60) == 0
+    assert all(e["ranks"] == [0] and e["world_size"] == 1 for e in job.events("rendezvous"))
+
+
+def test_a_host_whose_workers_keep_failing_is_blacklisted_and_the_job_goes_on(jobs, tmp_path, rdzv_url):
+    job = _job(jobs, tmp_path, rdzv_url, agent=["--nowarm_start", "--max_workers=2", "--last_call=1",
+                                                "--blacklist_after=2", "--blacklist_cooldown=300"])
+    job.start_agent("a", command=SLEEPER)
+    job.start_agent("b", command=CRASHER)
+    blacklisted = job.wait_for(lambda: job.events("blacklisted", source="agent:b"), what="b blacklisted")[0]
+    assert blacklisted["seconds"] == 300.0
+    assert job.wait_agents(timeout=120) == {"a": 0, "b": 0}
+    last = job.events("rendezvous", source="agent:a")[-1]
+    assert last["world_size"] == 1 and last["restarts"] == 2
+    assert not [e for e in job.events("rendezvous", source="agent:b") if e["time"] > blacklisted["time"]]
+
+
+def test_an_etcd_outage_does_not_stop_training(jobs, tmp_path):
+    with EtcdServer() as etcd:
+        job = _job(jobs, tmp_path, etcd.url, train=TRAIN + ["--epochs=6"],
+                   agent=["--min_workers=2", "--max_workers=2", "--last_call=1"])
+        job.start_agent("a")
+        job.start_agent("b")
+        job.wait_for(lambda: job.events("commit"), what="a commit at world size 2")
+        etcd.stop()
+        down = job.wait_for(lambda: job.events("store_unreachable"), what="the agents noticing the outage")[0]
+        job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > down["time"] + 3], timeout=60,
+                     what="commits during the outage")
+        etcd.start()
+        assert job.wait_agents(timeout=300) == {"a": 0, "b": 0}
+        assert {e["source"] for e in job.events("store_reachable")} == {"agent:a", "agent:b"}
+        assert not job.events("failure") and len(job.events("rendezvous")) == 2
+        assert job.events("commit")[-1]["epoch"] == 6
+
+
+def test_an_agent_cannot_rendezvous_without_its_store_and_says_so(jobs, tmp_path):
+    etcd = EtcdServer()  # never started: nothing listens on its port
+    job = _job(jobs, tmp_path, etcd.url, agent=["--nowarm_start", "--rendezvous_timeout=2",
+                                                "--rdzv_request_timeout=0.5"])
+    assert job.start_agent("a", command=SLEEPER).wait(timeout=60) == 1
+    reason = job.events("exit")[-1]["reason"]
+    assert "no rendezvous within --rendezvous_timeout=2s: cannot reach etcd" in reason, reason
+    etcd.close()
+
+
+def test_agents_on_three_loopback_addresses_train_one_group(jobs, tmp_path, etcd):
+    job = _job(jobs, tmp_path, etcd.url, train=TRAIN + ["--epochs=1"],
+               agent=["--min_workers=3", "--max_workers=3", "--last_call=1"])
+    for host, addr in zip("abc", ("127.0.0.1", "127.0.0.2", "127.0.0.3")):
+        job.start_agent(host, advertise_addr=addr)
+    assert job.wait_agents(timeout=300) == {"a": 0, "b": 0, "c": 0}
+    cluster = job.events("rendezvous", source="agent:a")[-1]["cluster"]
+    assert sorted(a.rsplit(":", 1)[0] for a in cluster) == ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    assert {e["world_size"] for e in job.events("first_step")} == {3}

@@ -1,0 +1,165 @@
+"""Stores and rendezvous rounds in one process, against both backends (a file store and a real etcd)."""
+import json
+import threading
+import time
+import uuid
+
+import pytest
+
+from tf_elastic.elastic.rendezvous import NoFreePorts, Rendezvous, RendezvousTimeout, Round, Timeouts, TokenRefused
+from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
+
+FAST = Timeouts(rendezvous=10, last_call=0.3, survivor_wait=5, host_ttl=1.0, poll=0.05)
+
+
+@pytest.fixture
+def store(rdzv_url):
+    store = open_store(rdzv_url)
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def job():
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+def _rendezvous(store, job, host, **kwargs):
+    args = dict(nproc=1, addr="127.0.0.1", min_workers=1, max_workers=2, max_restarts=3, timeouts=FAST)
+    return Rendezvous(store, job, host, **dict(args, **kwargs))
+
+
+def test_compare_and_set_list_and_leases(store, job):
+    assert store.compare_and_set(f"/{job}/round", None, "1")
+    assert not store.compare_and_set(f"/{job}/round", None, "2")
+    assert not store.compare_and_set(f"/{job}/round", "0", "2")
+    assert store.compare_and_set(f"/{job}/round", "1", "2") and store.get(f"/{job}/round") == "2"
+    store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
+    store.set(f"/{job}/hosts/b", "{}")
+    assert set(store.list(f"/{job}/hosts")) == {f"{job}/hosts/a", f"{job}/hosts/b"}
+    for _ in range(12):  # renewed every 0.1 s: stays for longer than its TTL
+        store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
+        time.sleep(0.1)
+    assert store.get(f"/{job}/hosts/a") == "{}"
+    time.sleep(2.2)
+    assert store.get(f"/{job}/hosts/a") is None and set(store.list(f"/{job}/hosts")) == {f"{job}/hosts/b"}
+    store.delete(f"/{job}/hosts/b")
+    assert store.list(f"/{job}/hosts") == {}
+
+
+def test_wait_wakes_on_a_change(store, job):
+    store.wait(f"/{job}", 0.1)  # the first wait may answer True: changes before it began
+    threading.Timer(0.3, lambda: store.set(f"/{job}/x", "1")).start()
+    started = time.monotonic()
+    assert store.wait(f"/{job}", 3.0)
+    assert time.monotonic() - started < (1.0 if store.notifies else 3.5)
+
+
+def test_two_hosts_freeze_one_round_with_survivors_first(store, job):
+    results = {}
+    hosts = {"a": [1], "b": [0]}  # b held rank 0 before: it keeps it
+
+    def join(host):
+        results[host] = _rendezvous(store, job, host).join(previous_ranks=hosts[host])
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in hosts]
+    [t.start() for t in threads]
+    [t.join(timeout=20) for t in threads]
+    a, b = results["a"], results["b"]
+    assert a.number == b.number and a.world_size == 2 and a.cluster == b.cluster
+    assert a.assignment == {"b": [0], "a": [1]}
+
+
+def test_a_failure_seen_by_every_agent_is_counted_once(store, job):
+    first = _rendezvous(store, job, "a", max_workers=1).join()
+    agents = [_rendezvous(store, job, h) for h in "ab"]
+    opened = [r.open_next(first, reason="worker_exit", failure=True) for r in agents]
+    assert opened.count(True) == 1 and agents[0].current().restarts == 1
+
+
+def test_max_restarts_exceeded_records_the_failed_outcome(store, job):
+    rendezvous = _rendezvous(store, job, "a", max_restarts=0, max_workers=1)
+    rendezvous.open_next(rendezvous.join(), reason="worker_exit", failure=True)
+    assert rendezvous.outcome() == {"status": "failed", "reason": "max_restarts=0 exceeded (worker_exit)"}
+
+
+def test_an_agent_with_another_token_is_refused(store, job):
+    _rendezvous(store, job, "a", token="secret").check_token()
+    _rendezvous(store, job, "b", token="secret").check_token()
+    for token in ("other", None):
+        with pytest.raises(TokenRefused, match=f"refused to join job '{job}'"):
+            _rendezvous(store, job, "c", token=token).check_token()
+    assert "secret" not in json.dumps(store.list(f"/{job}"))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("round", "garbage", "malformed rendezvous round record"),
+    ("round", json.dumps({"version": 2, "number": 0}), "schema version 2, expected 1"),
+    ("round", json.dumps({"version": 1, "number": 0}), "missing"),
+    ("outcome", "[1, 2]", "malformed job outcome record"),
+    ("blacklist/a", json.dumps({"strikes": "many"}), "malformed blacklist record"),
+])
+def test_malformed_store_content_is_rejected_with_a_clear_error(store, job, key, value, message):
+    store.set(f"/{job}/{key}", value)
+    rendezvous = _rendezvous(store, job, "a")
+    read = {"round": rendezvous.current, "outcome": rendezvous.outcome, "blacklist/a": rendezvous.blacklisted_for}
+    with pytest.raises(StoreError, match=message):
+        read[key]()
+
+
+def test_a_rendezvous_on_malformed_content_fails_after_the_timeout_and_names_it(store, job):
+    store.set(f"/{job}/round", "garbage")
+    timeouts = Timeouts(rendezvous=1.0, poll=0.05)
+    with pytest.raises(RendezvousTimeout, match="no rendezvous within --rendezvous_timeout=1s: malformed"):
+        _rendezvous(store, job, "a", timeouts=timeouts).join()
+    assert store.get(f"/{job}/round") == "garbage"  # rejected, never overwritten
+
+
+def test_blacklist_cooldown_doubles_with_each_strike(store, job):
+    rendezvous = _rendezvous(store, job, "a")
+    assert rendezvous.blacklisted_for() == 0
+    assert rendezvous.blacklist(10.0) == 10.0 and 9.0 < rendezvous.blacklisted_for() <= 10.0
+    assert rendezvous.blacklist(10.0) == 20.0
+
+
+def test_ports_come_from_the_port_range(store, job):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        low = s.getsockname()[1]
+    round_ = _rendezvous(store, job, "a", nproc=2, max_workers=2, min_workers=2,
+                         port_range=(low, low + 50)).join()
+    ports = [int(a.rsplit(":", 1)[1]) for a in round_.cluster]
+    assert len(ports) == 2 and all(low <= p <= low + 50 for p in ports)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", low))
+        with pytest.raises(RendezvousTimeout, match=f"--port_range={low}-{low} has fewer than 1 free ports"):
+            _rendezvous(store, f"{job}x", "b", port_range=(low, low),
+                        timeouts=Timeouts(rendezvous=0.5, poll=0.05)).join()
+
+
+def test_etcd_fails_over_to_the_next_endpoint(etcd, job):
+    live = etcd.url.split("://")[1]
+    store = open_store(f"etcd://127.0.0.1:9,{live}", StoreOptions(request_timeout=0.5))
+    assert store.compare_and_set(f"/{job}/k", None, "v") and store.get(f"/{job}/k") == "v"
+    store.close()
+
+
+def test_unreachable_etcd_is_named(job):
+    store = open_store("etcd://127.0.0.1:9,127.0.0.1:10", StoreOptions(request_timeout=0.5))
+    with pytest.raises(StoreError, match=r"cannot reach etcd \(127.0.0.1:9: ConnectionError; 127.0.0.1:10"):
+        store.get(f"/{job}/round")
+
+
+@pytest.mark.parametrize("url, message", [
+    ("etcd://", "expected etcd://HOST:PORT"),
+    ("etcd://127.0.0.1", "expected etcd://HOST:PORT"),
+    ("etcd://127.0.0.1:0", "port in 1..65535"),
+    ("etcd://127.0.0.1:2379/prefix", "expected etcd://HOST:PORT"),
+    ("file://relative/dir", "expected file:///ABSOLUTE/DIR"),
+    ("zk://x", "unknown store scheme 'zk'; known: etcd://, file://"),
+])
+def test_bad_store_urls_are_named(url, message):
+    with pytest.raises(ValueError, match=message):
+        open_store(url)

@@ -1,0 +1,239 @@
+"""The etcd v3 backend: `etcd://HOST:PORT[,HOST:PORT...]`, spoken through etcd's JSON gateway.
+
+Plain HTTP with `requests` rather than `etcd3gw` (2.7.0): that client talks to one endpoint and has no
+authentication, and we need both. Hosts' leases are etcd leases (renewed, not rewritten, so a keepalive
+is not a change), compare-and-set is a transaction, and `wait` wakes on a watch instead of polling.
+"""
+import base64
+import json
+import math
+import threading
+import time
+import urllib.parse
+from typing import Dict, List, Optional, Tuple
+
+import requests
+
+from tf_elastic.elastic.store import Store, StoreError, StoreOptions, register_backend
+
+ROOT = "/tf_elastic"  # every key of every job lives under this prefix
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def _text(b64: str) -> str:
+    return base64.b64decode(b64).decode()
+
+
+def _range_end(prefix: str) -> str:
+    """The key just past every key that starts with `prefix`."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+class EtcdStore(Store):
+    notifies = True
+
+    def __init__(self, endpoints: List[str], options: StoreOptions = StoreOptions()):
+        self.endpoints, self.options = endpoints, options
+        self._current = 0
+        self._session = requests.Session()
+        if options.ca_cert:
+            self._session.verify = options.ca_cert
+        if options.cert and options.key:
+            self._session.cert = (options.cert, options.key)
+        self._scheme = "https" if options.ca_cert or options.cert else "http"
+        self._lock = threading.Lock()  # one request at a time: the session is shared with the watch threads
+        self._leases: Dict[int, Tuple[str, int, float]] = {}  # requested ttl -> (lease id, granted ttl, renewed)
+        self._written: Dict[str, Tuple[str, str]] = {}  # key -> (value, lease id) we put last
+        self._watches: Dict[str, "_Watch"] = {}
+        self._token: Optional[str] = None
+
+    # Store -----------------------------------------------------------------------------------------
+    def get(self, key: str) -> Optional[str]:
+        kvs = self._call("/v3/kv/range", {"key": _b64(ROOT + key)}).get("kvs", [])
+        return _text(kvs[0].get("value", "")) if kvs else None
+
+    def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
+        lease = self._lease(ttl) if ttl is not None else ""
+        if ttl is not None and self._written.get(key) == (value, lease):
+            return  # the lease renewal above kept it alive
+        request = {"key": _b64(ROOT + key), "value": _b64(value)}
+        if lease:
+            request["lease"] = lease
+        self._call("/v3/kv/put", request)
+        self._written[key] = (value, lease)
+
+    def compare_and_set(self, key: str, expected: Optional[str], value: str) -> bool:
+        name = _b64(ROOT + key)
+        if expected is None:
+            compare = {"key": name, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        else:
+            compare = {"key": name, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
+        reply = self._call("/v3/kv/txn", {"compare": [compare],
+                                          "success": [{"request_put": {"key": name, "value": _b64(value)}}]})
+        return bool(reply.get("succeeded"))
+
+    def list(self, prefix: str) -> Dict[str, str]:
+        start = ROOT + prefix.rstrip("/") + "/"
+        reply = self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(_range_end(start))})
+        return {_text(kv["key"])[len(ROOT) + 1:]: _text(kv.get("value", "")) for kv in reply.get("kvs", [])}
+
+    def delete(self, key: str) -> None:
+        self._written.pop(key, None)
+        self._call("/v3/kv/deleterange", {"key": _b64(ROOT + key)})
+
+    def wait(self, prefix: str, timeout: float) -> bool:
+        watch = self._watches.get(prefix)
+        if watch is None:
+            watch = self._watches[prefix] = _Watch(self, ROOT + prefix.rstrip("/") + "/")
+        return watch.wait(timeout)
+
+    def close(self) -> None:
+        for watch in self._watches.values():
+            watch.stop()
+        for lease, _, _ in self._leases.values():
+            try:  # our leased keys go at once rather than after their TTL
+                self._call("/v3/lease/revoke", {"ID": lease})
+            except StoreError:
+                pass
+        self._session.close()
+
+    # Leases ----------------------------------------------------------------------------------------
+    def _lease(self, ttl: float) -> str:
+        """A lease for `ttl` seconds, renewed when a third of it has passed; a new one once it expired."""
+        wanted = max(1, math.ceil(ttl))
+        lease, granted, renewed = self._leases.get(wanted, ("", 0, 0.0))
+        now = time.monotonic()
+        if lease and now - renewed < granted / 3:
+            return lease
+        if lease:
+            result = self._call("/v3/lease/keepalive", {"ID": lease}).get("result", {})
+            if int(result.get("TTL", 0)) > 0:
+                self._leases[wanted] = (lease, granted, now)
+                return lease
+        reply = self._call("/v3/lease/grant", {"TTL": wanted})
+        # etcd raises a TTL below its minimum (1.5 election timeouts) to that minimum.
+        self._leases[wanted] = (reply["ID"], int(reply["TTL"]), now)
+        return reply["ID"]
+
+    # HTTP ------------------------------------------------------------------------------------------
+    def _url(self, path: str, endpoint: Optional[str] = None) -> str:
+        return f"{self._scheme}://{endpoint or self.endpoints[self._current]}{path}"
+
+    def _call(self, path: str, body: Dict) -> Dict:
+        """POSTs to the current endpoint, moving on to the next one while an endpoint cannot be reached."""
+        errors = []
+        with self._lock:
+            for _ in range(len(self.endpoints)):
+                endpoint = self.endpoints[self._current]
+                try:
+                    return self._post(endpoint, path, body)
+                except requests.RequestException as error:
+                    errors.append(f"{endpoint}: {type(error).__name__}")
+                    self._current = (self._current + 1) % len(self.endpoints)
+        raise StoreError(f"cannot reach etcd ({'; '.join(errors)})")
+
+    def _post(self, endpoint: str, path: str, body: Dict, retry_auth: bool = True) -> Dict:
+        if self.options.user and self._token is None:
+            self._token = self._authenticate(endpoint)
+        headers = {"Authorization": self._token} if self._token else {}
+        response = self._session.post(self._url(path, endpoint), json=body, headers=headers,
+                                      timeout=self.options.request_timeout)
+        try:
+            reply = response.json()
+        except ValueError:
+            raise StoreError(f"etcd at {endpoint} answered {path} with HTTP {response.status_code} and no JSON") from None
+        if response.status_code != 200 or "error" in reply:
+            message = reply.get("message") or reply.get("error") or response.text[:200]
+            if retry_auth and self.options.user and "token" in str(message):
+                self._token = None  # expired: authenticate again, once
+                return self._post(endpoint, path, body, retry_auth=False)
+            raise StoreError(f"etcd at {endpoint} refused {path}: {message}")
+        return reply
+
+    def _authenticate(self, endpoint: str) -> str:
+        response = self._session.post(self._url("/v3/auth/authenticate", endpoint), timeout=self.options.request_timeout,
+                                      json={"name": self.options.user, "password": self.options.password or ""})
+        if response.status_code != 200:
+            raise StoreError(f"etcd at {endpoint} refused user {self.options.user!r}: "
+                             f"{response.json().get('message', response.text[:200])}")
+        return response.json()["token"]
+
+
+class _Watch:
+    """A background watch on a prefix: counts changes and wakes `wait`ers.
+
+    Each stream lives for `_STREAM_SECONDS` at most and the next resumes after the last revision seen,
+    so no change is missed and `stop` never has to break a blocked read."""
+
+    _STREAM_SECONDS = 1.0
+
+    def __init__(self, store: EtcdStore, prefix: str):
+        self.store, self.prefix = store, prefix
+        self._changes, self._seen = 1, 0  # the first wait answers True: changes before the watch began
+        self._condition = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch{prefix}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float) -> bool:
+        with self._condition:
+            self._condition.wait_for(lambda: self._changes != self._seen, timeout)
+            changed, self._seen = self._changes != self._seen, self._changes
+            return changed
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._thread.join(timeout=2 * self._STREAM_SECONDS)
+
+    def _notify(self) -> None:
+        with self._condition:
+            self._changes += 1
+            self._condition.notify_all()
+
+    def _run(self) -> None:
+        revision = None  # the last revision seen; the next stream starts after it
+        while not self._stopped:
+            request = {"key": _b64(self.prefix), "range_end": _b64(_range_end(self.prefix))}
+            if revision is not None:
+                request["start_revision"] = str(revision + 1)
+            store = self.store
+            headers = {"Authorization": store._token} if store._token else {}
+            try:
+                with requests.post(store._url("/v3/watch"), json={"create_request": request}, stream=True,
+                                   headers=headers, verify=store._session.verify, cert=store._session.cert,
+                                   timeout=(store.options.request_timeout, self._STREAM_SECONDS)) as response:
+                    for line in response.iter_lines():
+                        result = json.loads(line).get("result", {}) if line else {}
+                        if result.get("compact_revision"):
+                            revision = None  # history we needed is gone: let waiters read afresh
+                            self._notify()
+                            break
+                        events = result.get("events", [])
+                        if events:
+                            revision = max(int(e["kv"]["mod_revision"]) for e in events)
+                            self._notify()
+                        elif revision is None and result.get("created"):
+                            revision = int(result["header"]["revision"])
+                        if self._stopped:
+                            break
+            except (requests.RequestException, ValueError, KeyError):
+                # The stream's read timeout, or etcd down (the readers see that themselves): a short
+                # pause; the next stream resumes after `revision`, so nothing is missed meanwhile.
+                time.sleep(0.1)
+
+
+def _etcd_store(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
+    endpoints = [e for e in url.netloc.split(",") if e]
+    if not endpoints or url.path not in ("", "/") or any(":" not in e for e in endpoints):
+        raise ValueError(f"--rdzv={url.geturl()!r}: expected etcd://HOST:PORT[,HOST:PORT...].")
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--rdzv={url.geturl()!r}: endpoint {endpoint!r} needs HOST:PORT with a port in 1..65535.")
+    return EtcdStore(endpoints, options)
+
+
+register_backend("etcd", _etcd_store)
