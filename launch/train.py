@@ -13,7 +13,7 @@ from typing import List
 from absl import app, flags
 
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.world import World, exit_now, start_heartbeat
+from tf_elastic.elastic.world import EXIT_CONFIG_ERROR, World, exit_now, start_heartbeat
 
 # Model and data.
 flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry (models.NAMES).")
@@ -180,6 +180,10 @@ def run(argv: List[str]) -> None:
     """Runs `main` and ends the process at once (MWMS has no clean shutdown), also after an error."""
     try:
         code = main(argv)
+    except (ValueError, FileNotFoundError) as error:
+        # Bad input: one clear line, and a code that tells the agent not to restart.
+        print(f"launch.train: error: {error}", file=sys.stderr, flush=True)
+        code = EXIT_CONFIG_ERROR
     except Exception:  # noqa: BLE001 - reported, then a non-zero exit the agent counts as a failure
         traceback.print_exc()
         code = 1

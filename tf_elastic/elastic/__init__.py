@@ -5,11 +5,12 @@ worker side (`worker`, `keras_compat`) does, and loads only when asked for.
 """
 import importlib
 
-from tf_elastic.elastic.world import EXIT_DONE, EXIT_PEER_FAILURE, EXIT_STOPPED, World, exit_now, start_heartbeat
+from tf_elastic.elastic.world import (EXIT_CONFIG_ERROR, EXIT_DONE, EXIT_PEER_FAILURE, EXIT_STOPPED, World, exit_now,
+                                     start_heartbeat)
 
 _WORKER = {"fit": "worker", "make_strategy": "worker", "CommittedState": "worker",
            "install_fit_fix": "keras_compat"}
-__all__ = ["World", "exit_now", "start_heartbeat", "EXIT_DONE", "EXIT_STOPPED", "EXIT_PEER_FAILURE", *sorted(_WORKER)]
+__all__ = ["World", "exit_now", "start_heartbeat", "EXIT_DONE", "EXIT_STOPPED", "EXIT_PEER_FAILURE", "EXIT_CONFIG_ERROR", *sorted(_WORKER)]
 
 
 def __getattr__(name: str):

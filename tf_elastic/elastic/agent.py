@@ -7,9 +7,11 @@ import dataclasses
 import enum
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -71,6 +73,7 @@ class _Worker:
     process: subprocess.Popen
     heartbeat: Path
     started: float
+    scratch: Path  # deleted once the process is gone
 
 
 class ElasticAgent:
@@ -158,6 +161,7 @@ class ElasticAgent:
         heartbeat = Path(self.config.run_dir) / "heartbeats" / f"round{round_.number}-rank{rank}"
         heartbeat.parent.mkdir(parents=True, exist_ok=True)
         heartbeat.unlink(missing_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=f"tf_elastic-rank{rank}-"))
         world = {
             "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
             contract.ENV_RUN_DIR: self.config.run_dir,
@@ -165,13 +169,14 @@ class ElasticAgent:
             contract.ENV_HEARTBEAT_FILE: str(heartbeat),
             contract.ENV_HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
             contract.ENV_RESTARTS: str(round_.restarts),
+            contract.ENV_SCRATCH_DIR: str(scratch),
         }
         if self.config.index_log:
             world[contract.ENV_INDEX_LOG] = "1"
         process = self._take_warm(world) or self._spawn(dict(self._base_env(), **world), warm=False)
         self.events.write("worker_start", round=round_.number, rank=rank, worker_pid=process.pid,
                           warm=process.stdin is not None)
-        return _Worker(rank, process, heartbeat, time.time())
+        return _Worker(rank, process, heartbeat, time.time(), scratch)
 
     def _base_env(self) -> Dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _AGENT_SECRETS}  # workers never need them
@@ -288,6 +293,12 @@ class ElasticAgent:
                     self.rendezvous.open_next(current, reason=f"rank {rank} stopped", failure=False)
                     self._stop(workers)
                     return Outcome.RESTART
+                if code == contract.EXIT_CONFIG_ERROR:
+                    self.rendezvous.finish("failed", f"rank {rank} stopped on a configuration error (exit code "
+                                           f"{code}); a restart cannot fix it: see the worker's log")
+                    self.events.write("failure", round=round_.number, kind="config_error", rank=rank, code=code,
+                                      host=self.host_id, counted=False)
+                    return Outcome.FAILED
                 kind = "peer_failure" if code == contract.EXIT_PEER_FAILURE else "worker_exit"
                 self._failure(round_, kind, rank, code, own=own_failure)
                 return Outcome.RESTART
@@ -360,6 +371,7 @@ class ElasticAgent:
             if worker.process.poll() is None:
                 worker.process.kill()
             worker.process.wait()
+            shutil.rmtree(worker.scratch, ignore_errors=True)
 
     def _on_leave_signal(self, signum, frame) -> None:
         del signum, frame

@@ -100,7 +100,10 @@ class CommittedState:
             items["batch_history"] = schedule.state
         self.checkpoint = tf.train.Checkpoint(**items)
         self.directory = str(Path(run_dir) / CHECKPOINT_DIR)
-        self._write_dir = self.directory if world.is_chief else tempfile.mkdtemp(prefix=f"tf_elastic-rank{world.rank}-")
+        # A non-chief writes too (saving may run collectives) but keeps nothing: into a scratch dir that
+        # the agent deletes even when this process is killed, or a temp dir of our own.
+        self._write_dir = self.directory if world.is_chief else (
+            world.scratch_dir or tempfile.mkdtemp(prefix=f"tf_elastic-rank{world.rank}-"))
         self._temp_dir = None if world.is_chief else self._write_dir
         Path(self._write_dir).mkdir(parents=True, exist_ok=True)
         self._max_to_keep = max_to_keep

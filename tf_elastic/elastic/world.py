@@ -27,6 +27,8 @@ ENV_WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it
 EXIT_DONE = 0
 EXIT_STOPPED = 3  # stopped on request (preemption notice, membership change) after committing
 EXIT_PEER_FAILURE = 75  # a collective failed: another worker died or hung
+EXIT_CONFIG_ERROR = 78  # bad input (flags, data, committed state of another model): a restart cannot help
+ENV_SCRATCH_DIR = "TF_ELASTIC_SCRATCH_DIR"  # a non-chief's checkpoint scratch space; the agent deletes it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,7 @@ class World:
     heartbeat_timeout: float = 10.0
     restarts: int = 0
     index_log: bool = False
+    scratch_dir: Optional[str] = None
 
     @property
     def is_chief(self) -> bool:
@@ -85,6 +88,7 @@ class World:
             heartbeat_timeout=float(env.get(ENV_HEARTBEAT_TIMEOUT, 10.0)),
             restarts=int(env.get(ENV_RESTARTS, 0)),
             index_log=env.get(ENV_INDEX_LOG) == "1",
+            scratch_dir=env.get(ENV_SCRATCH_DIR),
         )
 
 

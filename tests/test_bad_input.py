@@ -1,0 +1,112 @@
+"""Bad input, tried on purpose: each gives an error naming the culprit, a non-zero exit where it is a
+process, and leaves committed work untouched. (Flag ranges, optimizer and schedule arguments have
+their own tables in test_flags.py, test_lars.py and test_batch_resize_schedule.py.)"""
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+TRAIN = [sys.executable, "-m", "launch.train", "--dataset=digits", "--epochs=1", "--threads=1"]
+
+
+def _digest(directory: Path) -> str:
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory):
+    """A run dir holding committed work of a small LARS job."""
+    run_dir = tmp_path_factory.mktemp("committed") / "run"
+    subprocess.run([*TRAIN, f"--run_dir={run_dir}"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    return run_dir
+
+
+def _run(argv, env=None, timeout=120):
+    import os
+
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    return subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+TRAIN_CASES = [
+    # (extra train flags, environment, what the error must say)
+    (["--model=resnet20"], {}, "does not fit this model or optimizer"),
+    (["--optimizer=adam"], {}, "does not fit this model or optimizer"),
+    (["--dataset=mnist", "--data_dir=/nonexistent"], {}, "--data_dir='/nonexistent' has no mnist.npz"),
+    (["--dataset=tfds:not_a_dataset"], {}, "tfds:not_a_dataset"),
+    ([], {"TF_CONFIG": "{not json"}, "TF_CONFIG is not a valid worker cluster spec"),
+    ([], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 3}})},
+     "TF_CONFIG is not a valid worker cluster spec"),
+    ([], {"TF_CONFIG": json.dumps({"cluster": {"chief": ["127.0.0.1:1"]}, "task": {"type": "chief", "index": 0}})},
+     "TF_CONFIG is not a valid worker cluster spec"),
+    (["--strategy=mirrored"], {"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                                        "task": {"type": "worker", "index": 0}})},
+     "--strategy=mirrored is single-worker"),
+    (["--batch_policy=global", "--global_batch_size=30", "--cpu_devices=4", "--strategy=mirrored"], {},
+     "--global_batch_size=30 is not divisible by the 4 replicas"),
+]
+
+
+@pytest.mark.parametrize("flags, env, message", TRAIN_CASES, ids=[" ".join(f) or next(iter(e)) + "=" + e["TF_CONFIG"][:20]
+                                                                  for f, e, _ in TRAIN_CASES])
+def test_bad_training_input_is_named_and_committed_work_stays(committed, flags, env, message):
+    before = _digest(committed / "checkpoints")
+    proc = _run([*TRAIN, f"--run_dir={committed}", *flags], env)
+    assert proc.returncode == 78, (proc.returncode, proc.stderr[-2000:])
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert _digest(committed / "checkpoints") == before
+
+
+AGENT_CASES = [
+    (["--rdzv=etcd://127.0.0.1:9", "--rendezvous_timeout=1", "--rdzv_request_timeout=0.3"],
+     "no rendezvous within --rendezvous_timeout=1s: cannot reach etcd (127.0.0.1:9"),
+    (["--rdzv=etcd://127.0.0.1"], "expected etcd://HOST:PORT"),
+    (["--rdzv=etcd://127.0.0.1:99999"], "port in 1..65535"),
+    (["--rdzv=file://relative"], "expected file:///ABSOLUTE/DIR"),
+    (["--rdzv=redis://127.0.0.1:6379"], "unknown store scheme 'redis'"),
+    (["--job_id=a/b"], "--job_id='a/b': use 1-128 letters"),
+    (["--port_range=9000"], "--port_range='9000': expected LOW-HIGH"),
+    (["--port_range=30000-20000"], "expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535"),
+    (["--port_range=30000-30000", "--nproc=2"], "holds fewer ports than --nproc=2"),
+    (["--rdzv_cert=/tmp/c.pem"], "--rdzv_cert and --rdzv_key go together"),
+    (["--blacklist_after=0"], "--blacklist_after"),
+    (["--host_ttl=0.3", "--monitor_interval=0.2"], "must be at most half of --host_ttl=0.3"),
+    (["--startup_timeout=0"], "--startup_timeout"),
+]
+
+
+@pytest.mark.parametrize("flags, message", AGENT_CASES, ids=[" ".join(f) for f, _ in AGENT_CASES])
+def test_bad_agent_input_is_named_and_committed_work_stays(committed, tmp_path, flags, message):
+    before = _digest(committed / "checkpoints")
+    base = {"--rdzv": f"file://{tmp_path}/rdzv", "--job_id": "j", "--run_dir": str(committed)}
+    for flag in flags:
+        base.pop(flag.split("=")[0], None)
+    argv = [f"{k}={v}" for k, v in base.items()] + flags
+    proc = _run([sys.executable, "-m", "launch.elastic_run", *argv, "--", *TRAIN])
+    assert proc.returncode != 0
+    assert message in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert _digest(committed / "checkpoints") == before
+
+
+def test_a_worker_configuration_error_fails_the_job_at_once_without_restarts(committed, tmp_path):
+    """A worker that cannot start for a reason a restart cannot fix (exit 78) ends the job at once,
+    not after --max_restarts futile restarts."""
+    before = _digest(committed / "checkpoints")
+    proc = _run([sys.executable, "-m", "launch.elastic_run", f"--rdzv=file://{tmp_path}/rdzv", "--job_id=j",
+                 f"--run_dir={committed}", "--max_restarts=5", "--nowarm_start", "--host_id=bad", "--",
+                 *TRAIN, "--model=resnet20"], timeout=180)
+    assert proc.returncode == 1
+    events = [json.loads(line) for line in (committed / "events.jsonl").read_text().splitlines()]
+    mine = [e for e in events if e["source"] == "agent:bad"]
+    assert "stopped on a configuration error (exit code 78)" in mine[-1]["reason"], mine[-1]
+    assert len([e for e in mine if e["event"] == "worker_start"]) == 1
+    assert _digest(committed / "checkpoints") == before
