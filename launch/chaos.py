@@ -18,6 +18,8 @@ import random
 import signal
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +28,10 @@ from typing import Dict, List, Optional
 from absl import app, flags
 
 from launch import audit
+from launch import data as datasets
 from launch.etcd_server import EtcdServer
-from launch.local_job import LocalJob
+from launch.local_job import REPO, LocalJob
+from tf_elastic.elastic.events import read_events
 
 flags.DEFINE_integer("faults", 10, "Faults to inject.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed for the faults' kinds, targets and timing (and the training).")
@@ -39,7 +43,6 @@ flags.DEFINE_float("accuracy_tolerance", 0.03, "Largest accepted drop of test ac
 flags.DEFINE_string("out", None, "Directory for the runs (default: a temp dir).")
 FLAGS = flags.FLAGS
 
-EXAMPLES = 1797  # sklearn's digits: an epoch takes about a second on 2 cores
 TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--commit_every_steps=10",
          "--optimizer=sgd", "--learning_rate=0.05"]
 AGENT = ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1", "--blacklist_after=1000",
@@ -58,10 +61,14 @@ class Fault:
 
 
 class Soak:
-    def __init__(self, root: Path, epochs: int, rng: random.Random, etcd: Optional[EtcdServer]):
+    def __init__(self, root: Path, epochs: int, faults: int, seed: int, rng: random.Random,
+                 etcd: Optional[EtcdServer], max_gap: float):
+        self.max_gap = max_gap
         self.rng, self.etcd = rng, etcd
-        self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={FLAGS.seed}"],
-                            AGENT + [f"--max_restarts={10 * FLAGS.faults + 10}"], rdzv=etcd.url if etcd else None)
+        self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={seed}"],
+                            AGENT + [f"--max_restarts={10 * faults + 10}"], rdzv=etcd.url if etcd else None)
+        self.tmp = root / "tmp"
+        self.tmp.mkdir(parents=True)
         self.live: List[str] = []
         self.spawned = 0
         self.faults: List[Fault] = []
@@ -69,7 +76,7 @@ class Soak:
     def start_host(self) -> str:
         host = f"h{self.spawned}"
         self.spawned += 1
-        self.job.start_agent(host)
+        self.job.start_agent(host, env={"TMPDIR": str(self.tmp)})
         self.live.append(host)
         return host
 
@@ -173,23 +180,20 @@ def _corrupt_newest(run_dir: Path) -> str:
     return f"truncated {Path(newest).name}"
 
 
-def _fault_free(root: Path, epochs: int) -> float:
-    job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={FLAGS.seed}"],
-                   ["--min_workers=2", "--max_workers=2", "--last_call=1"])
-    try:
-        job.start_agent("a")
-        job.start_agent("b")
-        job.wait_agents(timeout=1800)
-        return job.events("evaluation")[-1]["test_accuracy"]
-    finally:
-        job.cleanup()
+def _fault_free(root: Path, epochs: int, seed: int) -> float:
+    """The same training without faults or agent: one process, the global batch of two workers."""
+    argv = [sys.executable, "-m", "launch.train", *[a for a in TRAIN if not a.startswith("--per_replica")],
+            "--per_replica_batch_size=32", f"--epochs={epochs}", f"--seed={seed}", f"--run_dir={root / 'run'}"]
+    subprocess.run(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), check=True,
+                   stdout=open(root / "train.log", "ab"), stderr=subprocess.STDOUT, timeout=3600)
+    return [e for e in read_events(root / "run") if e["event"] == "evaluation"][-1]["test_accuracy"]
 
 
-def _checks(soak: Soak, epochs: int, reference: float, tmp_before: set) -> Dict[str, object]:
+def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
     job, run_dir = soak.job, soak.job.run_dir
     events = job.events()
     largest_batch = 16 * max(e["world_size"] for e in events if e["event"] == "rendezvous")
-    data = audit.exactly_once(run_dir, EXAMPLES, largest_batch)
+    data = audit.exactly_once(run_dir, len(datasets.load("digits").y_train), largest_batch)
     # Committed progress: every round restores at least the last commit before it, but for a
     # corrupted newest commit, which sends it back to the previous one.
     backwards, commits = [], []
@@ -202,7 +206,12 @@ def _checks(soak: Soak, epochs: int, reference: float, tmp_before: set) -> Dict[
                 backwards.append((e["round"], e["step"], max(commits)))
     pids = [e["worker_pid"] for e in events if "worker_pid" in e] + [p.pid for p in job.agents.values()]
     orphans = [pid for pid in pids if _alive(pid)]
-    leaked = sorted(set(glob.glob(os.path.join(tempfile.gettempdir(), "tf_elastic-rank*"))) - tmp_before)
+    # The job's processes have a TMPDIR of their own. A SIGKILLed host cannot clean up (a real dead host
+    # takes its /tmp with it); the next agent started on a host sweeps what dead agents left.
+    killed = {soak.job.agents[f.target].pid for f in soak.faults if f.kind == "kill_host"}
+    left = sorted(str(p) for p in soak.tmp.glob("tf_elastic-*"))  # (TF's autograph leaves files of its own)
+    by_killed = [p for p in left if Path(p).name.split("-")[1][len("agent"):] in {str(k) for k in killed}]
+    leaked = [p for p in left if p not in by_killed]
     bound = [addr for e in events if e["event"] == "rendezvous" for addr in e.get("cluster") or []
              if not _bindable(addr)]
     accuracy = [e["test_accuracy"] for e in events if e["event"] == "evaluation"]
@@ -212,8 +221,9 @@ def _checks(soak: Soak, epochs: int, reference: float, tmp_before: set) -> Dict[
         "accuracy": accuracy[-1] if accuracy else None, "reference_accuracy": reference,
         "epochs_checked": data["epochs"], "samples_repeated": data["repeated"], "samples_skipped": data["skipped"],
         "steps_redone": audit.steps_redone(run_dir), "progress_backwards": backwards,
-        "checkpoints_skipped": len([e for e in events if e["event"] == "checkpoint_skipped"]),
-        "orphans": orphans, "leaked_temp_dirs": leaked, "ports_still_bound": sorted(set(bound)),
+        "checkpoints_skipped": len([e for e in events if e["event"] == "checkpoint_skipped" and e["rank"] == 0]),
+        "orphans": orphans, "leaked_temp_dirs": leaked, "left_by_killed_hosts": len(by_killed),
+        "ports_still_bound": sorted(set(bound)),
     }
 
 
@@ -235,14 +245,14 @@ def _bindable(addr: str) -> bool:
             return False
 
 
-def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None) -> Dict[str, object]:
+def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None,
+             max_gap: float = 3.0) -> Dict[str, object]:
     """Runs the soak and its fault-free reference; returns the faults and the checks."""
     rng = random.Random(seed)
-    epochs = epochs or max(8, 2 * faults)
-    tmp_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "tf_elastic-rank*")))
+    epochs = epochs or 10 * faults  # digits: about an epoch a second, a fault and its recovery ~10 s
     etcd = EtcdServer().start() if rdzv == "etcd" else None
-    soak = Soak(root / "soak", epochs, rng, etcd)
     (root / "soak").mkdir(parents=True)
+    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap)
     try:
         soak.start_host()
         soak.start_host()
@@ -250,7 +260,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
         for host in soak.live:
             soak.job.wait_for(lambda: soak.job.events("spare_ready", source=f"agent:{host}"), timeout=180)
         while len(soak.faults) < faults and soak.running():
-            time.sleep(rng.uniform(0.0, FLAGS.max_gap if FLAGS.is_parsed() else 3.0))
+            time.sleep(rng.uniform(0.0, soak.max_gap))
             soak.await_recovery(soak.inject(soak.choose()))
         for host in soak.live:
             soak.job.agents[host].wait(timeout=1800)
@@ -259,9 +269,9 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
         if etcd:
             etcd.close()
     (root / "reference").mkdir()
-    reference = _fault_free(root / "reference", epochs)
+    reference = _fault_free(root / "reference", epochs, seed)
     return {"faults": [dataclasses.asdict(f) for f in soak.faults], "epochs": epochs,
-            "checks": _checks(soak, epochs, reference, tmp_before)}
+            "checks": _checks(soak, epochs, reference)}
 
 
 def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
@@ -309,7 +319,7 @@ def table(result: Dict[str, object]) -> str:
 def main(argv: List[str]) -> int:
     del argv
     root = Path(FLAGS.out or tempfile.mkdtemp(prefix="tf_elastic-chaos-"))
-    result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs)
+    result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs, FLAGS.max_gap)
     (root / "chaos.json").write_text(json.dumps(result, indent=1))
     print(f"\nChaos soak: {len(result['faults'])} faults, seed {FLAGS.seed}, store {FLAGS.rdzv}, "
           f"{result['epochs']} epochs of digits\n")

@@ -25,6 +25,18 @@ from tf_elastic.elastic.store import Store, StoreError
 
 
 _AGENT_SECRETS = ("TF_ELASTIC_JOB_TOKEN", "TF_ELASTIC_RDZV_PASSWORD")
+_SCRATCH_PREFIX = "tf_elastic-agent"  # + agent pid: a later agent on this host removes a dead agent's
+
+
+def sweep_dead_agents_scratch() -> List[str]:
+    """Removes the workers' scratch dirs of agents on this host that died without cleaning up (SIGKILL)."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-rank*"):
+        pid = path.name[len(_SCRATCH_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(str(path))
+    return removed
 
 
 class Outcome(enum.Enum):
@@ -92,7 +104,8 @@ class ElasticAgent:
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (0: done or left gracefully)."""
         previous = signal.signal(signal.SIGTERM, self._on_leave_signal)
-        self.events.write("agent_start", host=self.host_id, nproc=self.config.nproc)
+        self.events.write("agent_start", host=self.host_id, nproc=self.config.nproc,
+                          swept=len(sweep_dead_agents_scratch()))
         ranks: Optional[List[int]] = None
         after = -1
         try:
@@ -161,7 +174,7 @@ class ElasticAgent:
         heartbeat = Path(self.config.run_dir) / "heartbeats" / f"round{round_.number}-rank{rank}"
         heartbeat.parent.mkdir(parents=True, exist_ok=True)
         heartbeat.unlink(missing_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f"tf_elastic-rank{rank}-"))
+        scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-rank{rank}-"))
         world = {
             "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
             contract.ENV_RUN_DIR: self.config.run_dir,
