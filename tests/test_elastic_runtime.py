@@ -1,6 +1,4 @@
 """The elastic runtime end to end: real agents, real MWMS workers on 127.0.0.1, real signals."""
-import collections
-import json
 import os
 import signal
 import sys
@@ -8,6 +6,7 @@ import time
 
 import pytest
 
+from launch import audit
 from launch.local_job import LocalJob
 
 pytestmark = pytest.mark.slow
@@ -32,47 +31,21 @@ def job_factory(tmp_path, rdzv_url):
         job.cleanup()
 
 
-def _index_records(job):
-    records = []
-    for path in sorted((job.run_dir / "indices").glob("*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return records
-
-
 def _restores(job):
-    """Round -> the step every worker restored at the start of that round (rank 0's event)."""
-    return {e["round"]: e["step"] for e in job.events("restore", rank=0)}
-
-
-def _committed(job):
-    """Index records that survived: a round's steps up to the next round's restore point."""
-    restores = _restores(job)
-    records = _index_records(job)
-    committed = []
-    for record in records:
-        later = [step for round_, step in restores.items() if round_ > record["round"]]
-        if not later or record["step"] <= min(later):
-            committed.append(record)
-    return committed
+    return audit.restores(job.run_dir)
 
 
 def _max_step_before(job, round_):
     """The last step trained in the latest round before `round_` that trained at all."""
-    records = [r for r in _index_records(job) if r["round"] < round_]
+    records = [r for r in audit.index_records(job.run_dir) if r["round"] < round_]
     last_round = max(r["round"] for r in records)
     return max(r["step"] for r in records if r["round"] == last_round)
 
 
 def _assert_exactly_once(job, num_examples, epochs):
-    by_epoch = collections.defaultdict(collections.Counter)
-    for record in _committed(job):
-        by_epoch[record["epoch"]].update(record["indices"])
-    assert sorted(by_epoch) == list(range(epochs))
     largest_global_batch = 16 * max(e["world_size"] for e in job.events("rendezvous"))
-    for epoch, counts in by_epoch.items():
-        repeated = {i: c for i, c in counts.items() if c > 1}
-        assert not repeated, f"epoch {epoch}: examples used more than once: {list(repeated.items())[:10]}"
-        assert num_examples - len(counts) < largest_global_batch, f"epoch {epoch}: {num_examples - len(counts)} unused"
+    counts = audit.exactly_once(job.run_dir, num_examples, largest_global_batch)
+    assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0}, counts
 
 
 def _first_step(job, round_min, world_size=None):
