@@ -1,4 +1,5 @@
 """Stores and rendezvous rounds in one process, against both backends (a file store and a real etcd)."""
+import dataclasses
 import json
 import threading
 import time
@@ -163,3 +164,63 @@ def test_unreachable_etcd_is_named(job):
 def test_bad_store_urls_are_named(url, message):
     with pytest.raises(ValueError, match=message):
         open_store(url)
+
+
+def _certificates(directory):
+    """A CA, and a server and a client certificate it signed, for 127.0.0.1 (openssl)."""
+    import subprocess
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "1",
+        "-subj", "/CN=tf_elastic test CA")
+    (directory / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf")
+    return {n: str(directory / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+def test_etcd_over_tls_with_client_certificates(tmp_path, job):
+    from launch.etcd_server import EtcdServer
+
+    files = _certificates(tmp_path)
+    with EtcdServer(tls=(files["ca.pem"], files["server.pem"], files["server.key"])) as etcd:
+        options = StoreOptions(ca_cert=files["ca.pem"], cert=files["client.pem"], key=files["client.key"])
+        store = open_store(etcd.url, options)
+        assert store.compare_and_set(f"/{job}/k", None, "v") and store.get(f"/{job}/k") == "v"
+        store.wait(f"/{job}", 0.5)
+        threading.Timer(0.3, lambda: store.set(f"/{job}/k2", "w")).start()
+        assert store.wait(f"/{job}", 3.0)  # the watch speaks TLS too
+        store.close()
+        for bad in (StoreOptions(), StoreOptions(ca_cert=files["ca.pem"])):  # no CA; no client certificate
+            with pytest.raises(StoreError, match="cannot reach etcd"):
+                open_store(etcd.url, dataclasses.replace(bad, request_timeout=1.0)).get(f"/{job}/k")
+
+
+def test_etcd_with_a_user_and_password(job):
+    """(etcd 3.4's JSON gateway refuses password logins from clients that present a certificate, so
+    authentication is shown here without TLS.)"""
+    import requests
+
+    from launch.etcd_server import EtcdServer
+
+    with EtcdServer() as private:
+        base = f"http://127.0.0.1:{private.client_port}/v3/auth"
+        for path, body in (("/user/add", {"name": "root", "password": "pw"}), ("/role/add", {"name": "root"}),
+                           ("/user/grant", {"user": "root", "role": "root"}), ("/enable", {})):
+            assert requests.post(base + path, json=body, timeout=5).status_code == 200
+        options = StoreOptions(user="root", password="pw")
+        store = open_store(private.url, options)
+        assert store.compare_and_set(f"/{job}/k", None, "v") and store.get(f"/{job}/k") == "v"
+        store.wait(f"/{job}", 0.5)
+        threading.Timer(0.3, lambda: store.set(f"/{job}/k2", "w")).start()
+        assert store.wait(f"/{job}", 3.0)  # the watch authenticates too
+        store.close()
+        for bad, message in ((dataclasses.replace(options, password="bad"), "refused user 'root'.*authentication failed"),
+                             (StoreOptions(), "user name is empty")):
+            with pytest.raises(StoreError, match=message):
+                open_store(private.url, bad).get(f"/{job}/k")

@@ -39,10 +39,9 @@ class EtcdStore(Store):
         self.endpoints, self.options = endpoints, options
         self._current = 0
         self._session = requests.Session()
-        if options.ca_cert:
-            self._session.verify = options.ca_cert
-        if options.cert and options.key:
-            self._session.cert = (options.cert, options.key)
+        # Given with every request: a session's own `verify` loses to REQUESTS_CA_BUNDLE in the environment.
+        self._tls = {"verify": options.ca_cert or True,
+                     "cert": (options.cert, options.key) if options.cert and options.key else None}
         self._scheme = "https" if options.ca_cert or options.cert else "http"
         self._lock = threading.Lock()  # one request at a time: the session is shared with the watch threads
         self._leases: Dict[int, Tuple[str, int, float]] = {}  # requested ttl -> (lease id, granted ttl, renewed)
@@ -140,7 +139,7 @@ class EtcdStore(Store):
             self._token = self._authenticate(endpoint)
         headers = {"Authorization": self._token} if self._token else {}
         response = self._session.post(self._url(path, endpoint), json=body, headers=headers,
-                                      timeout=self.options.request_timeout)
+                                      timeout=self.options.request_timeout, **self._tls)
         try:
             reply = response.json()
         except ValueError:
@@ -155,11 +154,16 @@ class EtcdStore(Store):
 
     def _authenticate(self, endpoint: str) -> str:
         response = self._session.post(self._url("/v3/auth/authenticate", endpoint), timeout=self.options.request_timeout,
-                                      json={"name": self.options.user, "password": self.options.password or ""})
-        if response.status_code != 200:
+                                      json={"name": self.options.user, "password": self.options.password or ""},
+                                      **self._tls)
+        try:
+            reply = response.json()
+        except ValueError:
+            reply = {"message": response.text.strip()[:200]}
+        if response.status_code != 200 or "token" not in reply:
             raise StoreError(f"etcd at {endpoint} refused user {self.options.user!r}: "
-                             f"{response.json().get('message', response.text[:200])}")
-        return response.json()["token"]
+                             f"{reply.get('message') or reply.get('error') or response.status_code}")
+        return reply["token"]
 
 
 class _Watch:
@@ -202,9 +206,8 @@ class _Watch:
             store = self.store
             headers = {"Authorization": store._token} if store._token else {}
             try:
-                with requests.post(store._url("/v3/watch"), json={"create_request": request}, stream=True,
-                                   headers=headers, verify=store._session.verify, cert=store._session.cert,
-                                   timeout=(store.options.request_timeout, self._STREAM_SECONDS)) as response:
+                with requests.post(store._url("/v3/watch"), json={"create_request": request}, stream=True, **store._tls,
+                                   headers=headers, timeout=(store.options.request_timeout, self._STREAM_SECONDS)) as response:
                     for line in response.iter_lines():
                         result = json.loads(line).get("result", {}) if line else {}
                         if result.get("compact_revision"):
