@@ -108,7 +108,8 @@ def _round_times(root: Path, agents: int, rdzv: str = None, rounds: int = 3) -> 
             if number == rounds:
                 break
             failed = time.time()
-            os.kill(job.worker_pid("h0", round_=number), signal.SIGKILL)
+            # A different host each time: two failures in a row of one host's workers blacklist it.
+            os.kill(job.worker_pid(f"h{number % agents}", round_=number), signal.SIGKILL)
             job.wait_for(lambda: len(job.events("rendezvous", round=number + 1)) == agents, what="the next round")
             times.append(max(e["time"] for e in job.events("rendezvous", round=number + 1)) - failed)
     finally:
