@@ -1,14 +1,14 @@
 """The fault-injection soak in miniature: 10 random faults of every kind on etcd, then every invariant."""
 import pytest
 
-from launch import chaos
+from launch import soak
 
 pytestmark = pytest.mark.slow
 
 
 def test_ten_random_faults_lose_nothing(tmp_path):
-    result = chaos.run_soak(tmp_path, faults=10, seed=3, rdzv="etcd", max_gap=1.0)
-    print(chaos.table(result))
+    result = soak.run_soak(tmp_path, faults=10, seed=3, rdzv="etcd", max_gap=1.0)
+    print(soak.table(result))
     assert len(result["faults"]) == 10, "the job ended before every fault was injected"
-    assert chaos.failed_invariants(result, tolerance=0.03) == []
+    assert soak.failed_invariants(result, tolerance=0.03) == []
     assert result["checks"]["samples_repeated"] == result["checks"]["samples_skipped"] == 0

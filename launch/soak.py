@@ -1,0 +1,299 @@
+"""The fault-injection soak behind `launch.chaos`: an elastic job under random faults, then invariants.
+
+Faults (each at a random moment, after the group recovered from the previous one): SIGKILL a worker,
+SIGKILL a whole host, SIGSTOP a worker, SIGTERM an agent (graceful leave), start a new agent, SIGKILL
+the chief while it commits, corrupt the newest checkpoint (then kill the chief so the group restores),
+and with etcd, stop and restart the store.
+"""
+import dataclasses
+import glob
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+
+from launch import audit
+from launch import data as datasets
+from launch.etcd_server import EtcdServer
+from launch.local_job import REPO, LocalJob
+from tf_elastic.elastic.events import read_events
+
+
+TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--commit_every_steps=10",
+         "--optimizer=sgd", "--learning_rate=0.05"]
+AGENT = ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1", "--blacklist_after=1000",
+         "--stop_grace=10"]
+KINDS = ("kill_worker", "kill_host", "stop_worker", "term_agent", "start_agent", "kill_chief_in_commit",
+         "corrupt_checkpoint", "restart_store")
+
+
+@dataclasses.dataclass
+class Fault:
+    kind: str
+    target: str
+    time: float
+    recovered: Optional[float] = None  # seconds to the next first training step (None: none needed)
+    note: str = ""
+
+
+class Soak:
+    def __init__(self, root: Path, epochs: int, faults: int, seed: int, rng: random.Random,
+                 etcd: Optional[EtcdServer], max_gap: float):
+        self.max_gap = max_gap
+        self.rng, self.etcd = rng, etcd
+        self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={seed}"],
+                            AGENT + [f"--max_restarts={10 * faults + 10}"], rdzv=etcd.url if etcd else None)
+        self.tmp = root / "tmp"
+        self.tmp.mkdir(parents=True)
+        self.live: List[str] = []
+        self.spawned = 0
+        self.faults: List[Fault] = []
+
+    def start_host(self) -> str:
+        host = f"h{self.spawned}"
+        self.spawned += 1
+        self.job.start_agent(host, env={"TMPDIR": str(self.tmp)})
+        self.live.append(host)
+        return host
+
+    def running(self) -> bool:
+        return any(self.job.agents[h].poll() is None for h in self.live)
+
+    def choose(self) -> str:
+        kinds = ["kill_worker", "stop_worker", "kill_chief_in_commit", "corrupt_checkpoint"]
+        if len(self.live) >= 2:
+            kinds += ["kill_host", "term_agent"]
+        if len(self.live) < 3:
+            kinds += ["start_agent", "start_agent"]
+        if self.etcd:
+            kinds.append("restart_store")
+        return self.rng.choice(kinds)
+
+    def chief_host(self) -> str:
+        rendezvous = self.job.events("rendezvous")
+        latest = max(e["round"] for e in rendezvous)
+        return next(e["source"].split(":", 1)[1] for e in rendezvous if e["round"] == latest and 0 in e["ranks"])
+
+    def inject(self, kind: str) -> Fault:
+        job = self.job
+        host = self.rng.choice(self.live)
+        if kind in ("kill_chief_in_commit", "corrupt_checkpoint"):
+            host = self.chief_host()
+        fault = Fault(kind, host, time.time())
+        if kind == "kill_worker":
+            _signal(job.worker_pid(host), signal.SIGKILL)
+        elif kind == "kill_host":
+            job.kill_host(host)
+            self.live.remove(host)
+        elif kind == "stop_worker":
+            _signal(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
+        elif kind == "term_agent":
+            job.agents[host].send_signal(signal.SIGTERM)
+            self.live.remove(host)
+        elif kind == "start_agent":
+            fault.target = self.start_host()
+        elif kind == "kill_chief_in_commit":
+            fault.note = "hit a commit" if _wait_for_commit_in_progress(job.run_dir, 10.0) else "missed"
+            _signal(job.worker_pid(host), signal.SIGKILL)
+        elif kind == "corrupt_checkpoint":
+            fault.note = _corrupt_newest(job.run_dir)
+            _signal(job.worker_pid(host), signal.SIGKILL)
+        elif kind == "restart_store":
+            self.etcd.stop()
+            time.sleep(self.rng.uniform(1.0, 4.0))
+            self.etcd.start()
+        fault.time = time.time() if kind == "restart_store" else fault.time
+        self.faults.append(fault)
+        return fault
+
+    def await_recovery(self, fault: Fault) -> None:
+        if fault.kind == "restart_store":
+            return  # training went on; nothing restarts
+        try:
+            step = self.job.first_step_after(fault.time, timeout=180)
+            fault.recovered = step["time"] - fault.time
+        except AssertionError:
+            if self.running():
+                raise
+            fault.note += " (the job had finished)"
+        if fault.kind == "term_agent":
+            self.job.agents[fault.target].wait(timeout=60)
+        # The next fault waits for every live host to have a warm spare again, as a user's would.
+        since = fault.time
+        for host in self.live:
+            self.job.wait_for(lambda: not self.running() or [
+                e for e in self.job.events("spare_ready", source=f"agent:{host}") if e["time"] > since],
+                timeout=180, what=f"a warm spare on {host}")
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
+    """Polls for TF's temporary shard directory of a checkpoint being written."""
+    deadline = time.time() + timeout
+    pattern = str(run_dir / "checkpoints" / "*_temp*")
+    while time.time() < deadline:
+        if glob.glob(pattern):
+            return True
+        time.sleep(0.0005)
+    return False
+
+
+def _corrupt_newest(run_dir: Path) -> str:
+    state = (run_dir / "checkpoints" / "checkpoint")
+    if not state.exists():
+        return "no commit yet"
+    newest = state.read_text().splitlines()[0].split('"')[1]
+    for data in glob.glob(glob.escape(newest) + ".data-*"):
+        size = os.path.getsize(data)
+        with open(data, "r+b") as f:
+            f.truncate(size // 2)
+    return f"truncated {Path(newest).name}"
+
+
+def _fault_free(root: Path, epochs: int, seed: int) -> float:
+    """The same training without faults or agent: one process, the global batch of two workers."""
+    argv = [sys.executable, "-m", "launch.train", *[a for a in TRAIN if not a.startswith("--per_replica")],
+            "--per_replica_batch_size=32", f"--epochs={epochs}", f"--seed={seed}", f"--run_dir={root / 'run'}"]
+    subprocess.run(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), check=True,
+                   stdout=open(root / "train.log", "ab"), stderr=subprocess.STDOUT, timeout=3600)
+    return [e for e in read_events(root / "run") if e["event"] == "evaluation"][-1]["test_accuracy"]
+
+
+def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
+    job, run_dir = soak.job, soak.job.run_dir
+    events = job.events()
+    largest_batch = 16 * max(e["world_size"] for e in events if e["event"] == "rendezvous")
+    data = audit.exactly_once(run_dir, len(datasets.load("digits").y_train), largest_batch)
+    # Committed progress: every round restores at least the last commit before it, but for a
+    # corrupted newest commit, which sends it back to the previous one.
+    backwards, commits = [], []
+    for e in events:
+        if e["event"] == "commit":
+            commits.append(e["step"])
+        elif e["event"] == "restore" and e["rank"] == 0 and commits and e["step"] < max(commits):
+            skipped = [s for s in events if s["event"] == "checkpoint_skipped" and s["round"] == e["round"]]
+            if not skipped:
+                backwards.append((e["round"], e["step"], max(commits)))
+    pids = [e["worker_pid"] for e in events if "worker_pid" in e] + [p.pid for p in job.agents.values()]
+    orphans = [pid for pid in pids if _alive(pid)]
+    # The job's processes have a TMPDIR of their own. A SIGKILLed host cannot clean up (a real dead host
+    # takes its /tmp with it); the next agent started on a host sweeps what dead agents left.
+    killed = {soak.job.agents[f.target].pid for f in soak.faults if f.kind == "kill_host"}
+    left = sorted(str(p) for p in soak.tmp.glob("tf_elastic-*"))  # (TF's autograph leaves files of its own)
+    by_killed = [p for p in left if Path(p).name.split("-")[1][len("agent"):] in {str(k) for k in killed}]
+    leaked = [p for p in left if p not in by_killed]
+    bound = [addr for e in events if e["event"] == "rendezvous" for addr in e.get("cluster") or []
+             if not _bindable(addr)]
+    accuracy = [e["test_accuracy"] for e in events if e["event"] == "evaluation"]
+    final_commit = [e for e in events if e["event"] == "commit"][-1]
+    return {
+        "finished": bool(accuracy) and final_commit["epoch"] == epochs,
+        "accuracy": accuracy[-1] if accuracy else None, "reference_accuracy": reference,
+        "epochs_checked": data["epochs"], "samples_repeated": data["repeated"], "samples_skipped": data["skipped"],
+        "steps_redone": audit.steps_redone(run_dir), "progress_backwards": backwards,
+        "checkpoints_skipped": len([e for e in events if e["event"] == "checkpoint_skipped" and e["rank"] == 0]),
+        "orphans": orphans, "leaked_temp_dirs": leaked, "left_by_killed_hosts": len(by_killed),
+        "ports_still_bound": sorted(set(bound)),
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except FileNotFoundError:
+        return False
+
+
+def _bindable(addr: str) -> bool:
+    host, port = addr.rsplit(":", 1)
+    with socket.socket() as s:
+        try:
+            s.bind((host, int(port)))
+            return True
+        except OSError:
+            return False
+
+
+def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None,
+             max_gap: float = 3.0) -> Dict[str, object]:
+    """Runs the soak and its fault-free reference; returns the faults and the checks."""
+    rng = random.Random(seed)
+    epochs = epochs or 10 * faults  # digits: about an epoch a second, a fault and its recovery ~10 s
+    etcd = EtcdServer().start() if rdzv == "etcd" else None
+    (root / "soak").mkdir(parents=True)
+    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap)
+    try:
+        soak.start_host()
+        soak.start_host()
+        soak.job.first_step_after(0, world_size=2, timeout=300)
+        for host in soak.live:
+            soak.job.wait_for(lambda: soak.job.events("spare_ready", source=f"agent:{host}"), timeout=180)
+        while len(soak.faults) < faults and soak.running():
+            time.sleep(rng.uniform(0.0, soak.max_gap))
+            soak.await_recovery(soak.inject(soak.choose()))
+        for host in soak.live:
+            soak.job.agents[host].wait(timeout=1800)
+    finally:
+        soak.job.cleanup()
+        if etcd:
+            etcd.close()
+    (root / "reference").mkdir()
+    reference = _fault_free(root / "reference", epochs, seed)
+    return {"faults": [dataclasses.asdict(f) for f in soak.faults], "epochs": epochs,
+            "checks": _checks(soak, epochs, reference)}
+
+
+def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
+    c = result["checks"]
+    failed = []
+    if not c["finished"]:
+        failed.append("the job did not finish")
+    elif c["accuracy"] < c["reference_accuracy"] - tolerance:
+        failed.append(f"accuracy {c['accuracy']:.4f} < fault-free {c['reference_accuracy']:.4f} - {tolerance}")
+    for key in ("samples_repeated", "samples_skipped"):
+        if c[key]:
+            failed.append(f"{key} = {c[key]}")
+    for key in ("progress_backwards", "orphans", "leaked_temp_dirs", "ports_still_bound"):
+        if c[key]:
+            failed.append(f"{key}: {c[key]}")
+    return failed
+
+
+def table(result: Dict[str, object]) -> str:
+    faults, c = result["faults"], result["checks"]
+    lines = ["| fault | injected | recovered | recovery p50 | p95 | max | notes |", "|---|---:|---:|---:|---:|---:|---|"]
+    for kind in KINDS:
+        mine = [f for f in faults if f["kind"] == kind]
+        if not mine:
+            continue
+        times = sorted(f["recovered"] for f in mine if f["recovered"] is not None)
+        stats = ([f"{statistics.median(times):.2f} s", f"{times[min(len(times) - 1, int(0.95 * len(times)))]:.2f} s",
+                  f"{times[-1]:.2f} s"] if times else ["-", "-", "-"])
+        notes = sorted({f["note"] for f in mine if f["note"]})
+        lines.append(f"| {kind} | {len(mine)} | {len(times)} | " + " | ".join(stats) + f" | {'; '.join(notes)} |")
+    every = sorted(f["recovered"] for f in faults if f["recovered"] is not None)
+    if every:
+        lines.append(f"| all | {len(faults)} | {len(every)} | {statistics.median(every):.2f} s | "
+                     f"{every[min(len(every) - 1, int(0.95 * len(every)))]:.2f} s | {every[-1]:.2f} s | |")
+    lines += ["", f"- finished: {c['finished']}; test accuracy {c['accuracy']} vs fault-free {c['reference_accuracy']}",
+              f"- steps redone: {c['steps_redone']}; samples repeated: {c['samples_repeated']}; samples skipped: "
+              f"{c['samples_skipped']} (over {c['epochs_checked']} epochs)",
+              f"- corrupted commits detected and skipped: {c['checkpoints_skipped']}; progress backwards otherwise: "
+              f"{c['progress_backwards']}",
+              f"- orphan processes: {c['orphans']}; leaked temp dirs: {c['leaked_temp_dirs']}; ports still bound: "
+              f"{c['ports_still_bound']}"]
+    return "\n".join(lines)
