@@ -26,6 +26,7 @@ flags.DEFINE_integer("epochs", None, "Training epochs (default: enough to outlas
 flags.DEFINE_float("max_gap", 3.0, "Longest pause (s) between a recovery and the next fault.", lower_bound=0.0)
 flags.DEFINE_float("accuracy_tolerance", 0.03, "Largest accepted drop of test accuracy against the fault-free run.",
                    lower_bound=0.0)
+flags.DEFINE_bool("wait_for_spares", True, "Inject the next fault only once every host has a warm worker again.")
 flags.DEFINE_string("out", None, "Directory for the runs (default: a temp dir).")
 FLAGS = flags.FLAGS
 
@@ -33,7 +34,7 @@ FLAGS = flags.FLAGS
 def main(argv: List[str]) -> int:
     del argv
     root = Path(FLAGS.out or tempfile.mkdtemp(prefix="tf_elastic-chaos-"))
-    result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs, FLAGS.max_gap)
+    result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs, FLAGS.max_gap, FLAGS.wait_for_spares)
     (root / "chaos.json").write_text(json.dumps(result, indent=1))
     print(f"\nChaos soak: {len(result['faults'])} faults, seed {FLAGS.seed}, store {FLAGS.rdzv}, "
           f"{result['epochs']} epochs of digits\n")

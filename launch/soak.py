@@ -45,8 +45,8 @@ class Fault:
 
 class Soak:
     def __init__(self, root: Path, epochs: int, faults: int, seed: int, rng: random.Random,
-                 etcd: Optional[EtcdServer], max_gap: float):
-        self.max_gap = max_gap
+                 etcd: Optional[EtcdServer], max_gap: float, wait_for_spares: bool):
+        self.max_gap, self.wait_for_spares = max_gap, wait_for_spares
         self.rng, self.etcd = rng, etcd
         self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={seed}"],
                             AGENT + [f"--max_restarts={10 * faults + 10}"], rdzv=etcd.url if etcd else None)
@@ -125,6 +125,8 @@ class Soak:
             fault.note += " (the job had finished)"
         if fault.kind == "term_agent":
             self.job.agents[fault.target].wait(timeout=60)
+        if not self.wait_for_spares:
+            return  # the next fault may meet a group whose workers start cold: harder, and quicker to run
         # The next fault waits for every live host to have a warm spare again, as a user's would.
         since = fault.time
         for host in self.live:
@@ -229,13 +231,14 @@ def _bindable(addr: str) -> bool:
 
 
 def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None,
-             max_gap: float = 3.0) -> Dict[str, object]:
+             max_gap: float = 3.0, wait_for_spares: bool = True) -> Dict[str, object]:
     """Runs the soak and its fault-free reference; returns the faults and the checks."""
     rng = random.Random(seed)
-    epochs = epochs or 10 * faults  # digits: about an epoch a second, a fault and its recovery ~10 s
+    # digits: about an epoch a second; a fault and its recovery take ~5 s, ~15 s waiting for spares
+    epochs = epochs or (10 if wait_for_spares else 5) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
     (root / "soak").mkdir(parents=True)
-    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap)
+    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares)
     try:
         soak.start_host()
         soak.start_host()

@@ -7,7 +7,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_ten_random_faults_lose_nothing(tmp_path):
-    result = soak.run_soak(tmp_path, faults=10, seed=3, rdzv="etcd", max_gap=1.0)
+    result = soak.run_soak(tmp_path, faults=10, seed=3, rdzv="etcd", max_gap=0.5, wait_for_spares=False)
     print(soak.table(result))
     assert len(result["faults"]) == 10, "the job ended before every fault was injected"
     assert soak.failed_invariants(result, tolerance=0.03) == []

@@ -223,6 +223,7 @@ class Rendezvous:
     def _join_step(self, previous_ranks: Optional[List[int]], after: int):
         """One look at the round: the frozen round that gives us ranks, True to look again at once (we
         changed it), or False to wait for a change."""
+        self.check_token()
         self._raise_if_ended()
         self.keepalive()
         raw = self.store.get(self._round_key)
