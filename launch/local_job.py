@@ -77,7 +77,7 @@ class LocalJob:
         """SIGKILL the agent and its worker: the whole host is gone."""
         worker = self.worker_pid(host)
         self.agents[host].kill()
-        _signal(worker, signal.SIGKILL)
+        signal_pid(worker, signal.SIGKILL)
 
     def describe(self) -> str:
         lines = [f"{e['event']} {e['source']} " + str({k: v for k, v in e.items() if k not in ('time', 'event', 'source', 'pid')})
@@ -92,10 +92,11 @@ class LocalJob:
                 proc.kill()
                 proc.wait()
         for pid in pids:
-            _signal(pid, signal.SIGKILL)
+            signal_pid(pid, signal.SIGKILL)
 
 
-def _signal(pid: int, sig: int) -> None:
+def signal_pid(pid: int, sig: int) -> None:
+    """Sends `sig` to a process this job started, if it still exists."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:

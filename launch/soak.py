@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 from launch import audit
 from launch import data as datasets
 from launch.etcd_server import EtcdServer
-from launch.local_job import REPO, LocalJob
+from launch.local_job import REPO, LocalJob, signal_pid
 from tf_elastic.elastic.events import read_events
 
 
@@ -88,23 +88,23 @@ class Soak:
             host = self.chief_host()
         fault = Fault(kind, host, time.time())
         if kind == "kill_worker":
-            _signal(job.worker_pid(host), signal.SIGKILL)
+            signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "kill_host":
             job.kill_host(host)
             self.live.remove(host)
         elif kind == "stop_worker":
-            _signal(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
+            signal_pid(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
         elif kind == "term_agent":
-            job.agents[host].send_signal(signal.SIGTERM)
+            job.agents[host].sendsignal_pid(signal.SIGTERM)
             self.live.remove(host)
         elif kind == "start_agent":
             fault.target = self.start_host()
         elif kind == "kill_chief_in_commit":
             fault.note = "hit a commit" if _wait_for_commit_in_progress(job.run_dir, 10.0) else "missed"
-            _signal(job.worker_pid(host), signal.SIGKILL)
+            signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "corrupt_checkpoint":
             fault.note = _corrupt_newest(job.run_dir)
-            _signal(job.worker_pid(host), signal.SIGKILL)
+            signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "restart_store":
             self.etcd.stop()
             time.sleep(self.rng.uniform(1.0, 4.0))
@@ -133,13 +133,6 @@ class Soak:
             self.job.wait_for(lambda: not self.running() or [
                 e for e in self.job.events("spare_ready", source=f"agent:{host}") if e["time"] > since],
                 timeout=180, what=f"a warm spare on {host}")
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:

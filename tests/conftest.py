@@ -40,6 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def agent_argv(rdzv_dir: Path, run_dir: Path, arguments: list) -> list:
+    """`launch.elastic_run` flags: a valid file store, job id and run dir, overridden by `arguments`."""
+    base = {"--rdzv": f"file://{rdzv_dir}", "--job_id": "j", "--run_dir": str(run_dir)}
+    for argument in arguments:
+        base.pop(argument.split("=")[0], None)
+    return [f"{k}={v}" for k, v in base.items()] + list(arguments)
+
+
 def run_python(code: str, env: dict = None, timeout: float = 300, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Runs `python -c code` in a fresh process with the repository and tests/ importable; raises on failure."""
     full_env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{REPO / 'tests'}", **(env or {}))

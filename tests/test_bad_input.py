@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, agent_argv
 
 pytestmark = pytest.mark.slow
 
@@ -87,11 +87,8 @@ AGENT_CASES = [
 @pytest.mark.parametrize("flags, message", AGENT_CASES, ids=[" ".join(f) for f, _ in AGENT_CASES])
 def test_bad_agent_input_is_named_and_committed_work_stays(committed, tmp_path, flags, message):
     before = _digest(committed / "checkpoints")
-    base = {"--rdzv": f"file://{tmp_path}/rdzv", "--job_id": "j", "--run_dir": str(committed)}
-    for flag in flags:
-        base.pop(flag.split("=")[0], None)
-    argv = [f"{k}={v}" for k, v in base.items()] + flags
-    proc = _run([sys.executable, "-m", "launch.elastic_run", *argv, "--", *TRAIN])
+    proc = _run([sys.executable, "-m", "launch.elastic_run", *agent_argv(tmp_path / "rdzv", committed, flags), "--",
+                 *TRAIN])
     assert proc.returncode != 0
     assert message in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert _digest(committed / "checkpoints") == before

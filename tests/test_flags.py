@@ -5,7 +5,7 @@ import sys
 import pytest
 from absl import flags
 
-from conftest import REPO
+from conftest import REPO, agent_argv
 from launch import train  # noqa: F401 - defines the training flags
 
 TRAIN_BAD = [
@@ -63,10 +63,7 @@ AGENT_BAD = [
 
 @pytest.mark.parametrize("arguments,fragment", AGENT_BAD, ids=[" ".join(a) for a, _ in AGENT_BAD])
 def test_agent_flag_errors_name_the_flag(tmp_path, arguments, fragment):
-    base = {"--rdzv": f"file://{tmp_path}/rdzv", "--job_id": "j", "--run_dir": str(tmp_path / "run")}
-    for argument in arguments:
-        base.pop(argument.split("=")[0], None)
-    argv = [f"{k}={v}" for k, v in base.items()] + [a for a in arguments if a != "--no_command"]
+    argv = agent_argv(tmp_path / "rdzv", tmp_path / "run", [a for a in arguments if a != "--no_command"])
     command = [] if "--no_command" in arguments else ["--", sys.executable, "-c", "pass"]
     proc = subprocess.run([sys.executable, "-m", "launch.elastic_run", *argv, *command], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
