@@ -202,6 +202,7 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
         "checkpoints_skipped": len([e for e in events if e["event"] == "checkpoint_skipped" and e["rank"] == 0]),
         "orphans": orphans, "leaked_temp_dirs": leaked, "left_by_killed_hosts": len(by_killed),
         "ports_still_bound": sorted(set(bound)),
+        "agent_exits": {e["host"]: f"{e['code']}: {e['reason']}" for e in events if e["event"] == "exit"},
     }
 
 
@@ -259,7 +260,7 @@ def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
     c = result["checks"]
     failed = []
     if not c["finished"]:
-        failed.append("the job did not finish")
+        failed.append(f"the job did not finish (agents' exits: {c['agent_exits']})")
     elif c["accuracy"] < c["reference_accuracy"] - tolerance:
         failed.append(f"accuracy {c['accuracy']:.4f} < fault-free {c['reference_accuracy']:.4f} - {tolerance}")
     for key in ("samples_repeated", "samples_skipped"):
@@ -293,5 +294,6 @@ def table(result: Dict[str, object]) -> str:
               f"- corrupted commits detected and skipped: {c['checkpoints_skipped']}; progress backwards otherwise: "
               f"{c['progress_backwards']}",
               f"- orphan processes: {c['orphans']}; leaked temp dirs: {c['leaked_temp_dirs']}; ports still bound: "
-              f"{c['ports_still_bound']}"]
+              f"{c['ports_still_bound']}",
+              f"- agents' exits: " + "; ".join(f"{h} {r}" for h, r in sorted(c["agent_exits"].items()))]
     return "\n".join(lines)

@@ -13,6 +13,10 @@ TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=1
          "--commit_every_steps=10", "--optimizer=sgd"]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(6)"]  # a worker that ends well (exit 0)
 CRASHER = [sys.executable, "-c", "import sys; sys.exit(7)"]
+# Rank 0 ends 3 s after rank 1 (as a chief does, writing its evaluation) and leaves a file saying so.
+FINISHER = [sys.executable, "-c", "import json, os, pathlib, time; rank = json.loads(os.environ['TF_CONFIG'])"
+            "['task']['index']; time.sleep(3 * (rank == 0)); pathlib.Path(os.environ['TF_ELASTIC_RUN_DIR'], "
+            "f'finished{rank}').touch()"]
 
 
 @pytest.fixture
@@ -51,6 +55,14 @@ def test_a_host_whose_workers_keep_failing_is_blacklisted_and_the_job_goes_on(jo
     last = job.events("rendezvous", source="agent:a")[-1]
     assert last["world_size"] == 1 and last["restarts"] == 2
     assert not [e for e in job.events("rendezvous", source="agent:b") if e["time"] > blacklisted["time"]]
+
+
+def test_a_host_whose_workers_end_later_is_not_cut_short_by_another_hosts_success(jobs, tmp_path, rdzv_url):
+    job = _job(jobs, tmp_path, rdzv_url, agent=["--nowarm_start", "--min_workers=2", "--max_workers=2"])
+    job.start_agent("a", command=FINISHER)
+    job.start_agent("b", command=FINISHER)
+    assert job.wait_agents(timeout=120) == {"a": 0, "b": 0}
+    assert sorted(p.name for p in job.run_dir.glob("finished*")) == ["finished0", "finished1"]
 
 
 def test_an_etcd_outage_does_not_stop_training(jobs, tmp_path):

@@ -129,7 +129,7 @@ class ElasticAgent:
                                   reason=round_.reason, restarts=round_.restarts, cluster=round_.cluster)
                 outcome = self._run_round(round_, ranks)
                 if outcome is Outcome.SUCCEEDED:
-                    self.rendezvous.finish("done", "training finished")
+                    self._record_done()
                     return self._exit(0, "training finished")
                 if outcome is Outcome.LEFT:
                     return self._exit(0, "left the job gracefully")
@@ -144,6 +144,18 @@ class ElasticAgent:
             for spare in self._warm:
                 spare.process.kill()
                 spare.process.wait()
+
+    def _record_done(self) -> None:
+        """Tells every agent the job is done, retrying while the store is unreachable (up to the
+        rendezvous timeout): a store outage at the very end must not turn a finished job into a failure."""
+        deadline = time.monotonic() + self.config.timeouts.rendezvous
+        while True:
+            try:
+                return self.rendezvous.finish("done", "training finished")
+            except StoreError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(self.config.monitor_interval)
 
     def _sit_out_blacklist(self) -> None:
         """Stays out of the job while this host is blacklisted: no lease, so no round waits for it."""
@@ -266,8 +278,13 @@ class ElasticAgent:
         current = round_
         if changed:
             outcome = self.rendezvous.outcome()
+            if outcome is not None and outcome["status"] == "failed":
+                return Outcome.FAILED
             if outcome is not None:
-                return Outcome.SUCCEEDED if outcome["status"] == "done" else Outcome.FAILED
+                # Another host's workers finished: ours are finishing too (the last evaluation, the chief's
+                # summary). Killing them now would lose that; let them end on their own.
+                self._await_exit(workers, self.config.stop_grace)
+                return Outcome.SUCCEEDED
             current = self.rendezvous.current()
             if current is None or current.number != round_.number:
                 failed = current is None or current.restarts > round_.restarts
@@ -366,17 +383,21 @@ class ElasticAgent:
         for worker in workers:
             if worker.process.poll() is None:
                 worker.process.send_signal(signal.SIGTERM)
-        deadline = time.time() + self.config.stop_grace
-        while any(w.process.poll() is None for w in workers) and time.time() < deadline:
-            try:
-                self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
-            except StoreError:
-                pass  # the monitor reports the outage; stopping goes on
-            time.sleep(self.config.monitor_interval)
+        self._await_exit(workers, self.config.stop_grace)
         for worker in workers:
             if worker.process.poll() is None:
                 logging.warning("rank %d ignored SIGTERM for %.0fs; killing it", worker.rank, self.config.stop_grace)
         self._kill(workers)
+
+    def _await_exit(self, workers: List[_Worker], grace: float) -> None:
+        """Waits up to `grace` seconds for the workers to exit, renewing this host's lease meanwhile."""
+        deadline = time.time() + grace
+        while any(w.process.poll() is None for w in workers) and time.time() < deadline:
+            try:
+                self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
+            except StoreError:
+                pass  # the monitor reports the outage; waiting goes on
+            time.sleep(self.config.monitor_interval)
 
     @staticmethod
     def _kill(workers: List[_Worker]) -> None:

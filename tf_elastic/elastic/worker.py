@@ -342,11 +342,6 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
                  step=state.step, epoch=state.epoch, samples=state.samples, world_size=world.size)
     trainer = _ElasticFit(model, x, y, world, strategy, state, DataPlan(len(x), seed), batch, commit_every_steps,
                           commit_every_seconds, max(1, sync_every_steps), events)
-    if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
-        # A worker of the previous round was still committing while we restored: start the round again.
-        events.write("restore_mismatch", round=world.round, rank=world.rank, step=state.step)
-        logging.flush()
-        contract.exit_now(contract.EXIT_PEER_FAILURE)
     if schedule is not None:
         schedule.resize(state.step, trainer.global_batch)
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
@@ -356,6 +351,11 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
     spans = [(state.epoch, state.epoch + 1)] if partial else []
     spans += [(state.epoch + int(partial), epochs)]
     try:
+        if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
+            # A worker of the previous round was still committing while we restored: start the round again.
+            events.write("restore_mismatch", round=world.round, rank=world.rank, step=state.step)
+            logging.flush()
+            contract.exit_now(contract.EXIT_PEER_FAILURE)
         for first, last in spans:
             if first >= last or trainer.stopped:
                 continue
