@@ -23,8 +23,10 @@ def _free_port() -> int:
 class EtcdServer:
     """`tls`: (CA, server cert, server key) to serve https and require client certificates signed by the CA."""
 
-    def __init__(self, data_dir: Optional[str] = None, tls: Optional[Tuple[str, str, str]] = None):
-        self.tls = tls
+    def __init__(self, data_dir: Optional[str] = None, tls: Optional[Tuple[str, str, str]] = None,
+                 hosts: Tuple[str, ...] = ("127.0.0.1",)):
+        """`hosts`: the loopback addresses it serves clients on, all on one port (see `url_on`)."""
+        self.tls, self.hosts = tls, hosts
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd is not installed: apt-get install etcd-server")
         self._own_dir = data_dir is None
@@ -34,19 +36,23 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"etcd://127.0.0.1:{self.client_port}"
+        return self.url_on(self.hosts[0])
+
+    def url_on(self, host: str) -> str:
+        return f"etcd://{host}:{self.client_port}"
 
     def start(self, timeout: float = 20.0) -> "EtcdServer":
         """Starts etcd (again, after `stop`, on the same ports and data) and waits until it answers."""
         scheme = "https" if self.tls else "http"
-        client, peer = f"{scheme}://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        clients = ",".join(f"{scheme}://{host}:{self.client_port}" for host in self.hosts)
+        client, peer = f"{scheme}://{self.hosts[0]}:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
         tls = []
         if self.tls:
             ca, cert, key = self.tls
             tls = [f"--cert-file={cert}", f"--key-file={key}", f"--trusted-ca-file={ca}", "--client-cert-auth"]
         log = open(self.data_dir.with_suffix(".log"), "ab")
         self.process = subprocess.Popen(
-            ["etcd", "--name=tf_elastic", f"--data-dir={self.data_dir}", f"--listen-client-urls={client}",
+            ["etcd", "--name=tf_elastic", f"--data-dir={self.data_dir}", f"--listen-client-urls={clients}",
              f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
              f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=tf_elastic={peer}",
              "--heartbeat-interval=25", "--election-timeout=250", *tls], stdout=log, stderr=subprocess.STDOUT)
