@@ -1,6 +1,5 @@
 """Bad input, tried on purpose: each gives an error naming the culprit, a non-zero exit where it is a
-process, and leaves committed work untouched. (Flag ranges, optimizer and schedule arguments have
-their own tables in test_flags.py, test_lars.py and test_batch_resize_schedule.py.)"""
+process, and leaves committed work untouched. (Every flag's range has its own table in test_flags.py.)"""
 import hashlib
 import json
 import subprocess
@@ -34,6 +33,38 @@ def _run(argv, env=None, timeout=120):
 
     full_env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
     return subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+API_CASES = [
+    # (the call, what the ValueError must say): optimizer and schedule arguments
+    ("LARS(learning_rate=-1.0)", "LARS `learning_rate` must be a finite number >= 0; received learning_rate=-1.0"),
+    ("LARS(momentum=1.5)", "LARS `momentum` must be a finite number in [0, 1); received momentum=1.5"),
+    ("LARS(trust_coefficient=0.0)", "LARS `trust_coefficient`"),
+    ("LARS(weight_decay=-1e-4)", "LARS `weight_decay` must be a finite number >= 0"),
+    ("LARS(epsilon=float('nan'))", "LARS `epsilon` must be a finite number >= 0; received epsilon=nan"),
+    ("LARS(exclude_from_layer_adaptation=5)", "LARS `exclude_from_layer_adaptation` must be None, a regex string"),
+    ("LARS(exclude_from_weight_decay=['('])", "LARS `exclude_from_weight_decay` has an invalid regex '('"),
+    ("BatchResizeSchedule('x', 32)", "`base` must be a float or a LearningRateSchedule"),
+    ("BatchResizeSchedule(0.1, 0)", "`reference_batch_size` must be an int > 0; received reference_batch_size=0"),
+    ("BatchResizeSchedule(0.1, 32, batch_size=0)", "`batch_size` must be an int > 0"),
+    ("BatchResizeSchedule(0.1, 32, scaling='cubic')", "`scaling` must be one of 'linear', 'sqrt', 'none'"),
+    ("BatchResizeSchedule(0.1, 32, transition='bogus')", "`transition` must be one of 'linear', 'momentum', 'none'"),
+    ("BatchResizeSchedule(0.1, 32, transition='momentum', momentum=1.0)", 'transition="momentum" needs `momentum`'),
+    ("BatchResizeSchedule(0.1, 32, transition_steps=-1)", "`transition_steps` must be None or an int >= 0"),
+    ("BatchResizeSchedule(0.1, 32).resize(-5, 64)", "`step` must be an int >= the last resize step 0"),
+    ("WarmupPolynomialDecay(0.1, -1, 100)", "`warmup_steps` must be >= 0; received warmup_steps=-1"),
+    ("WarmupPolynomialDecay(0.1, 10, 0)", "`decay_steps` must be > 0; received decay_steps=0"),
+]
+
+
+@pytest.mark.parametrize("call, message", API_CASES, ids=[c for c, _ in API_CASES])
+def test_bad_optimizer_and_schedule_arguments_are_named(call, message):
+    from tf_elastic.optimizers import LARS  # noqa: F401 - used by the calls
+    from tf_elastic.schedules import BatchResizeSchedule, WarmupPolynomialDecay  # noqa: F401
+
+    with pytest.raises(ValueError) as error:
+        eval(call)
+    assert message in str(error.value)
 
 
 TRAIN_CASES = [
