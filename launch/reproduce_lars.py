@@ -30,6 +30,9 @@ flags.DEFINE_float("weight_decay", 5e-4, "Weight decay (LARS: inside the trust r
 flags.DEFINE_integer("seeds", 3, "Seeds per configuration.", lower_bound=1)
 flags.DEFINE_integer("train_examples", 60000, "Training examples used.", lower_bound=100)
 flags.DEFINE_bool("quick", False, "A minute-long version: 4000 examples, 2 epochs, 1 seed.")
+flags.DEFINE_list("lars_sweep", [], "Instead of the comparison: LR/ETA pairs (e.g. 2/0.001,5/0.001) for LARS at the "
+                  "large batch, one seed each, against the baseline: how --lars_learning_rate and "
+                  "--lars_trust_coefficient were chosen.")
 FLAGS = flags.FLAGS
 
 
@@ -38,7 +41,7 @@ class Result(NamedTuple):
     test_accuracy: float
 
 
-def train(config: str, seed: int, data) -> Result:
+def train(config: str, seed: int, data, lars_learning_rate: float, lars_trust_coefficient: float) -> Result:
     import keras
 
     import models
@@ -51,8 +54,8 @@ def train(config: str, seed: int, data) -> Result:
     steps = FLAGS.epochs * (len(x) // batch)
     warmup = int(FLAGS.warmup_epochs * (len(x) // batch)) if large else 0
     if config.startswith("LARS"):
-        optimizer = LARS(WarmupPolynomialDecay(FLAGS.lars_learning_rate, warmup, max(1, steps - warmup)),
-                         momentum=0.9, weight_decay=FLAGS.weight_decay, trust_coefficient=FLAGS.lars_trust_coefficient)
+        optimizer = LARS(WarmupPolynomialDecay(lars_learning_rate, warmup, max(1, steps - warmup)),
+                         momentum=0.9, weight_decay=FLAGS.weight_decay, trust_coefficient=lars_trust_coefficient)
     else:
         peak = FLAGS.sgd_learning_rate * (FLAGS.batch_factor if large else 1)
         optimizer = keras.optimizers.SGD(WarmupPolynomialDecay(peak, warmup, max(1, steps - warmup)), momentum=0.9,
@@ -79,11 +82,14 @@ def main(argv: List[str]) -> None:
     large = FLAGS.base_batch * FLAGS.batch_factor
     configs = ["SGD, base batch", f"SGD, {FLAGS.batch_factor}x batch, linear scaling + warm-up",
                f"LARS, {FLAGS.batch_factor}x batch, warm-up + poly decay"]
+    if FLAGS.lars_sweep:
+        return _sweep(configs, data)
     results: Dict[str, List[Result]] = {}
     started = time.time()
     for config in configs:
         for seed in range(FLAGS.seeds):
-            results.setdefault(config, []).append(train(config, seed, data))
+            results.setdefault(config, []).append(
+                train(config, seed, data, FLAGS.lars_learning_rate, FLAGS.lars_trust_coefficient))
             logging.info("%s seed %d: %.4f (%.0f s)", config, seed, results[config][-1].test_accuracy,
                          time.time() - started)
     baseline = np.mean([r.test_accuracy for r in results[configs[0]]]) * 100
@@ -106,6 +112,31 @@ def main(argv: List[str]) -> None:
     (out / "results.json").write_text(json.dumps({k: [r._asdict() for r in v] for k, v in results.items()}))
     _plot(results, out / "lars.png")
     print(report + f"\nplot: {out / 'lars.png'}")
+
+
+def _sweep(configs: List[str], data) -> None:
+    pairs = []
+    for pair in FLAGS.lars_sweep:
+        try:
+            lr, eta = (float(v) for v in pair.split("/"))
+        except ValueError:
+            raise app.UsageError(f"--lars_sweep: {pair!r} is not LR/ETA (for example 5/0.001)") from None
+        pairs.append((lr, eta))
+    started = time.time()
+    baseline = train(configs[0], 0, data, 0.0, 0.0).test_accuracy * 100
+    lines = [f"LARS sweep: {FLAGS.epochs} epochs of {FLAGS.train_examples} MNIST examples, batch "
+             f"{FLAGS.base_batch * FLAGS.batch_factor}, seed 0; baseline (SGD, batch {FLAGS.base_batch}) "
+             f"{baseline:.2f} %", "", "| LARS lr | eta | lr x eta | test accuracy % | gap (points) | final train loss |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for lr, eta in pairs:
+        result = train(configs[2], 0, data, lr, eta)
+        lines.append(f"| {lr:g} | {eta:g} | {lr * eta:.4g} | {result.test_accuracy * 100:.2f} | "
+                     f"{result.test_accuracy * 100 - baseline:+.2f} | {result.losses[-1]:.4f} |")
+        logging.info("%s (%.0f s)", lines[-1], time.time() - started)
+    out = Path(FLAGS.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def _plot(results: Dict[str, List[Result]], path: Path) -> None:

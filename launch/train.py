@@ -44,6 +44,12 @@ flags.DEFINE_integer("transition_steps", None, "Fixed ramp length for transition
 # Distribution.
 flags.DEFINE_enum("strategy", "auto", ["auto", "one_device", "mirrored", "mwms", "tpu"],
                   "auto: MWMS under the agent, MirroredStrategy over several local GPUs, else one device.")
+flags.DEFINE_enum("cluster_resolver", "tf_config", ["tf_config", "slurm", "kubernetes"],
+                  "Without the agent: where the fixed-size world comes from (TF_CONFIG, TF's SlurmClusterResolver "
+                  "or KubernetesClusterResolver). Under the agent: tf_config.")
+flags.DEFINE_integer("port_base", 8888, "slurm: first TF server port on each node; kubernetes: the pods' TF port.",
+                     lower_bound=1024, upper_bound=65535)
+flags.DEFINE_string("k8s_selector", None, "kubernetes: label selector of the job's worker pods (job-name=my-job).")
 flags.DEFINE_string("tpu", None, "TPU name or grpc://HOST:PORT for --strategy=tpu (TPUClusterResolver).")
 flags.DEFINE_enum("collective", "auto", ["auto", "ring", "nccl"], "MWMS all-reduce (nccl: GPUs only).")
 flags.DEFINE_string("dtype_policy", "float32", "Keras dtype policy: float32, mixed_float16, mixed_bfloat16.")
@@ -141,7 +147,7 @@ def main(argv: List[str]) -> int:
     if FLAGS.train_examples:
         x, y = x[: FLAGS.train_examples], y[: FLAGS.train_examples]
     # Everything above is independent of the world: a warm-started worker has done it before its round.
-    world = World.from_env()
+    world = elastic.resolve_world(FLAGS.cluster_resolver, FLAGS.port_base, FLAGS.k8s_selector)
     start_heartbeat(world)
     run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
     strategy = elastic.make_strategy(world, FLAGS.strategy, FLAGS.collective, FLAGS.tpu)

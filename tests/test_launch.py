@@ -1,9 +1,14 @@
 """The launch scripts run end to end in their short forms."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import run_python
+from conftest import REPO, free_port, run_python
 
 
 @pytest.mark.slow
@@ -71,3 +76,44 @@ def test_reproduce_lars_quick(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert table.count("| SGD,") == 2 and table.count("| LARS,") == 1 and "goal: within 1 point" in table
     assert (tmp_path / "lars.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_without_the_agent_slurm_workers_train_at_a_fixed_size_and_resume_after_a_failure(tmp_path):
+    """Two workers of one Slurm step (the environment srun gives them) find each other through TF's
+    SlurmClusterResolver. One is killed: the other stops with the peer-failure code, and the step run
+    again (as a requeue would) resumes from the last commit and finishes."""
+    port = free_port()
+    argv = [sys.executable, "-m", "launch.train", "--cluster_resolver=slurm", f"--port_base={port}", "--dataset=digits",
+            "--epochs=3", "--per_replica_batch_size=16", "--commit_every_steps=10", "--optimizer=sgd",
+            "--learning_rate=0.02", "--threads=1", f"--run_dir={tmp_path}"]
+
+    def srun():
+        return [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{rank}.log", "ab"),
+                                 env=dict(os.environ, PYTHONPATH=str(REPO), SLURM_PROCID=str(rank), SLURM_STEP_NUM_TASKS="2",
+                                          SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2"))
+                for rank in range(2)]
+
+    def events(name):
+        path = tmp_path / "events.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
+    first = srun()
+    try:
+        deadline = time.time() + 180
+        while not [e for e in events("commit") if e["step"] >= 10] and time.time() < deadline:
+            time.sleep(0.1)
+        assert events("commit"), (tmp_path / "rank0.log").read_text()[-3000:]
+        first[1].send_signal(signal.SIGKILL)
+        assert first[0].wait(timeout=120) == 75  # EXIT_PEER_FAILURE: the scheduler restarts the step
+    finally:
+        for proc in first:
+            proc.kill()
+            proc.wait()
+    committed = max(e["step"] for e in events("commit"))
+    again = srun()
+    assert [proc.wait(timeout=300) for proc in again] == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    restored = events("restore")[-1]
+    assert restored["world_size"] == 2 and restored["step"] == committed > 0
+    assert events("commit")[-1]["epoch"] == 3 and events("evaluation")

@@ -8,7 +8,7 @@ import importlib
 from tf_elastic.elastic.world import (EXIT_CONFIG_ERROR, EXIT_DONE, EXIT_PEER_FAILURE, EXIT_STOPPED, World, exit_now,
                                      start_heartbeat)
 
-_WORKER = {"fit": "worker", "make_strategy": "worker", "CommittedState": "worker",
+_WORKER = {"fit": "worker", "make_strategy": "worker", "resolve_world": "worker", "CommittedState": "worker",
            "install_fit_fix": "keras_compat"}
 __all__ = ["World", "exit_now", "start_heartbeat", "EXIT_DONE", "EXIT_STOPPED", "EXIT_PEER_FAILURE", "EXIT_CONFIG_ERROR", *sorted(_WORKER)]
 

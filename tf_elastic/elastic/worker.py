@@ -5,8 +5,10 @@ model, optimizer slots and `iterations`, the batch-resize history, epoch, sample
 epoch and the global step are written together by `tf.train.CheckpointManager` and read back bit-exact.
 """
 import json
+import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -29,8 +31,55 @@ COLLECTIVE_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededErr
 CHECKPOINT_DIR = "checkpoints"
 
 
+RESOLVERS = ("tf_config", "slurm", "kubernetes")
 STRATEGIES = ("auto", "one_device", "mirrored", "mwms", "tpu")
 COLLECTIVES = ("auto", "ring", "nccl")
+
+
+def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_selector: Optional[str] = None) -> World:
+    """This worker's world. Under the agent, or with `tf_config`: the `TF_CONFIG` it finds (none: one worker).
+
+    Without an agent, `slurm` and `kubernetes` ask TF's cluster resolver and write what it says to
+    `TF_CONFIG`, which MultiWorkerMirroredStrategy reads. Such a world has a fixed size: the scheduler
+    restarts a failed job (Slurm `--requeue`, a Kubernetes restart policy) and `fit` resumes from the
+    last commit in the run dir, as Keras' `BackupAndRestore` does.
+    """
+    if resolver not in RESOLVERS:
+        raise ValueError(f"--cluster_resolver must be one of {', '.join(RESOLVERS)}; got {resolver!r}.")
+    if resolver == "tf_config":
+        return World.from_env()
+    if any(name in os.environ for name in (contract.ENV_WARM, contract.ENV_HEARTBEAT_FILE)):
+        raise ValueError(f"--cluster_resolver={resolver}: the elastic agent gives this worker its world; "
+                         f"use tf_config under launch.elastic_run.")
+    if resolver == "slurm":
+        # The resolver gives a node only as many tasks as it has GPUs (it asks nvidia-smi). On a CPU node,
+        # let every task of the step fit, and leave CUDA_VISIBLE_DEVICES alone.
+        cpu_only = {} if shutil.which("nvidia-smi") else {
+            "gpus_per_node": int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)), "gpus_per_task": 1, "auto_set_gpu": False}
+        try:
+            found = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=port_base, **cpu_only)
+        except RuntimeError as error:  # outside a job step, or more tasks than the step has
+            raise ValueError(f"--cluster_resolver=slurm: {error} (start the workers with srun)") from None
+        cluster = found.cluster_spec().as_dict()  # (this also sets task_type and task_id)
+        task = {"type": found.task_type, "index": found.task_id}
+    else:
+        if not k8s_selector:
+            raise ValueError("--cluster_resolver=kubernetes needs --k8s_selector (the workers' pod label selector, "
+                             "for example job-name=my-job).")
+        try:
+            found = tf.distribute.cluster_resolver.KubernetesClusterResolver({"worker": [k8s_selector]},
+                                                                             tf_server_port=port_base)
+            cluster = found.cluster_spec().as_dict()
+        except ImportError:
+            raise ValueError("--cluster_resolver=kubernetes needs the kubernetes package: pip install kubernetes") from None
+        # Pods come sorted by name ("w-10" before "w-2"): find ourselves by address, not by ordinal.
+        mine = f"{socket.gethostbyname(socket.gethostname())}:{port_base}"
+        if mine not in cluster.get("worker", []):
+            raise ValueError(f"--k8s_selector={k8s_selector!r} selects pods {cluster.get('worker')}, not this pod "
+                             f"({mine}).")
+        task = {"type": "worker", "index": cluster["worker"].index(mine)}
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
+    return World.from_env()
 
 
 def make_strategy(world: World, kind: str = "auto", collective: str = "auto",
