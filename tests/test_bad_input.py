@@ -83,6 +83,8 @@ TRAIN_CASES = [
      "--strategy=mirrored is single-worker"),
     (["--batch_policy=global", "--global_batch_size=30", "--cpu_devices=4", "--strategy=mirrored"], {},
      "--global_batch_size=30 is not divisible by the 4 replicas"),
+    (["--cluster_resolver=slurm"], {}, "--cluster_resolver=slurm: SLURM_PROCID not found in environment"),
+    (["--cluster_resolver=kubernetes"], {}, "--cluster_resolver=kubernetes needs --k8s_selector"),
 ]
 
 
