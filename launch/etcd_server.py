@@ -24,9 +24,9 @@ class EtcdServer:
     """`tls`: (CA, server cert, server key) to serve https and require client certificates signed by the CA."""
 
     def __init__(self, data_dir: Optional[str] = None, tls: Optional[Tuple[str, str, str]] = None,
-                 hosts: Tuple[str, ...] = ("127.0.0.1",)):
+                 hosts: Tuple[str, ...] = ("127.0.0.1",), election_timeout_ms: int = 250):
         """`hosts`: the loopback addresses it serves clients on, all on one port (see `url_on`)."""
-        self.tls, self.hosts = tls, hosts
+        self.tls, self.hosts, self.election_timeout_ms = tls, hosts, election_timeout_ms
         if shutil.which("etcd") is None:
             raise RuntimeError("etcd is not installed: apt-get install etcd-server")
         self._own_dir = data_dir is None
@@ -55,7 +55,8 @@ class EtcdServer:
             ["etcd", "--name=tf_elastic", f"--data-dir={self.data_dir}", f"--listen-client-urls={clients}",
              f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}",
              f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=tf_elastic={peer}",
-             "--heartbeat-interval=25", "--election-timeout=250", *tls], stdout=log, stderr=subprocess.STDOUT)
+             f"--heartbeat-interval={self.election_timeout_ms // 10}", f"--election-timeout={self.election_timeout_ms}",
+             *tls], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         while time.time() < deadline:
             try:

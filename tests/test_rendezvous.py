@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from launch.etcd_server import EtcdServer
 from tf_elastic.elastic.rendezvous import Rendezvous, RendezvousTimeout, Timeouts, TokenRefused
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
 
@@ -147,6 +148,15 @@ def test_etcd_fails_over_to_the_next_endpoint(etcd, job):
     store.close()
 
 
+def test_a_lease_etcd_raises_above_the_host_ttl_is_reported(job, caplog):
+    """etcd's default election timeout (1 s) makes its shortest lease 2 s: hosts are then lost after 2 s."""
+    with EtcdServer(election_timeout_ms=1000) as slow:
+        store = open_store(slow.url)
+        store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
+        store.close()
+    assert "etcd raised a 1 s lease to 2 s" in caplog.text
+
+
 def test_unreachable_etcd_is_named(job):
     store = open_store("etcd://127.0.0.1:9,127.0.0.1:10", StoreOptions(request_timeout=0.5))
     with pytest.raises(StoreError, match=r"cannot reach etcd \(127.0.0.1:9: ConnectionError; 127.0.0.1:10"):
@@ -185,8 +195,6 @@ def _certificates(directory):
 
 
 def test_etcd_over_tls_with_client_certificates(tmp_path, job):
-    from launch.etcd_server import EtcdServer
-
     files = _certificates(tmp_path)
     with EtcdServer(tls=(files["ca.pem"], files["server.pem"], files["server.key"])) as etcd:
         options = StoreOptions(ca_cert=files["ca.pem"], cert=files["client.pem"], key=files["client.key"])

@@ -13,6 +13,7 @@ import urllib.parse
 from typing import Dict, List, Optional, Tuple
 
 import requests
+from absl import logging
 
 from tf_elastic.elastic.store import Store, StoreError, StoreOptions, register_backend
 
@@ -113,8 +114,12 @@ class EtcdStore(Store):
                 self._leases[wanted] = (lease, granted, now)
                 return lease
         reply = self._call("/v3/lease/grant", {"TTL": wanted})
-        # etcd raises a TTL below its minimum (1.5 election timeouts) to that minimum.
-        self._leases[wanted] = (reply["ID"], int(reply["TTL"]), now)
+        granted = int(reply["TTL"])
+        if granted > wanted and not lease:
+            logging.warning("etcd raised a %d s lease to %d s (its minimum is 1.5 election timeouts): a lost host "
+                            "is noticed after %d s; start etcd with a shorter --election-timeout for less",
+                            wanted, granted, granted)
+        self._leases[wanted] = (reply["ID"], granted, now)
         return reply["ID"]
 
     # HTTP ------------------------------------------------------------------------------------------
