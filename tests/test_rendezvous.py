@@ -214,8 +214,6 @@ def test_etcd_with_a_user_and_password(job):
     authentication is shown here without TLS.)"""
     import requests
 
-    from launch.etcd_server import EtcdServer
-
     with EtcdServer() as private:
         base = f"http://127.0.0.1:{private.client_port}/v3/auth"
         for path, body in (("/user/add", {"name": "root", "password": "pw"}), ("/role/add", {"name": "root"}),
