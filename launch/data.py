@@ -53,14 +53,21 @@ def load(name: str, data_dir: str = DEFAULT_DATA_DIR) -> Dataset:
 
 
 def _tfds(name: str, data_dir: str) -> Dataset:
-    """An image-classification dataset already prepared in TFDS's data dir (nothing is downloaded)."""
+    """An image-classification dataset already prepared in TFDS's data dir (nothing is downloaded): its
+    supervised pair, or its `image` and `label` features."""
     try:
         import tensorflow_datasets as tfds
     except ImportError:
         raise ValueError(f"--dataset=tfds:{name} needs tensorflow-datasets (pip install tensorflow-datasets)") from None
-    splits = tfds.as_numpy(tfds.load(name, split=["train", "test"], as_supervised=True, batch_size=-1,
-                                     download=False, data_dir=None if data_dir == DEFAULT_DATA_DIR else data_dir))
-    (x_train, y_train), (x_test, y_test) = splits
+    try:
+        builder = tfds.builder(name, data_dir=None if data_dir == DEFAULT_DATA_DIR else data_dir)
+        image, label = builder.info.supervised_keys or ("image", "label")
+        splits = tfds.as_numpy(builder.as_dataset(split=["train", "test"], batch_size=-1))
+        (x_train, y_train), (x_test, y_test) = [(s[image], s[label]) for s in splits]
+    except (tfds.core.registered.DatasetNotFoundError, AssertionError, KeyError, ValueError) as error:
+        raise ValueError(f"--dataset=tfds:{name}: no prepared train and test splits with {name}'s image and label "
+                         f"in --data_dir={data_dir!r} ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+                         ) from None
     prepare = lambda x: x.astype(np.float32) / 255.0
     return Dataset(prepare(x_train), y_train.astype(np.int32), prepare(x_test), y_test.astype(np.int32),
                    int(max(y_train.max(), y_test.max())) + 1)

@@ -117,3 +117,26 @@ def test_without_the_agent_slurm_workers_train_at_a_fixed_size_and_resume_after_
     restored = events("restore")[-1]
     assert restored["world_size"] == 2 and restored["step"] == committed > 0
     assert events("commit")[-1]["epoch"] == 3 and events("evaluation")
+
+
+@pytest.mark.slow
+def test_train_on_a_prepared_tfds_dataset(tmp_path):
+    """`--dataset=tfds:NAME` reads a dataset prepared in TFDS's format in --data_dir; nothing is downloaded."""
+    import numpy as np
+    import tensorflow as tf
+    import tensorflow_datasets as tfds
+
+    from launch import data as datasets
+
+    digits = datasets.load("digits")
+    features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=digits.x_train.shape[1:], dtype=np.uint8),
+                                           "label": tfds.features.ClassLabel(num_classes=10)})
+    splits = {split: tf.data.Dataset.from_tensor_slices({"image": np.round(x * 255).astype(np.uint8), "label": y})
+              for split, x, y in (("train", digits.x_train, digits.y_train), ("test", digits.x_test, digits.y_test))}
+    tfds.dataset_builders.store_as_tfds_dataset(name="digits_local", version="1.0.0", features=features,
+                                                split_datasets=splits, data_dir=tmp_path / "tfds")
+    proc = run_python(f"import sys; sys.argv = ['t', '--dataset=tfds:digits_local', '--data_dir={tmp_path / 'tfds'}', "
+                      f"'--epochs=2', '--optimizer=sgd', '--run_dir={tmp_path / 'run'}'];"
+                      "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
+    accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
+    assert accuracy > 0.8, proc.stdout[-2000:]
