@@ -1,6 +1,7 @@
 """The elastic runtime's pieces on their own: store, data plan, committed state, Keras fix, imports."""
 import json
-import time
+import socket
+from types import SimpleNamespace
 
 import keras
 import numpy as np
@@ -13,7 +14,7 @@ from tf_elastic.elastic import World, keras_compat
 from tf_elastic.elastic.data_plan import DataPlan, replica_batch_size
 from tf_elastic.elastic.rendezvous import Round
 from tf_elastic.elastic.store import FileStore, StoreError, open_store
-from tf_elastic.elastic.worker import CommittedState
+from tf_elastic.elastic.worker import CommittedState, resolve_world
 
 
 def test_agent_side_never_imports_tensorflow():
@@ -205,3 +206,31 @@ def test_warm_worker_waits_for_its_world_on_stdin():
     assert out.split() == ["2", "3", "7"]
     unused = subprocess.run([sys.executable, "-c", code], env=env, input="", capture_output=True, text=True, timeout=120)
     assert unused.returncode == 0 and unused.stdout == ""  # the agent closed it unused: a quiet exit
+
+
+def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
+    """TF's KubernetesClusterResolver against a stand-in for the Kubernetes API (its `override_client`; no
+    cluster here): it lists pods sorted by name, so worker w-10 comes before w-2. Each pod must find
+    its own index from its node address."""
+    monkeypatch.setenv("TF_CONFIG", "")  # restored (unset) afterwards: resolve_world writes it
+    mine = socket.gethostbyname(socket.gethostname())
+    addresses = {"w-0": "10.0.0.1", "w-2": mine, "w-10": "10.0.0.3"}
+
+    class PodsApi:
+        def __init__(self, phase="Running"):
+            self.phase = phase
+
+        def list_pod_for_all_namespaces(self, label_selector):
+            assert label_selector == "job-name=w"
+            return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=name),
+                                                          status=SimpleNamespace(phase=self.phase, host_ip=ip))
+                                          for name, ip in addresses.items()])
+
+    world = resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())
+    assert world.cluster == {"worker": ["10.0.0.1:2222", "10.0.0.3:2222", f"{mine}:2222"]}
+    assert (world.rank, world.size) == (2, 3)
+    with pytest.raises(ValueError, match='--cluster_resolver=kubernetes: Pod "w-0" is not running; phase: "Pending"'):
+        resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi("Pending"))
+    addresses["w-2"] = "10.0.0.2"
+    with pytest.raises(ValueError, match="should hold this pod's node address"):
+        resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())

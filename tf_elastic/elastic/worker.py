@@ -36,13 +36,15 @@ STRATEGIES = ("auto", "one_device", "mirrored", "mwms", "tpu")
 COLLECTIVES = ("auto", "ring", "nccl")
 
 
-def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_selector: Optional[str] = None) -> World:
+def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_selector: Optional[str] = None,
+                  k8s_client=None) -> World:
     """This worker's world. Under the agent, or with `tf_config`: the `TF_CONFIG` it finds (none: one worker).
 
     Without an agent, `slurm` and `kubernetes` ask TF's cluster resolver and write what it says to
     `TF_CONFIG`, which MultiWorkerMirroredStrategy reads. Such a world has a fixed size: the scheduler
     restarts a failed job (Slurm `--requeue`, a Kubernetes restart policy) and `fit` resumes from the
-    last commit in the run dir, as Keras' `BackupAndRestore` does.
+    last commit in the run dir, as Keras' `BackupAndRestore` does. `k8s_client`: a Kubernetes `CoreV1Api`
+    (default: the pod's service account, else the kubeconfig).
     """
     if resolver not in RESOLVERS:
         raise ValueError(f"--cluster_resolver must be one of {', '.join(RESOLVERS)}; got {resolver!r}.")
@@ -67,19 +69,35 @@ def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_select
             raise ValueError("--cluster_resolver=kubernetes needs --k8s_selector (the workers' pod label selector, "
                              "for example job-name=my-job).")
         try:
-            found = tf.distribute.cluster_resolver.KubernetesClusterResolver({"worker": [k8s_selector]},
-                                                                             tf_server_port=port_base)
+            found = tf.distribute.cluster_resolver.KubernetesClusterResolver(
+                {"worker": [k8s_selector]}, tf_server_port=port_base, override_client=k8s_client or _kubernetes_api())
             cluster = found.cluster_spec().as_dict()
-        except ImportError:
-            raise ValueError("--cluster_resolver=kubernetes needs the kubernetes package: pip install kubernetes") from None
-        # Pods come sorted by name ("w-10" before "w-2"): find ourselves by address, not by ordinal.
+        except RuntimeError as error:  # a selected pod is not running (yet): the restart policy tries again
+            raise ValueError(f"--cluster_resolver=kubernetes: {error}") from None
+        # The resolver lists the pods' node addresses (so: hostNetwork pods, one per node), sorted by pod
+        # name ("w-10" before "w-2"): find ourselves by address, not by ordinal.
         mine = f"{socket.gethostbyname(socket.gethostname())}:{port_base}"
-        if mine not in cluster.get("worker", []):
-            raise ValueError(f"--k8s_selector={k8s_selector!r} selects pods {cluster.get('worker')}, not this pod "
-                             f"({mine}).")
-        task = {"type": "worker", "index": cluster["worker"].index(mine)}
+        workers = cluster.get("worker", [])
+        if workers.count(mine) != 1:
+            raise ValueError(f"--k8s_selector={k8s_selector!r} selects {workers}, which should hold this pod's node "
+                             f"address {mine} once (hostNetwork pods, one per node).")
+        task = {"type": "worker", "index": workers.index(mine)}
     os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
     return World.from_env()
+
+
+def _kubernetes_api():
+    """The pod's own API access (its service account), else a kubeconfig. (TF's resolver would read a
+    kubeconfig only, which a pod does not have.)"""
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise ValueError("--cluster_resolver=kubernetes needs the kubernetes package: pip install kubernetes") from None
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return client.CoreV1Api()
 
 
 def make_strategy(world: World, kind: str = "auto", collective: str = "auto",
