@@ -295,5 +295,5 @@ def table(result: Dict[str, object]) -> str:
               f"{c['progress_backwards']}",
               f"- orphan processes: {c['orphans']}; leaked temp dirs: {c['leaked_temp_dirs']}; ports still bound: "
               f"{c['ports_still_bound']}",
-              f"- agents' exits: " + "; ".join(f"{h} {r}" for h, r in sorted(c["agent_exits"].items()))]
+              "- agents' exits: " + "; ".join(f"{h} {r}" for h, r in sorted(c["agent_exits"].items()))]
     return "\n".join(lines)

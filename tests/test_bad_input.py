@@ -59,11 +59,11 @@ API_CASES = [
 
 @pytest.mark.parametrize("call, message", API_CASES, ids=[c for c, _ in API_CASES])
 def test_bad_optimizer_and_schedule_arguments_are_named(call, message):
-    from tf_elastic.optimizers import LARS  # noqa: F401 - used by the calls
-    from tf_elastic.schedules import BatchResizeSchedule, WarmupPolynomialDecay  # noqa: F401
+    from tf_elastic import LARS, BatchResizeSchedule, WarmupPolynomialDecay
 
     with pytest.raises(ValueError) as error:
-        eval(call)
+        eval(call, {"LARS": LARS, "BatchResizeSchedule": BatchResizeSchedule,
+                    "WarmupPolynomialDecay": WarmupPolynomialDecay})
     assert message in str(error.value)
 
 
