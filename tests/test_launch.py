@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -84,6 +85,8 @@ def test_without_the_agent_slurm_workers_train_at_a_fixed_size_and_resume_after_
     SlurmClusterResolver. One is killed: the other stops with the peer-failure code, and the step run
     again (as a requeue would) resumes from the last commit and finishes."""
     port = free_port()
+    while not _bindable(port + 1):
+        port = free_port()
     argv = [sys.executable, "-m", "launch.train", "--cluster_resolver=slurm", f"--port_base={port}", "--dataset=digits",
             "--epochs=3", "--per_replica_batch_size=16", "--commit_every_steps=10", "--optimizer=sgd",
             "--learning_rate=0.02", "--threads=1", f"--run_dir={tmp_path}"]
@@ -140,3 +143,12 @@ def test_train_on_a_prepared_tfds_dataset(tmp_path):
                       "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
     accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.8, proc.stdout[-2000:]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
