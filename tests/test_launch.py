@@ -77,6 +77,10 @@ def test_reproduce_lars_quick(tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert table.count("| SGD,") == 2 and table.count("| LARS,") == 1 and "goal: within 1 point" in table
     assert (tmp_path / "lars.png").stat().st_size > 10_000
+    run_python(f"import sys; sys.argv = ['r', '--quick', '--lars_sweep=10/0.001,5/0.002', '--out_dir={tmp_path}'];"
+               "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
+    sweep = (tmp_path / "sweep.md").read_text()
+    assert "| 10 | 0.001 | 0.01 |" in sweep and "| 5 | 0.002 | 0.01 |" in sweep, sweep
 
 
 @pytest.mark.slow
