@@ -58,7 +58,8 @@ class AgentConfig:
     heartbeat_timeout: float = 3.0  # a training worker silent this long is hung (it beats every 0.5 s)
     startup_timeout: float = 120.0  # allowance for a worker to reach its first step
     monitor_interval: float = 0.2
-    stop_grace: float = 15.0  # SIGTERM, then SIGKILL after this many seconds
+    # SIGTERM, then SIGKILL this many seconds later; also how long workers get to end once the job is done.
+    stop_grace: float = 15.0
     advertise_addr: str = "127.0.0.1"
     host_id: str = ""
     timeouts: Timeouts = Timeouts()

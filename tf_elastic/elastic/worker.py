@@ -2,7 +2,8 @@
 
 Commit / restore is the one vocabulary for what survives a failure (like Horovod elastic's `State`):
 model, optimizer slots and `iterations`, the batch-resize history, epoch, samples consumed in the
-epoch and the global step are written together by `tf.train.CheckpointManager` and read back bit-exact.
+epoch and the global step are written together (in the layout `tf.train.CheckpointManager` reads) and
+read back bit-exact.
 """
 import json
 import os
