@@ -58,7 +58,9 @@ def test_main_job_runs_end_to_end(tmp_path):
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     rendezvous = [e for e in events if e["event"] == "rendezvous" and e["source"] == "agent:host-a"]
     sizes = [e["world_size"] for e in rendezvous]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes
+    # Two hosts, then one after the kill, then two again (a first round alone is possible under load).
+    pair = sizes.index(2)
+    assert 1 in sizes[pair:] and sizes[-1] == 2, sizes
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| round")]
     trained_rounds = {e["round"] for e in events if e["event"] == "restore"}
     assert len(table) == len(trained_rounds)
