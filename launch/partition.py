@@ -28,7 +28,8 @@ _LOCAL_TABLE_PREF = 100  # where the `local` routing table moves, so that the cu
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("root", None, "Directory for the job's run dir and logs.", required=True)
-flags.DEFINE_float("partition_seconds", 10.0, "How long the host stays cut off.", lower_bound=1.0)
+flags.DEFINE_float("partition_seconds", 10.0, "Least time the host stays cut off (and at least until the others "
+                   "train without it).", lower_bound=1.0)
 flags.DEFINE_integer("epochs", 40, "Epochs of the job (digits: about two seconds each).", lower_bound=10)
 
 
@@ -50,6 +51,10 @@ def heal(addr: str) -> None:
 
 def run(root: Path, partition_seconds: float, epochs: int) -> Dict[str, float]:
     """Returns the moments of the cut and the heal, and how long the job took to train again after each."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    if [line.split(":")[1].strip() for line in links.splitlines()] != ["lo"]:
+        raise app.UsageError("launch.partition changes routing rules: run it in a network namespace of its own "
+                             "(only a loopback interface), unshare --net python -m launch.partition ...")
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a new namespace's loopback starts down
     root.mkdir(parents=True, exist_ok=True)
     etcd = EtcdServer(hosts=("127.0.0.1", CUT)).start()
