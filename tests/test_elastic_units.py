@@ -104,6 +104,34 @@ def test_commit_then_restore_is_bit_exact(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+def test_a_commit_less_than_a_global_batch_before_the_epoch_end_resumes_at_the_next_epoch(tmp_path):
+    """Committed 5 samples before the end of epoch 0 (say at a smaller world size): at batch 16 nothing of
+    that epoch is left to train. fit skips that remainder and trains on from epoch 1. It used to hand
+    Keras an empty epoch, which under MWMS dies of StopIteration, in a restart loop (found by the
+    50-fault soak); a single process only warns, so the test checks that Keras never sees that epoch."""
+    from tf_elastic import elastic
+
+    class EpochsBegun(keras.callbacks.Callback):
+        begun = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.begun.append(epoch)
+
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    model, _ = _training_setup()
+    model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    CommittedState(World(), str(tmp_path), model).commit(epoch=0, samples=59, step=7, global_batch=8)
+    code = elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), epochs=2,
+                       run_dir=str(tmp_path), per_replica_batch_size=16, callbacks=[EpochsBegun()], verbose=0)
+    assert code == elastic.EXIT_DONE and EpochsBegun.begun == [1]
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["epoch"], e["samples"]) for e in events if e["event"] == "remainder_skipped"][0] == (0, 5)
+    commits = [e for e in events if e["event"] == "commit"]
+    assert commits[-1]["epoch"] == 2 and commits[-1]["step"] == 7 + 64 // 16
+
+
 def test_commits_keep_the_newest_three_in_a_state_file_tensorflow_reads(tmp_path):
     model, schedule = _training_setup()
     state = CommittedState(World(), str(tmp_path), model, schedule)

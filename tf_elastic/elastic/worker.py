@@ -415,19 +415,27 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
     previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
     # A restart mid-epoch trains the rest of that epoch in its own `fit` call: Keras needs every epoch
     # of one call to have the same length.
-    partial = state.samples > 0
-    spans = [(state.epoch, state.epoch + 1)] if partial else []
-    spans += [(state.epoch + int(partial), epochs)]
+    first, partial = state.epoch, state.samples > 0
+    if partial and not trainer.batches:
+        # Less than one global batch of the epoch is left at this world size (a commit at the epoch's last
+        # step restored into a larger world, or the epoch-end commit lost): the remainder every epoch skips.
+        events.write("remainder_skipped", epoch=first, samples=trainer.plan.remainder(state.samples,
+                                                                                    trainer.global_batch),
+                     rank=world.rank)
+        first, partial = first + 1, False
+        trainer.set_batches(first, 0)
+    spans = [(first, first + 1)] if partial else []
+    spans += [(first + int(partial), epochs)]
     try:
         if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
             # A worker of the previous round was still committing while we restored: start the round again.
             events.write("restore_mismatch", round=world.round, rank=world.rank, step=state.step)
             logging.flush()
             contract.exit_now(contract.EXIT_PEER_FAILURE)
-        for first, last in spans:
-            if first >= last or trainer.stopped:
+        for begin, end in spans:
+            if begin >= end or trainer.stopped:
                 continue
-            model.fit(trainer.dataset(), epochs=last, initial_epoch=first, verbose=verbose, shuffle=False,
+            model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, verbose=verbose, shuffle=False,
                       callbacks=[_ElasticCallback(trainer), *callbacks])
     except COLLECTIVE_FAILURES as error:
         events.write("collective_failure", round=world.round, rank=world.rank, error=type(error).__name__,
