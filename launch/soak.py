@@ -95,7 +95,7 @@ class Soak:
         elif kind == "stop_worker":
             signal_pid(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
         elif kind == "term_agent":
-            job.agents[host].sendsignal_pid(signal.SIGTERM)
+            job.agents[host].send_signal(signal.SIGTERM)
             self.live.remove(host)
         elif kind == "start_agent":
             fault.target = self.start_host()
