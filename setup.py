@@ -26,7 +26,7 @@ setup(
     },
     entry_points={
         # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout).
-        "console_scripts": ["tf-elastic-run=tf_elastic.elastic.cli:run"],
+        "console_scripts": ["tf-elastic-run=tf_elastic.elastic.agent.cli:run"],
     },
     license="Apache-2.0",
 )

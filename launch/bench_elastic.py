@@ -23,7 +23,8 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from launch.local_job import LocalJob
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
 flags.DEFINE_list("rdzv", ["file", "etcd"], "Store backends to run the fault sequence on, side by side (etcd: a "
@@ -37,12 +38,7 @@ flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings
 flags.DEFINE_integer("epochs", 4, "Epochs of the fault-free steady-state runs.", lower_bound=2)
 FLAGS = flags.FLAGS
 
-REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["--dataset=mnist", "--train_examples=6000", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd"]
-
-
-def _env() -> Dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def _job(root: Path, epochs: int, *agent_args: str, rdzv: str = None) -> LocalJob:
@@ -54,7 +50,7 @@ def _job(root: Path, epochs: int, *agent_args: str, rdzv: str = None) -> LocalJo
 
 def _spares_ready(job: LocalJob, host: str, since: float) -> None:
     """Waits until `host`'s agent has a warm spare ready again, so each fault meets a recovered job."""
-    job.wait_for(lambda: [e for e in job.events("spare_ready", source=f"agent:{host}") if e["time"] > since],
+    job.wait_for(lambda: [e for e in job.events(Event.SPARE_READY, source=f"agent:{host}") if e["time"] > since],
                  what=f"a warm spare on {host}")
 
 
@@ -64,14 +60,14 @@ def _fault_sequence(root: Path, rdzv: str = None) -> Dict[str, float]:
         job.start_agent("a")
         job.start_agent("b")
         started = job.first_step_after(0, world_size=2)
-        job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > started["time"]])
+        job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > started["time"]])
         _spares_ready(job, "a", started["time"])
         _spares_ready(job, "b", started["time"])
         hung = job.worker_pid("b")
         t_hang = time.time()
         os.kill(hung, signal.SIGSTOP)
         after_hang = job.first_step_after(t_hang, world_size=2)
-        job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > after_hang["time"]])
+        job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > after_hang["time"]])
         _spares_ready(job, "a", after_hang["time"])
         t_kill = time.time()
         worker = job.worker_pid("b")
@@ -82,9 +78,9 @@ def _fault_sequence(root: Path, rdzv: str = None) -> Dict[str, float]:
         t_join = time.time()
         job.start_agent("c")
         after_join = job.first_step_after(t_join, world_size=2)
-        announced = [e["time"] for e in job.events("membership_change", source="agent:a") if e["time"] > t_join][0]
-        reached = max(e["step"] for e in job.events("worker_exit", rank=0) if e["round"] < after_join["round"])
-        restored = job.events("restore", rank=0, round=after_join["round"])[0]["step"]
+        announced = [e["time"] for e in job.events(Event.MEMBERSHIP_CHANGE, source="agent:a") if e["time"] > t_join][0]
+        reached = max(e["step"] for e in job.events(Event.WORKER_EXIT, rank=0) if e["round"] < after_join["round"])
+        restored = job.events(Event.RESTORE, rank=0, round=after_join["round"])[0]["step"]
         return {"hang": after_hang["time"] - t_hang, "kill": after_kill["time"] - t_kill,
                 "join": after_join["time"] - announced, "join_from_agent_start": after_join["time"] - t_join,
                 "join_lost_steps": reached - restored}
@@ -104,14 +100,14 @@ def _round_times(root: Path, agents: int, rdzv: str = None, rounds: int = 3) -> 
         for i in range(agents):
             job.start_agent(f"h{i}", command=sleeper)
         for number in range(rounds + 1):
-            job.wait_for(lambda: len(job.events("worker_start", round=number)) == agents, what=f"round {number}")
+            job.wait_for(lambda: len(job.events(Event.WORKER_START, round=number)) == agents, what=f"round {number}")
             if number == rounds:
                 break
             failed = time.time()
             # A different host each time: two failures in a row of one host's workers blacklist it.
             os.kill(job.worker_pid(f"h{number % agents}", round_=number), signal.SIGKILL)
-            job.wait_for(lambda: len(job.events("rendezvous", round=number + 1)) == agents, what="the next round")
-            times.append(max(e["time"] for e in job.events("rendezvous", round=number + 1)) - failed)
+            job.wait_for(lambda: len(job.events(Event.RENDEZVOUS, round=number + 1)) == agents, what="the next round")
+            times.append(max(e["time"] for e in job.events(Event.RENDEZVOUS, round=number + 1)) - failed)
     finally:
         job.cleanup()
     return times
@@ -122,10 +118,10 @@ def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
     job.start_agent("a")
     job.start_agent("b")
     job.wait_agents(timeout=600)
-    epoch_ends = job.events("epoch_end")[1:]  # the first epoch includes tracing
-    commits = sum(e["seconds"] for e in job.events("commit"))
-    train_time = sum(e["seconds"] for e in job.events("epoch_end"))
-    first = job.events("commit")[0]["seconds"]  # traces the save function: once per worker process
+    epoch_ends = job.events(Event.EPOCH_END)[1:]  # the first epoch includes tracing
+    commits = sum(e["seconds"] for e in job.events(Event.COMMIT))
+    train_time = sum(e["seconds"] for e in job.events(Event.EPOCH_END))
+    first = job.events(Event.COMMIT)[0]["seconds"]  # traces the save function: once per worker process
     return {"step_ms": statistics.median(1e3 * e["seconds"] / e["steps"] for e in epoch_ends),
             "commit_share": commits / train_time, "commit_share_after_first": (commits - first) / train_time,
             "first_commit_s": first}
@@ -143,7 +139,7 @@ def _plain_steady(root: Path, epochs: int) -> float:
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
     procs = []
     for rank in range(2):
-        env = dict(_env(), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
+        env = repo_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
         procs.append(subprocess.Popen([sys.executable, "-m", "launch.bench_elastic", "--mode=plain_worker",
                                        f"--epochs={epochs}",
                                        f"--out={root / f'plain{rank}.json'}"], cwd=REPO, env=env,
@@ -160,7 +156,7 @@ def plain_worker() -> None:
     import tensorflow as tf
 
     import models
-    from launch import data as datasets
+    from tf_elastic.elastic.worker import datasets
     from tf_elastic import elastic
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -196,7 +192,7 @@ def main(argv: List[str]) -> None:
     if FLAGS.mode == "plain_worker":
         plain_worker()
         return
-    from launch.etcd_server import EtcdServer
+    from tf_elastic.testing.etcd_server import EtcdServer
 
     root = Path(FLAGS.rdzv_dir or tempfile.mkdtemp(prefix="tf_elastic-bench-"))
     faults, rounds = {}, {}
@@ -228,13 +224,15 @@ def main(argv: List[str]) -> None:
             ("join (round opened) -> first step at the new size", "join", "s", "<= 8 s"),
             ("new agent started -> first step at the new size (incl. its warm-up)", "join_from_agent_start", "s", ""),
             ("steps lost by a join", "join_lost_steps", "", "0")):
-        print(f"| {name} | " + " | ".join(cells([f[key] for f in faults[b]], unit) for b in backends) + f" | {target} |")
+        row = " | ".join(cells([f[key] for f in faults[b]], unit) for b in backends)
+        print(f"| {name} | {row} | {target} |")
     for n in FLAGS.round_agents:
         print(f"| rendezvous round, {n} agents (failure -> all in the next round) | " +
               " | ".join(cells(rounds[b][n], "s") for b in backends) + " | |")
     step_runtime = statistics.median(r["step_ms"] for r in runtime)
     step_plain = statistics.median(plain)
-    print(f"\nSteady state (file store): step under the runtime / plain MWMS = {step_runtime:.2f} / {step_plain:.2f} ms "
+    print(f"\nSteady state (file store): step under the runtime / plain MWMS = "
+          f"{step_runtime:.2f} / {step_plain:.2f} ms "
           f"= {step_runtime / step_plain:.3f} x (target <= 1.03 x)")
     share = [r["commit_share"] for r in runtime]
     first = [r["first_commit_s"] for r in runtime]

@@ -17,7 +17,7 @@ from typing import List
 
 from absl import app, flags
 
-from launch.soak import failed_invariants, run_soak, table
+from tf_elastic.testing.soak import failed_invariants, run_soak, table
 
 flags.DEFINE_integer("faults", 10, "Faults to inject.", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Seed for the faults' kinds, targets and timing (and the training).")

@@ -17,7 +17,8 @@ from typing import List
 from absl import app, flags
 
 from launch import report
-from launch.local_job import LocalJob
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.testing.local_job import LocalJob
 
 flags.DEFINE_string("run_dir", None, "Where the store, checkpoints, events and plot go (default: a new temp dir).")
 flags.DEFINE_integer("epochs", 40, "Epochs to train (long enough for the kill and the join to happen mid-run).",
@@ -41,8 +42,8 @@ def run_job(root: Path) -> LocalJob:
         first = job.first_step_after(0, world_size=2)
         say(f"round {first['round']}: training at world size 2")
         if FLAGS.faults:
-            job.wait_for(lambda: [e for e in job.events("commit") if e["time"] > first["time"]], what="a commit")
-            job.wait_for(lambda: job.events("spare_ready", source="agent:host-a"), what="host-a's warm spare")
+            job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > first["time"]], what="a commit")
+            job.wait_for(lambda: job.events(Event.SPARE_READY, source="agent:host-a"), what="host-a's warm spare")
             killed = time.time()
             job.kill_host("host-b")
             say("host-b killed (SIGKILL of its agent and worker)")
@@ -52,7 +53,8 @@ def run_job(root: Path) -> LocalJob:
             job.start_agent("host-c")
             say("host-c starting")
             grown = job.first_step_after(joining, world_size=2)
-            opened = [e["time"] for e in job.events("membership_change", source="agent:host-a") if e["time"] > joining]
+            opened = [e["time"] for e in job.events(Event.MEMBERSHIP_CHANGE, source="agent:host-a")
+                      if e["time"] > joining]
             say(f"round {grown['round']}: world size 2 again, {grown['time'] - opened[0]:.1f}s after host-c joined "
                 f"({grown['time'] - joining:.1f}s after it started, its warm-up included)")
         codes = job.wait_agents(timeout=600)

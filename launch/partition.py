@@ -19,9 +19,9 @@ from typing import Dict
 
 from absl import app, flags
 
-from launch.etcd_server import EtcdServer
-from launch.local_job import LocalJob
-from launch.soak import TRAIN
+from tf_elastic.testing.etcd_server import EtcdServer
+from tf_elastic.testing.local_job import LocalJob
+from tf_elastic.testing.soak import TRAIN
 
 CUT = "127.0.0.3"  # the partitioned host's address
 _LOCAL_TABLE_PREF = 100  # where the `local` routing table moves, so that the cut's rules come first

@@ -2,14 +2,14 @@
 
     python -m launch.report --run_dir=RUN_DIR --dataset_size=1437
 """
-import collections
-import json
 from pathlib import Path
 from typing import Dict, List
 
 from absl import app, flags
 
 from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.protocol import Event, RunDir
+from tf_elastic.testing import audit
 
 
 def _by_round(events: List[Dict], name: str) -> Dict[int, Dict]:
@@ -19,8 +19,8 @@ def _by_round(events: List[Dict], name: str) -> Dict[int, Dict]:
 def summary(run_dir: Path) -> str:
     """Rounds that trained (world size, why, restarts, restore point, first step), then the outcome."""
     events = read_events(run_dir)
-    restores, firsts = _by_round(events, "restore"), _by_round(events, "first_step")
-    rounds = {e["round"]: e for e in events if e["event"] == "rendezvous" and e["round"] in restores}
+    restores, firsts = _by_round(events, Event.RESTORE), _by_round(events, Event.FIRST_STEP)
+    rounds = {e["round"]: e for e in events if e["event"] == Event.RENDEZVOUS and e["round"] in restores}
     start = events[0]["time"]
     lines = ["| round | world size | why | restarts | restored at step | first step at |",
              "|---:|---:|---|---:|---:|---:|"]
@@ -29,27 +29,16 @@ def summary(run_dir: Path) -> str:
         first_at = "-" if first is None else f"{first['time'] - start:.1f}s"
         lines.append(f"| {number} | {rendezvous['world_size']} | {rendezvous['reason']} | {rendezvous['restarts']} | "
                      f"{restores[number]['step']} | {first_at} |")
-    failures = [e for e in events if e["event"] == "failure"]
-    evaluation = [e for e in events if e["event"] == "evaluation"]
-    commits = [e for e in events if e["event"] == "commit"]
-    lines += ["", f"- failures detected: {len(failures)} ({', '.join(sorted({f['kind'] for f in failures})) or 'none'})",
+    failures = [e for e in events if e["event"] == Event.FAILURE]
+    evaluation = [e for e in events if e["event"] == Event.EVALUATION]
+    commits = [e for e in events if e["event"] == Event.COMMIT]
+    kinds = ", ".join(sorted({f["kind"] for f in failures})) or "none"
+    lines += ["", f"- failures detected: {len(failures)} ({kinds})",
               f"- final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" if commits else "- no commit",
               f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a"]
-    if (Path(run_dir) / "indices").is_dir():
-        lines.append(f"- examples used more than once in an epoch (committed work): {repeats(run_dir, restores)}")
+    if RunDir(run_dir).indices.is_dir():
+        lines.append(f"- examples used more than once in an epoch (committed work): {audit.repeats(run_dir)}")
     return "\n".join(lines)
-
-
-def repeats(run_dir: Path, restores: Dict[int, Dict]) -> int:
-    """Extra uses of examples within an epoch among committed work, from the workers' index logs."""
-    counts = collections.defaultdict(collections.Counter)
-    for path in (Path(run_dir) / "indices").glob("*.jsonl"):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            later = [r["step"] for n, r in restores.items() if n > record["round"]]
-            if not later or record["step"] <= min(later):
-                counts[record["epoch"]].update(record["indices"])
-    return sum(c - 1 for epoch in counts.values() for c in epoch.values() if c > 1)
 
 
 def plot(run_dir: Path, path: Path, dataset_size: int) -> None:
@@ -61,18 +50,18 @@ def plot(run_dir: Path, path: Path, dataset_size: int) -> None:
 
     events = read_events(run_dir)
     seen = lambda e: e["epoch"] * dataset_size + e["samples"]
-    commits = [e for e in events if e["event"] == "commit" and e.get("loss") is not None]
+    commits = [e for e in events if e["event"] == Event.COMMIT and e.get("loss") is not None]
     fig, (loss_ax, lr_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     loss_ax.plot([seen(e) for e in commits], [e["loss"] for e in commits], marker=".")
     lr_ax.step([seen(e) for e in commits], [e["learning_rate"] for e in commits], where="post", marker=".")
-    restores = _by_round(events, "restore")
+    restores = _by_round(events, Event.RESTORE)
     previous = 0
-    for rendezvous in (e for e in events if e["event"] == "rendezvous" and e["source"].startswith("agent:")):
+    for rendezvous in (e for e in events if e["event"] == Event.RENDEZVOUS and e["source"].startswith("agent:")):
         restore = restores.get(rendezvous["round"])
         if restore is None or rendezvous["round"] == 0 or rendezvous["round"] <= previous:
             continue
         previous = rendezvous["round"]
-        failure = rendezvous["restarts"] > max((r["restarts"] for r in events if r["event"] == "rendezvous"
+        failure = rendezvous["restarts"] > max((r["restarts"] for r in events if r["event"] == Event.RENDEZVOUS
                                                 and r["round"] < rendezvous["round"]), default=0)
         for ax in (loss_ax, lr_ax):
             ax.axvline(seen(restore), color="red" if failure else "grey", linestyle="--", linewidth=0.9)

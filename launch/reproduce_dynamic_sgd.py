@@ -125,8 +125,9 @@ def train(config: Config, seed: int, data) -> Run:
 
 def worst_spike(run: Run, window: int) -> float:
     """Largest (max loss in `window` steps after a resize) - (mean loss in `window` steps before)."""
-    spikes = [max(run.losses[s: s + window]) - sum(run.losses[max(0, s - window): s]) / len(run.losses[max(0, s - window): s])
-              for s in run.resize_steps if s > 0]
+    before = [run.losses[max(0, s - window): s] for s in run.resize_steps if s > 0]
+    after = [run.losses[s: s + window] for s in run.resize_steps if s > 0]
+    spikes = [max(a) - sum(b) / len(b) for a, b in zip(after, before)]
     return max(spikes) if spikes else 0.0
 
 
@@ -140,7 +141,8 @@ def summarise(results: Dict[str, List[Run]]) -> str:
         tail = [np.mean(r.losses[-max(1, len(r.losses) // 20):]) for r in runs]
         spikes = [worst_spike(r, FLAGS.spike_window) for r in runs]
         lines.append(f"| {name} | {acc.mean():.2f} ± {acc.std():.2f} | {np.mean(tail):.4f} | "
-                     + ("n/a (no resize)" if not runs[0].resize_steps else f"{np.mean(spikes):.3f} ± {np.std(spikes):.3f}")
+                     + (f"{np.mean(spikes):.3f} ± {np.std(spikes):.3f}" if runs[0].resize_steps
+                        else "n/a (no resize)")
                      + " |")
     return "\n".join(lines)
 
@@ -181,7 +183,7 @@ def main(argv: List[str]) -> None:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if FLAGS.quick:
         FLAGS.train_examples, FLAGS.seeds, FLAGS.ramp_sweep = min(FLAGS.train_examples, 3000), 1, ["32"]
-    from launch import data as datasets
+    from tf_elastic.elastic.worker import datasets
 
     data = datasets.load("mnist", FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
     out = Path(FLAGS.out_dir)

@@ -81,7 +81,7 @@ def main(argv: List[str]) -> None:
         FLAGS.train_examples, FLAGS.epochs, FLAGS.seeds = min(FLAGS.train_examples, 4000), 2, 1
     import numpy as np
 
-    from launch import data as datasets
+    from tf_elastic.elastic.worker import datasets
 
     data = datasets.load("mnist", FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
     large = FLAGS.base_batch * FLAGS.batch_factor
@@ -132,7 +132,8 @@ def _sweep(configs: List[str], data) -> None:
     baseline = train(configs[0], 0, data, 0.0, 0.0).test_accuracy * 100
     lines = [f"LARS sweep: {FLAGS.epochs} epochs of {FLAGS.train_examples} MNIST examples, batch "
              f"{FLAGS.base_batch * FLAGS.batch_factor}, seed 0; baseline (SGD, batch {FLAGS.base_batch}) "
-             f"{baseline:.2f} %", "", "| LARS lr | eta | lr x eta | test accuracy % | gap (points) | final train loss |",
+             f"{baseline:.2f} %", "",
+             "| LARS lr | eta | lr x eta | test accuracy % | gap (points) | final train loss |",
              "|---:|---:|---:|---:|---:|---:|"]
     for lr, eta in pairs:
         result = train(configs[2], 0, data, lr, eta)

@@ -10,10 +10,16 @@ import sys
 import traceback
 from typing import List
 
-from absl import app, flags
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.world import EXIT_CONFIG_ERROR, World, exit_now, start_heartbeat
+from absl import app, flags  # noqa: E402
+
+import models  # noqa: E402
+from tf_elastic.elastic.events import EventLog  # noqa: E402
+from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402
+from tf_elastic.elastic.worker import cluster, data_plan, datasets, errors, strategy as strategies  # noqa: E402
+from tf_elastic.elastic.worker.world import World, exit_now, start_heartbeat  # noqa: E402
+from tf_elastic.schedules.batch_resize import SCALINGS, TRANSITIONS  # noqa: E402
 
 # Model and data.
 flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry (models.NAMES).")
@@ -23,7 +29,7 @@ flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../
 flags.DEFINE_integer("train_examples", 0, "Use only this many training examples (0: all).", lower_bound=0)
 flags.DEFINE_integer("epochs", 3, "Epochs to train.", lower_bound=1)
 # Batch and optimisation.
-flags.DEFINE_enum("batch_policy", "per_replica", ["per_replica", "global"],
+flags.DEFINE_enum("batch_policy", "per_replica", data_plan.BATCH_POLICIES,
                   "per_replica: the global batch follows the world size; global: constant global batch.")
 flags.DEFINE_integer("per_replica_batch_size", 32, "Batch per replica (batch_policy=per_replica).", lower_bound=1)
 flags.DEFINE_integer("global_batch_size", None, "Global batch (batch_policy=global).", lower_bound=1)
@@ -37,27 +43,28 @@ flags.DEFINE_float("weight_decay", 5e-4, "Weight decay (LARS: inside the trust r
 flags.DEFINE_enum("base_schedule", "constant", ["constant", "warmup_cosine", "warmup_poly"],
                   "Base schedule in reference-batch steps (warmup_poly: LARS/MLPerf).")
 flags.DEFINE_float("warmup_epochs", 1.0, "Warm-up of warmup_* schedules, in epochs.", lower_bound=0.0)
-flags.DEFINE_enum("scaling", "linear", ["linear", "sqrt", "none"], "LR scale for the global batch (BatchResizeSchedule).")
-flags.DEFINE_enum("transition", "linear", ["linear", "momentum", "none"], "LR transition after a batch resize.")
+flags.DEFINE_enum("scaling", "linear", SCALINGS, "LR scale for the global batch (BatchResizeSchedule).")
+flags.DEFINE_enum("transition", "linear", TRANSITIONS, "LR transition after a batch resize.")
 flags.DEFINE_integer("transition_steps", None, "Fixed ramp length for transition=linear (default: 8 per factor).",
                      lower_bound=0)
 # Distribution.
-flags.DEFINE_enum("strategy", "auto", ["auto", "one_device", "mirrored", "mwms", "tpu"],
+flags.DEFINE_enum("strategy", "auto", strategies.STRATEGIES,
                   "auto: MWMS under the agent, MirroredStrategy over several local GPUs, else one device.")
-flags.DEFINE_enum("cluster_resolver", "tf_config", ["tf_config", "slurm", "kubernetes"],
+flags.DEFINE_enum("cluster_resolver", "tf_config", cluster.RESOLVERS,
                   "Without the agent: where the fixed-size world comes from (TF_CONFIG, TF's SlurmClusterResolver "
                   "or KubernetesClusterResolver). Under the agent: tf_config.")
 flags.DEFINE_integer("port_base", 8888, "slurm: first TF server port on each node; kubernetes: the pods' TF port.",
                      lower_bound=1024, upper_bound=65535)
 flags.DEFINE_string("k8s_selector", None, "kubernetes: label selector of the job's worker pods (job-name=my-job).")
 flags.DEFINE_string("tpu", None, "TPU name or grpc://HOST:PORT for --strategy=tpu (TPUClusterResolver).")
-flags.DEFINE_enum("collective", "auto", ["auto", "ring", "nccl"], "MWMS all-reduce (nccl: GPUs only).")
+flags.DEFINE_enum("collective", "auto", strategies.COLLECTIVES, "MWMS all-reduce (nccl: GPUs only).")
 flags.DEFINE_string("dtype_policy", "float32", "Keras dtype policy: float32, mixed_float16, mixed_bfloat16.")
 flags.DEFINE_integer("cpu_devices", 1, "Split the CPU into this many logical devices (mirrored on a CPU machine).",
                      lower_bound=1)
 flags.DEFINE_integer("threads", 0, "TF intra/inter-op threads per worker (0: TensorFlow's default).", lower_bound=0)
 # State.
-flags.DEFINE_string("run_dir", None, "Where checkpoints, events and TensorBoard go (default: the agent's, else runs/train).")
+flags.DEFINE_string("run_dir", None,
+                    "Where checkpoints, events and TensorBoard go (default: the agent's, else runs/train).")
 flags.DEFINE_integer("commit_every_steps", 100, "Commit state every N steps (0: only at epoch ends).", lower_bound=0)
 flags.DEFINE_float("commit_every_seconds", None, "Also commit when this many seconds passed.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Seed for weights and the data order.")
@@ -66,10 +73,9 @@ FLAGS = flags.FLAGS
 flags.register_validator("dtype_policy", lambda v: v in ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16",
                                                           "float16"),
                          "--dtype_policy must be float32, mixed_float16, mixed_bfloat16, bfloat16 or float16")
-flags.register_validator("dataset", lambda v: v in ("digits", "mnist", "synthetic") or
-                         (v.startswith("tfds:") and len(v) > 5), "--dataset must be digits, mnist, synthetic or tfds:NAME")
-flags.register_validator("model", lambda v: v in __import__("models").NAMES,
-                         f"--model must be one of {', '.join(__import__('models').NAMES)}")
+flags.register_validator("dataset", lambda v: v in datasets.DATASETS or (v.startswith("tfds:") and len(v) > 5),
+                         f"--dataset must be one of {', '.join(datasets.DATASETS)}")
+flags.register_validator("model", lambda v: v in models.NAMES, f"--model must be one of {', '.join(models.NAMES)}")
 flags.register_multi_flags_validator(
     ["strategy", "tpu"], lambda f: f["strategy"] != "tpu" or bool(f["tpu"]), "--strategy=tpu needs --tpu")
 flags.register_multi_flags_validator(
@@ -109,7 +115,7 @@ class SummaryCallback:
         class _Summaries(keras.callbacks.Callback):
             def __init__(self):
                 super().__init__()
-                self.writer = tf.summary.create_file_writer(os.path.join(run_dir, "tensorboard"))
+                self.writer = tf.summary.create_file_writer(str(RunDir(run_dir).tensorboard))
 
             def on_epoch_end(self, epoch, logs=None):
                 step = int(self.model.optimizer.iterations.numpy())
@@ -124,14 +130,11 @@ class SummaryCallback:
         return _Summaries()
 
 
-def main(argv: List[str]) -> int:
+def main(argv: List[str]) -> None:
     del argv
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import keras
     import tensorflow as tf
 
-    import models
-    from launch import data as datasets
     from tf_elastic import BatchResizeSchedule
     from tf_elastic import elastic
 
@@ -152,9 +155,11 @@ def main(argv: List[str]) -> int:
     run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
     strategy = elastic.make_strategy(world, FLAGS.strategy, FLAGS.collective, FLAGS.tpu)
     keras.utils.set_random_seed(FLAGS.seed)
-    replicas = strategy.num_replicas_in_sync
-    global_batch = (FLAGS.per_replica_batch_size * replicas if FLAGS.batch_policy == "per_replica"
-                    else FLAGS.global_batch_size)
+    config = elastic.FitConfig(
+        epochs=FLAGS.epochs, per_replica_batch_size=FLAGS.per_replica_batch_size,
+        global_batch_size=FLAGS.global_batch_size, batch_policy=FLAGS.batch_policy,
+        commit_every_steps=FLAGS.commit_every_steps, commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed)
+    global_batch = config.global_batch(strategy.num_replicas_in_sync)
     peak = FLAGS.learning_rate if FLAGS.learning_rate is not None else {
         "lars": 0.1, "sgd": 0.05, "adam": 0.001, "lamb": 0.001}[FLAGS.optimizer]
     with strategy.scope():
@@ -168,28 +173,29 @@ def main(argv: List[str]) -> int:
                       metrics=["accuracy"])
         optimizer.build(model.trainable_variables)  # eagerly, before tracing (keras#23085)
     callbacks = [SummaryCallback(run_dir, world, global_batch, keras, tf)] if world.is_chief else []
-    code = elastic.fit(model, x, y, world=world, strategy=strategy, epochs=FLAGS.epochs, run_dir=run_dir,
-                       per_replica_batch_size=FLAGS.per_replica_batch_size, global_batch_size=FLAGS.global_batch_size,
-                       batch_policy=FLAGS.batch_policy, schedule=schedule, commit_every_steps=FLAGS.commit_every_steps,
-                       commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed, callbacks=callbacks,
-                       verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
-    if code == elastic.EXIT_DONE:  # every worker evaluates: under MWMS evaluation runs collectives
-        _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=256, verbose=0)
-        if world.is_chief:
-            steps = int(model.optimizer.iterations.numpy())
-            EventLog(run_dir, "worker:0").write("evaluation", test_accuracy=float(accuracy), step=steps)
-            print(f"test accuracy {accuracy:.4f} after {steps} steps", flush=True)
-    return code
+    elastic.fit(model, x, y, world=world, strategy=strategy, run_dir=run_dir, config=config, schedule=schedule,
+                callbacks=callbacks, verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
+    # Every worker evaluates: under MWMS evaluation runs collectives.
+    _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=256, verbose=0)
+    if world.is_chief:
+        steps = int(model.optimizer.iterations.numpy())
+        EventLog(run_dir, "worker:0").write(Event.EVALUATION, test_accuracy=float(accuracy), step=steps)
+        print(f"test accuracy {accuracy:.4f} after {steps} steps", flush=True)
 
 
 def run(argv: List[str]) -> None:
-    """Runs `main` and ends the process at once (MWMS has no clean shutdown), also after an error."""
+    """Runs `main` and ends the process at once with the code the agent expects (MWMS has no clean
+    shutdown): 0 when done, `errors.exit_code` for what `fit` raised, 1 for anything unexpected."""
     try:
-        code = main(argv)
+        main(argv)
+        code = 0
+    except (errors.StopRequested, errors.PeerFailure) as error:
+        print(f"launch.train: {error}", file=sys.stderr, flush=True)
+        code = errors.exit_code(error)
     except (ValueError, FileNotFoundError) as error:
         # Bad input: one clear line, and a code that tells the agent not to restart.
         print(f"launch.train: error: {error}", file=sys.stderr, flush=True)
-        code = EXIT_CONFIG_ERROR
+        code = errors.exit_code(error)
     except Exception:  # noqa: BLE001 - reported, then a non-zero exit the agent counts as a failure
         traceback.print_exc()
         code = 1

@@ -1,6 +1,5 @@
 """Shared fixtures. Two logical CPU devices are configured before TensorFlow initialises its runtime."""
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +9,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+from tf_elastic.testing.net import free_port  # noqa: E402,F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -32,12 +33,6 @@ def _clean_keras_state():
     yield
     keras.mixed_precision.set_global_policy("float32")
     keras.backend.clear_session()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def agent_argv(rdzv_dir: Path, run_dir: Path, arguments: list) -> list:
@@ -71,7 +66,7 @@ def mnist():
 @pytest.fixture(scope="session")
 def etcd():
     """One real etcd on 127.0.0.1 for the session; tests keep apart by job id."""
-    from launch.etcd_server import EtcdServer
+    from tf_elastic.testing.etcd_server import EtcdServer
 
     with EtcdServer() as server:
         yield server

@@ -88,7 +88,8 @@ TRAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("flags, env, message", TRAIN_CASES, ids=[" ".join(f) or next(iter(e)) + "=" + e["TF_CONFIG"][:20]
+@pytest.mark.parametrize("flags, env, message", TRAIN_CASES,
+                         ids=[" ".join(f) or next(iter(e)) + "=" + e["TF_CONFIG"][:20]
                                                                   for f, e, _ in TRAIN_CASES])
 def test_bad_training_input_is_named_and_committed_work_stays(committed, flags, env, message):
     before = _digest(committed / "checkpoints")

@@ -1,7 +1,7 @@
 """The fault-injection soak in miniature: 10 random faults of every kind on etcd, then every invariant."""
 import pytest
 
-from launch import soak
+from tf_elastic.testing import soak
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from launch import audit
-from launch.local_job import LocalJob
+from tf_elastic.testing import audit
+from tf_elastic.testing.local_job import LocalJob
 
 pytestmark = pytest.mark.slow
 

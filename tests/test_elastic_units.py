@@ -10,15 +10,23 @@ import tensorflow as tf
 
 from conftest import run_python
 from tf_elastic import LARS, BatchResizeSchedule
-from tf_elastic.elastic import World, keras_compat
-from tf_elastic.elastic.data_plan import DataPlan, replica_batch_size
-from tf_elastic.elastic.rendezvous import Round
-from tf_elastic.elastic.store import FileStore, StoreError, open_store
-from tf_elastic.elastic.worker import CommittedState, resolve_world
+from tf_elastic.elastic.worker import keras_compat
+from tf_elastic.elastic.worker.world import World
+from tf_elastic.elastic.worker.data_plan import DataPlan, replica_batch_size
+from tf_elastic.elastic.agent.round import Round
+from tf_elastic.elastic.store import StoreError, open_store
+from tf_elastic.elastic.store.file import FileStore
+from tf_elastic.elastic.worker.cluster import resolve_world
+from tf_elastic.elastic.worker.commit import CommittedState
 
 
 def test_agent_side_never_imports_tensorflow():
-    proc = run_python("import sys, tf_elastic, tf_elastic.elastic, tf_elastic.elastic.agent, tf_elastic.elastic.cli\n"
+    modules = ["tf_elastic", "tf_elastic.elastic", "tf_elastic.elastic.protocol", "tf_elastic.elastic.events",
+               *[f"tf_elastic.elastic.agent.{m}" for m in ("agent", "cli", "decisions", "job_record", "ports",
+                                                            "rendezvous", "round")],
+               "tf_elastic.elastic.store.file", "tf_elastic.elastic.store.etcd",
+               "tf_elastic.elastic.worker.world", "tf_elastic.elastic.worker.errors"]
+    proc = run_python(f"import sys, {', '.join(modules)}\n"
                       "print('tensorflow' in sys.modules, 'keras' in sys.modules)")
     assert proc.stdout.strip() == "False False"
 
@@ -123,9 +131,9 @@ def test_a_commit_less_than_a_global_batch_before_the_epoch_end_resumes_at_the_n
     model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.optimizer.build(model.trainable_variables)
     CommittedState(World(), str(tmp_path), model).commit(epoch=0, samples=59, step=7, global_batch=8)
-    code = elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), epochs=2,
-                       run_dir=str(tmp_path), per_replica_batch_size=16, callbacks=[EpochsBegun()], verbose=0)
-    assert code == elastic.EXIT_DONE and EpochsBegun.begun == [1]
+    elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
+                config=elastic.FitConfig(epochs=2, per_replica_batch_size=16), callbacks=[EpochsBegun()], verbose=0)
+    assert EpochsBegun.begun == [1]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["epoch"], e["samples"]) for e in events if e["event"] == "remainder_skipped"][0] == (0, 5)
     commits = [e for e in events if e["event"] == "commit"]
@@ -170,8 +178,8 @@ def test_a_commit_of_another_model_is_a_clear_error_and_stays_on_disk(tmp_path):
 
 
 def test_sigterm_commits_at_a_step_boundary_and_a_rerun_resumes_there_with_user_callbacks(tmp_path):
-    """A preemption notice (SIGTERM) mid-epoch: fit commits at the next agreed step and returns
-    EXIT_STOPPED; a second fit resumes at exactly that step and epoch and finishes. The user's callback
+    """A preemption notice (SIGTERM) mid-epoch: fit commits at the next agreed step and raises
+    StopRequested; a second fit resumes at exactly that step and epoch and finishes. The user's callback
     sees every trained batch, in both runs."""
     import os
     import signal
@@ -197,18 +205,17 @@ def test_sigterm_commits_at_a_step_boundary_and_a_rerun_resumes_there_with_user_
     def run(callback):
         model, schedule = _training_setup()
         model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        code = elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), epochs=3,
-                           run_dir=str(tmp_path), per_replica_batch_size=16, schedule=schedule,
-                           commit_every_steps=0, sync_every_steps=5, callbacks=[callback], verbose=0)
-        return code, model
+        config = elastic.FitConfig(epochs=3, per_replica_batch_size=16, commit_every_steps=0, sync_every_steps=5)
+        elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
+                    config=config, schedule=schedule, callbacks=[callback], verbose=0)
+        return model
 
     first = UserCallback(preempt_at=17)  # epoch 1, its 5th batch; the next agreement is at step 20
-    code, _ = run(first)
-    assert code == elastic.EXIT_STOPPED
+    with pytest.raises(elastic.StopRequested, match="after committing step 20"):
+        run(first)
     assert first.batches == 20 and first.epochs == [0, 1]  # Keras ends the stopped epoch too
     second = UserCallback()
-    code, model = run(second)
-    assert code == elastic.EXIT_DONE
+    model = run(second)
     from tf_elastic.elastic.events import read_events
 
     restore = [e for e in read_events(tmp_path) if e["event"] == "restore"][-1]
@@ -223,7 +230,7 @@ def test_warm_worker_waits_for_its_world_on_stdin():
 
     from conftest import REPO
 
-    code = ("from tf_elastic.elastic.world import World\n"
+    code = ("from tf_elastic.elastic.worker.world import World\n"
             "w = World.from_env()\nprint(w.rank, w.size, w.round, flush=True)")
     env = {"PYTHONPATH": str(REPO), "TF_ELASTIC_WARM": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -232,7 +239,8 @@ def test_warm_worker_waits_for_its_world_on_stdin():
                                       "task": {"type": "worker", "index": 2}}), "TF_ELASTIC_ROUND": "7"}
     out, _ = proc.communicate(json.dumps(world) + "\n", timeout=120)
     assert out.split() == ["2", "3", "7"]
-    unused = subprocess.run([sys.executable, "-c", code], env=env, input="", capture_output=True, text=True, timeout=120)
+    unused = subprocess.run([sys.executable, "-c", code], env=env, input="", capture_output=True, text=True,
+                            timeout=120)
     assert unused.returncode == 0 and unused.stdout == ""  # the agent closed it unused: a quiet exit
 
 

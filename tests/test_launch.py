@@ -1,15 +1,15 @@
 """The launch scripts run end to end in their short forms."""
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import REPO, free_port, run_python
+from conftest import REPO, run_python
+from tf_elastic.testing.local_job import repo_env
+from tf_elastic.testing.net import bindable, free_port
 
 
 @pytest.mark.slow
@@ -53,7 +53,8 @@ def test_main_job_runs_end_to_end(tmp_path):
     """The README's first command, shortened: a host lost, a host joined, a summary and a plot that
     agree with events.jsonl."""
     proc = run_python(f"import sys; sys.argv = ['m', '--run_dir={tmp_path}', '--epochs=30'];"
-                      "from launch import main_job; from absl import app; app.run(lambda a: sys.exit(main_job.main(a)))",
+                      "from launch import main_job; from absl import app; "
+                      "app.run(lambda a: sys.exit(main_job.main(a)))",
                       timeout=600)
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     rendezvous = [e for e in events if e["event"] == "rendezvous" and e["source"] == "agent:host-a"]
@@ -91,16 +92,17 @@ def test_without_the_agent_slurm_workers_train_at_a_fixed_size_and_resume_after_
     SlurmClusterResolver. One is killed: the other stops with the peer-failure code, and the step run
     again (as a requeue would) resumes from the last commit and finishes."""
     port = free_port()
-    while not _bindable(port + 1):
+    while not bindable("127.0.0.1", port + 1):
         port = free_port()
     argv = [sys.executable, "-m", "launch.train", "--cluster_resolver=slurm", f"--port_base={port}", "--dataset=digits",
             "--epochs=3", "--per_replica_batch_size=16", "--commit_every_steps=10", "--optimizer=sgd",
             "--learning_rate=0.02", "--threads=1", f"--run_dir={tmp_path}"]
 
     def srun():
-        return [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"rank{rank}.log", "ab"),
-                                 env=dict(os.environ, PYTHONPATH=str(REPO), SLURM_PROCID=str(rank), SLURM_STEP_NUM_TASKS="2",
-                                          SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2"))
+        slurm = lambda rank: repo_env(SLURM_PROCID=str(rank), SLURM_STEP_NUM_TASKS="2",  # noqa: E731
+                                      SLURM_STEP_NODELIST="localhost", SLURM_STEP_TASKS_PER_NODE="2")
+        return [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, env=slurm(rank),
+                                 stderr=open(tmp_path / f"rank{rank}.log", "ab"))
                 for rank in range(2)]
 
     def events(name):
@@ -135,7 +137,7 @@ def test_train_on_a_prepared_tfds_dataset(tmp_path):
     import tensorflow as tf
     import tensorflow_datasets as tfds
 
-    from launch import data as datasets
+    from tf_elastic.elastic.worker import datasets
 
     digits = datasets.load("digits")
     features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=digits.x_train.shape[1:], dtype=np.uint8),
@@ -149,12 +151,3 @@ def test_train_on_a_prepared_tfds_dataset(tmp_path):
                       "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
     accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.8, proc.stdout[-2000:]
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False

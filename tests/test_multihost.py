@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from launch.etcd_server import EtcdServer
-from launch.local_job import LocalJob
+from tf_elastic.testing.etcd_server import EtcdServer
+from tf_elastic.testing.local_job import LocalJob
 
 pytestmark = pytest.mark.slow
 

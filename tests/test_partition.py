@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from launch import audit
-from launch import data as datasets
-from launch.local_job import REPO
+from tf_elastic.testing import audit
+from tf_elastic.elastic.worker import datasets
+from tf_elastic.testing.local_job import REPO
 from tf_elastic.elastic.events import read_events
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,11 @@ import uuid
 
 import pytest
 
-from launch.etcd_server import EtcdServer
-from tf_elastic.elastic.rendezvous import Rendezvous, RendezvousTimeout, Timeouts, TokenRefused
+from tf_elastic.testing.etcd_server import EtcdServer
+from tf_elastic.elastic.agent.job_record import JobOutcome, TokenRefused
+from tf_elastic.elastic.agent.rendezvous import Rendezvous, RendezvousTimeout
+from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
 
 FAST = Timeouts(rendezvous=10, last_call=0.3, survivor_wait=5, host_ttl=1.0, poll=0.05)
@@ -38,13 +41,13 @@ def test_compare_and_set_list_and_leases(store, job):
     assert store.compare_and_set(f"/{job}/round", "1", "2") and store.get(f"/{job}/round") == "2"
     store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
     store.set(f"/{job}/hosts/b", "{}")
-    assert set(store.list(f"/{job}/hosts")) == {f"{job}/hosts/a", f"{job}/hosts/b"}
+    assert set(store.list(f"/{job}/hosts")) == {f"/{job}/hosts/a", f"/{job}/hosts/b"}  # as `get` takes them
     for _ in range(12):  # renewed every 0.1 s: stays for longer than its TTL
         store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
         time.sleep(0.1)
     assert store.get(f"/{job}/hosts/a") == "{}"
     time.sleep(2.2)
-    assert store.get(f"/{job}/hosts/a") is None and set(store.list(f"/{job}/hosts")) == {f"{job}/hosts/b"}
+    assert store.get(f"/{job}/hosts/a") is None and set(store.list(f"/{job}/hosts")) == {f"/{job}/hosts/b"}
     store.delete(f"/{job}/hosts/b")
     assert store.list(f"/{job}/hosts") == {}
 
@@ -82,15 +85,15 @@ def test_a_failure_seen_by_every_agent_is_counted_once(store, job):
 def test_max_restarts_exceeded_records_the_failed_outcome(store, job):
     rendezvous = _rendezvous(store, job, "a", max_restarts=0, max_workers=1)
     rendezvous.open_next(rendezvous.join(), reason="worker_exit", failure=True)
-    assert rendezvous.outcome() == {"status": "failed", "reason": "max_restarts=0 exceeded (worker_exit)"}
+    assert rendezvous.job.outcome() == JobOutcome(JobStatus.FAILED, "max_restarts=0 exceeded (worker_exit)")
 
 
 def test_an_agent_with_another_token_is_refused(store, job):
-    _rendezvous(store, job, "a", token="secret").check_token()
-    _rendezvous(store, job, "b", token="secret").check_token()
+    _rendezvous(store, job, "a", token="secret").job.check_token()
+    _rendezvous(store, job, "b", token="secret").job.check_token()
     for token in ("other", None):
         with pytest.raises(TokenRefused, match=f"refused to join job '{job}'"):
-            _rendezvous(store, job, "c", token=token).check_token()
+            _rendezvous(store, job, "c", token=token).job.check_token()
     assert "secret" not in json.dumps(store.list(f"/{job}"))
 
 
@@ -104,7 +107,8 @@ def test_an_agent_with_another_token_is_refused(store, job):
 def test_malformed_store_content_is_rejected_with_a_clear_error(store, job, key, value, message):
     store.set(f"/{job}/{key}", value)
     rendezvous = _rendezvous(store, job, "a")
-    read = {"round": rendezvous.current, "outcome": rendezvous.outcome, "blacklist/a": rendezvous.blacklisted_for}
+    read = {"round": rendezvous.current, "outcome": rendezvous.job.outcome,
+            "blacklist/a": rendezvous.job.blacklisted_for}
     with pytest.raises(StoreError, match=message):
         read[key]()
 
@@ -118,10 +122,10 @@ def test_a_rendezvous_on_malformed_content_fails_after_the_timeout_and_names_it(
 
 
 def test_blacklist_cooldown_doubles_with_each_strike(store, job):
-    rendezvous = _rendezvous(store, job, "a")
-    assert rendezvous.blacklisted_for() == 0
-    assert rendezvous.blacklist(10.0) == 10.0 and 9.0 < rendezvous.blacklisted_for() <= 10.0
-    assert rendezvous.blacklist(10.0) == 20.0
+    record = _rendezvous(store, job, "a").job
+    assert record.blacklisted_for() == 0
+    assert record.blacklist(10.0) == 10.0 and 9.0 < record.blacklisted_for() <= 10.0
+    assert record.blacklist(10.0) == 20.0
 
 
 def test_ports_come_from_the_port_range(store, job):
@@ -226,7 +230,8 @@ def test_etcd_with_a_user_and_password(job):
         threading.Timer(0.3, lambda: store.set(f"/{job}/k2", "w")).start()
         assert store.wait(f"/{job}", 3.0)  # the watch authenticates too
         store.close()
-        for bad, message in ((dataclasses.replace(options, password="bad"), "refused user 'root'.*authentication failed"),
+        for bad, message in ((dataclasses.replace(options, password="bad"),
+                              "refused user 'root'.*authentication failed"),
                              (StoreOptions(), "user name is empty")):
             with pytest.raises(StoreError, match=message):
                 open_store(private.url, bad).get(f"/{job}/k")

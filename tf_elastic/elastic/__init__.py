@@ -1,19 +1,20 @@
-"""The elastic runtime: agent, rendezvous stores, and the worker side of MultiWorkerMirroredStrategy.
+"""The elastic runtime, in three packages and one contract:
 
-Agent-side modules (`agent`, `rendezvous`, `store`, `events`, `world`) never import TensorFlow; the
-worker side (`worker`, `keras_compat`) does, and loads only when asked for.
+- `store/`: the rendezvous stores (a small key-value interface; file and etcd backends);
+- `agent/`: one agent per host: rendezvous rounds, worker processes, the `tf-elastic-run` CLI;
+- `worker/`: what runs inside each worker: world, strategy, committed state and `fit`;
+- `protocol`: what the agent and its workers agree on (run directory, events, exit codes, environment).
+
+`store`, `agent` and `protocol` never import TensorFlow; the worker-side names below load on first use.
 """
-import importlib
+from tf_elastic.elastic.worker import __all__ as _WORKER_NAMES
 
-from tf_elastic.elastic.world import (EXIT_CONFIG_ERROR, EXIT_DONE, EXIT_PEER_FAILURE, EXIT_STOPPED, World, exit_now,
-                                     start_heartbeat)
-
-_WORKER = {"fit": "worker", "make_strategy": "worker", "resolve_world": "worker", "CommittedState": "worker",
-           "install_fit_fix": "keras_compat"}
-__all__ = ["World", "exit_now", "start_heartbeat", "EXIT_DONE", "EXIT_STOPPED", "EXIT_PEER_FAILURE", "EXIT_CONFIG_ERROR", *sorted(_WORKER)]
+__all__ = list(_WORKER_NAMES)
 
 
 def __getattr__(name: str):
-    if name in _WORKER:
-        return getattr(importlib.import_module(f"tf_elastic.elastic.{_WORKER[name]}"), name)
+    if name in _WORKER_NAMES:
+        from tf_elastic.elastic import worker
+
+        return getattr(worker, name)
     raise AttributeError(f"module 'tf_elastic.elastic' has no attribute {name!r}")

@@ -6,19 +6,19 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Union
 
-EVENTS_FILE = "events.jsonl"
+from tf_elastic.elastic.protocol import Event, RunDir
 
 
 class EventLog:
     """Appends events under an exclusive lock, so lines from several processes never interleave."""
 
     def __init__(self, run_dir: Union[str, Path], source: str):
-        self.path = Path(run_dir) / EVENTS_FILE
+        self.path = RunDir(run_dir).events
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.source = source
 
-    def write(self, event: str, **fields: Any) -> None:
-        record = {"time": time.time(), "event": event, "source": self.source, "pid": os.getpid(), **fields}
+    def write(self, event: Event, **fields: Any) -> None:
+        record = {"time": time.time(), "event": Event(event).value, "source": self.source, "pid": os.getpid(), **fields}
         line = json.dumps(record, sort_keys=True) + "\n"
         with open(self.path, "a", encoding="utf-8") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
@@ -29,7 +29,7 @@ class EventLog:
 
 def read_events(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
     """All events of a run, in file order; a torn last line (a process killed mid-write) is skipped."""
-    return list(_parse(Path(run_dir) / EVENTS_FILE))
+    return list(_parse(RunDir(run_dir).events))
 
 
 def _parse(path: Path) -> Iterator[Dict[str, Any]]:

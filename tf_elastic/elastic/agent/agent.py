@@ -18,13 +18,15 @@ from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
-from tf_elastic.elastic import world as contract
+from tf_elastic.elastic.agent import decisions
+from tf_elastic.elastic.agent.decisions import GroupChange, WorkersState, WorkersVerdict
+from tf_elastic.elastic.agent.job_record import JobEnded, TokenRefused
+from tf_elastic.elastic.agent.rendezvous import Rendezvous, RendezvousTimeout
+from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.rendezvous import JobEnded, Rendezvous, RendezvousTimeout, Round, Timeouts, TokenRefused
+from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, RunDir, read_heartbeat
 from tf_elastic.elastic.store import Store, StoreError
 
-
-_AGENT_SECRETS = ("TF_ELASTIC_JOB_TOKEN", "TF_ELASTIC_RDZV_PASSWORD")
 _SCRATCH_PREFIX = "tf_elastic-agent"  # + agent pid: a later agent on this host removes a dead agent's
 
 
@@ -39,7 +41,8 @@ def sweep_dead_agents_scratch() -> List[str]:
     return removed
 
 
-class Outcome(enum.Enum):
+class RoundResult(enum.Enum):
+    """How one round ended for this host."""
     SUCCEEDED = "succeeded"  # every local worker finished training
     RESTART = "restart"  # the group changed or failed: rejoin at the next round
     LEFT = "left"  # this host left gracefully
@@ -96,6 +99,8 @@ class ElasticAgent:
         self.rendezvous = Rendezvous(store, config.job_id, self.host_id, config.nproc, config.advertise_addr,
                                      config.min_workers, config.max_workers, config.max_restarts, config.timeouts,
                                      token=config.job_token, port_range=config.port_range)
+        self.job = self.rendezvous.job
+        self.run_dir = RunDir(config.run_dir)
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
         self._leaving = False
         self._warm: List[_Spare] = []
@@ -103,9 +108,9 @@ class ElasticAgent:
         self._own_failures = 0  # failures of this host's own workers, in a row
 
     def run(self) -> int:
-        """Runs until the job ends; returns the process exit code (0: done or left gracefully)."""
+        """Runs until the job ends; returns the process exit code (`AgentExit`)."""
         previous = signal.signal(signal.SIGTERM, self._on_leave_signal)
-        self.events.write("agent_start", host=self.host_id, nproc=self.config.nproc,
+        self.events.write(Event.AGENT_START, host=self.host_id, nproc=self.config.nproc,
                           swept=len(sweep_dead_agents_scratch()))
         ranks: Optional[List[int]] = None
         after = -1
@@ -119,27 +124,29 @@ class ElasticAgent:
                     self._sit_out_blacklist()
                     round_ = self.rendezvous.join(previous_ranks=ranks, after=after, cancelled=lambda: self._leaving)
                 except JobEnded as ended:
-                    return self._exit(0 if ended.status == "done" else 1, ended.reason)
+                    return self._exit(AgentExit.OK if ended.status is JobStatus.DONE else AgentExit.FAILED,
+                                      ended.reason)
                 except RendezvousTimeout as timeout:
-                    return self._exit(1, str(timeout))
+                    return self._exit(AgentExit.FAILED, str(timeout))
                 if round_ is None:
                     self.rendezvous.leave()
-                    return self._exit(0, "left the job gracefully (while waiting for a round)")
+                    return self._exit(AgentExit.OK, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
-                self.events.write("rendezvous", round=round_.number, world_size=round_.world_size, ranks=ranks,
+                self.events.write(Event.RENDEZVOUS, round=round_.number, world_size=round_.world_size, ranks=ranks,
                                   reason=round_.reason, restarts=round_.restarts, cluster=round_.cluster)
-                outcome = self._run_round(round_, ranks)
-                if outcome is Outcome.SUCCEEDED:
+                result = self._run_round(round_, ranks)
+                if result is RoundResult.SUCCEEDED:
                     self._record_done()
-                    return self._exit(0, "training finished")
-                if outcome is Outcome.LEFT:
-                    return self._exit(0, "left the job gracefully")
-                if outcome is Outcome.FAILED:
-                    return self._exit(1, (self.rendezvous.outcome() or {}).get("reason", "job failed"))
+                    return self._exit(AgentExit.OK, "training finished")
+                if result is RoundResult.LEFT:
+                    return self._exit(AgentExit.OK, "left the job gracefully")
+                if result is RoundResult.FAILED:
+                    outcome = self.job.outcome()
+                    return self._exit(AgentExit.FAILED, outcome.reason if outcome else "job failed")
         except TokenRefused as refused:
-            return self._exit(2, str(refused))
+            return self._exit(AgentExit.REFUSED, str(refused))
         except StoreError as error:
-            return self._exit(1, f"rendezvous store error: {error}")
+            return self._exit(AgentExit.FAILED, f"rendezvous store error: {error}")
         finally:
             signal.signal(signal.SIGTERM, previous)
             for spare in self._warm:
@@ -152,7 +159,7 @@ class ElasticAgent:
         deadline = time.monotonic() + self.config.timeouts.rendezvous
         while True:
             try:
-                return self.rendezvous.finish("done", "training finished")
+                return self.job.finish(JobStatus.DONE, "training finished")
             except StoreError:
                 if time.monotonic() > deadline:
                     raise
@@ -161,22 +168,22 @@ class ElasticAgent:
     def _sit_out_blacklist(self) -> None:
         """Stays out of the job while this host is blacklisted: no lease, so no round waits for it."""
         try:
-            seconds = self.rendezvous.blacklisted_for()
+            seconds = self.job.blacklisted_for()
         except StoreError:
             return  # the rendezvous retries the store and reports it
         if not seconds:
             return
         self.rendezvous.leave()
-        self.events.write("blacklisted", host=self.host_id, seconds=round(seconds, 1))
+        self.events.write(Event.BLACKLISTED, host=self.host_id, seconds=round(seconds, 1))
         logging.warning("host %s is blacklisted for %.0fs after repeated worker failures", self.host_id, seconds)
         deadline = time.time() + seconds
         while time.time() < deadline and not self._leaving:
-            if self.rendezvous.outcome() is not None:
+            if self.job.outcome() is not None:
                 return  # join() reports how the job ended
             time.sleep(min(1.0, max(0.0, deadline - time.time())))
 
     # One round ----------------------------------------------------------------------------------------
-    def _run_round(self, round_: Round, ranks: List[int]) -> Outcome:
+    def _run_round(self, round_: Round, ranks: List[int]) -> RoundResult:
         workers = [self._start(rank, round_) for rank in ranks]
         try:
             return self._monitor(round_, workers)
@@ -184,28 +191,28 @@ class ElasticAgent:
             self._kill(workers)
 
     def _start(self, rank: int, round_: Round) -> _Worker:
-        heartbeat = Path(self.config.run_dir) / "heartbeats" / f"round{round_.number}-rank{rank}"
+        heartbeat = self.run_dir.heartbeat(round_.number, rank)
         heartbeat.parent.mkdir(parents=True, exist_ok=True)
         heartbeat.unlink(missing_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-rank{rank}-"))
         world = {
             "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
-            contract.ENV_RUN_DIR: self.config.run_dir,
-            contract.ENV_ROUND: str(round_.number),
-            contract.ENV_HEARTBEAT_FILE: str(heartbeat),
-            contract.ENV_HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
-            contract.ENV_RESTARTS: str(round_.restarts),
-            contract.ENV_SCRATCH_DIR: str(scratch),
+            Env.RUN_DIR: self.config.run_dir,
+            Env.ROUND: str(round_.number),
+            Env.HEARTBEAT_FILE: str(heartbeat),
+            Env.HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
+            Env.RESTARTS: str(round_.restarts),
+            Env.SCRATCH_DIR: str(scratch),
         }
         if self.config.index_log:
-            world[contract.ENV_INDEX_LOG] = "1"
+            world[Env.INDEX_LOG] = "1"
         process = self._take_warm(world) or self._spawn(dict(self._base_env(), **world), warm=False)
-        self.events.write("worker_start", round=round_.number, rank=rank, worker_pid=process.pid,
+        self.events.write(Event.WORKER_START, round=round_.number, rank=rank, worker_pid=process.pid,
                           warm=process.stdin is not None)
         return _Worker(rank, process, heartbeat, time.time(), scratch)
 
     def _base_env(self) -> Dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _AGENT_SECRETS}  # workers never need them
+        env = {k: v for k, v in os.environ.items() if k not in Env.SECRETS}  # workers never need them
         return dict(env, **(self.config.extra_env or {}))
 
     def _spawn(self, env: Dict[str, str], warm: bool) -> subprocess.Popen:
@@ -216,9 +223,9 @@ class ElasticAgent:
     def _spawn_warm(self, count: int) -> None:
         for _ in range(count):
             self._warm_spawned += 1
-            ready = Path(self.config.run_dir) / "heartbeats" / f"warm-{self.host_id}-{self._warm_spawned}.ready"
+            ready = self.run_dir.warm_ready(self.host_id, self._warm_spawned)
             ready.parent.mkdir(parents=True, exist_ok=True)
-            env = dict(self._base_env(), **{contract.ENV_WARM: "1", contract.ENV_WARM_READY: str(ready)})
+            env = dict(self._base_env(), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
             self._warm.append(_Spare(self._spawn(env, warm=True), ready))
 
     def _wait_warm_ready(self) -> None:
@@ -245,7 +252,17 @@ class ElasticAgent:
                 process.wait()
         return None
 
-    def _monitor(self, round_: Round, workers: List[_Worker]) -> Outcome:
+    def _tend_spares(self, round_: Round, workers: List[_Worker]) -> None:
+        """Once this round trains, pays the next round's start-up (imports, data) ahead of time."""
+        if self.config.warm_start and len(self._warm) < len(workers) and all(
+                read_heartbeat(w.heartbeat) for w in workers):
+            self._spawn_warm(len(workers) - len(self._warm))
+        for spare in self._warm:
+            if not spare.announced and spare.ready.exists():
+                spare.announced = True
+                self.events.write(Event.SPARE_READY, round=round_.number, worker_pid=spare.process.pid)
+
+    def _monitor(self, round_: Round, workers: List[_Worker]) -> RoundResult:
         """Watches the workers and the store until the round ends. While the store is unreachable the
         workers train on; whatever needs the store is retried once it is back."""
         unreachable_since = None
@@ -253,115 +270,120 @@ class ElasticAgent:
         while True:
             try:
                 self.rendezvous.keepalive()
-                outcome = self._check_round(round_, workers, changed)
+                result = self._check_round(round_, workers, changed)
             except StoreError as error:
                 if unreachable_since is None:
                     unreachable_since = time.time()
-                    self.events.write("store_unreachable", round=round_.number, error=str(error)[:300])
+                    self.events.write(Event.STORE_UNREACHABLE, round=round_.number, error=str(error)[:300])
                     logging.warning("rendezvous store unreachable (%s); the workers train on", error)
-                outcome = None
+                result = None
             else:
                 if unreachable_since is not None:
-                    self.events.write("store_reachable", round=round_.number,
+                    self.events.write(Event.STORE_REACHABLE, round=round_.number,
                                       seconds=round(time.time() - unreachable_since, 2))
                     unreachable_since = None
-            if outcome is not None:
-                return outcome
+            if result is not None:
+                return result
             # The local workers are checked every interval; the store only when it may have changed.
             changed = self.rendezvous.wait_for_change(self.config.monitor_interval) or unreachable_since is not None
 
-    def _check_round(self, round_: Round, workers: List[_Worker], changed: bool) -> Optional[Outcome]:
+    def _check_round(self, round_: Round, workers: List[_Worker], changed: bool) -> Optional[RoundResult]:
+        """One look: observe (worker exit codes, heartbeats, and the store if it `changed`), let
+        `decisions` judge, act on the verdict."""
         if self._leaving:
             return self._leave(round_, workers)
         codes = {w.rank: w.process.poll() for w in workers}
-        own_failure = any(code not in (None, contract.EXIT_DONE, contract.EXIT_STOPPED, contract.EXIT_PEER_FAILURE)
-                          for code in codes.values())
+        own = decisions.own_failure(codes)
         current = round_
         if changed:
-            outcome = self.rendezvous.outcome()
-            if outcome is not None and outcome["status"] == "failed":
-                return Outcome.FAILED
-            if outcome is not None:
-                # Another host's workers finished: ours are finishing too (the last evaluation, the chief's
-                # summary). Killing them now would lose that; let them end on their own.
-                self._await_exit(workers, self.config.stop_grace)
-                return Outcome.SUCCEEDED
+            outcome = self.job.outcome()
             current = self.rendezvous.current()
-            if current is None or current.number != round_.number:
-                failed = current is None or current.restarts > round_.restarts
-                self.events.write("membership_change", round=round_.number,
-                                  next_round=None if current is None else current.number,
-                                  reason=None if current is None else current.reason)
-                self._count_own_failure(own_failure)
-                # After a failure the group is broken and nothing more can be committed: kill at once.
-                # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
-                if failed:
-                    self._kill(workers)
-                else:
-                    self._stop(workers)
-                return Outcome.RESTART
-        if self.config.warm_start and len(self._warm) < len(workers) and all(
-                contract.read_heartbeat(w.heartbeat) for w in workers):
-            # Pay the next round's start-up (imports, data) now that this round is training.
-            self._spawn_warm(len(workers) - len(self._warm))
-        for spare in self._warm:
-            if not spare.announced and spare.ready.exists():
-                spare.announced = True
-                self.events.write("spare_ready", round=round_.number, worker_pid=spare.process.pid)
-        if all(code == contract.EXIT_DONE for code in codes.values()):
-            self.events.write("workers_done", round=round_.number, ranks=list(codes))
-            return Outcome.SUCCEEDED
-        for worker in workers:
-            if codes[worker.rank] is None and self._silent(worker):
-                worker.process.kill()
-                self._failure(round_, "hang", worker.rank, None, own=True)
-                return Outcome.RESTART
-        for rank, code in codes.items():
-            if code not in (None, contract.EXIT_DONE):
-                if code == contract.EXIT_STOPPED:
-                    # Stopped on its own (a preemption notice sent straight to the worker).
-                    self.events.write("worker_stopped", round=round_.number, rank=rank)
-                    self.rendezvous.open_next(current, reason=f"rank {rank} stopped", failure=False)
-                    self._stop(workers)
-                    return Outcome.RESTART
-                if code == contract.EXIT_CONFIG_ERROR:
-                    self.rendezvous.finish("failed", f"rank {rank} stopped on a configuration error (exit code "
-                                           f"{code}); a restart cannot fix it: see the worker's log")
-                    self.events.write("failure", round=round_.number, kind="config_error", rank=rank, code=code,
-                                      host=self.host_id, counted=False)
-                    return Outcome.FAILED
-                kind = "peer_failure" if code == contract.EXIT_PEER_FAILURE else "worker_exit"
-                self._failure(round_, kind, rank, code, own=own_failure)
-                return Outcome.RESTART
-        if changed:
-            alive = set(self.rendezvous.alive_hosts())
-            lost = [h for h, r in (round_.assignment or {}).items() if r and h not in alive and h != self.host_id]
+            result = self._act_on_group(decisions.judge_group(round_, outcome and outcome.status, current),
+                                        round_, current, workers, own)
+            if result is not None:
+                return result
+        self._tend_spares(round_, workers)
+        silent = {w.rank for w in workers if codes[w.rank] is None and self._silent(w)}
+        result = self._act_on_workers(decisions.judge_workers(codes, silent), round_, current, workers, own)
+        if result is None and changed:
+            lost = decisions.lost_hosts(round_, set(self.rendezvous.alive_hosts()), self.host_id)
             if lost:
-                self._failure(round_, "host_lost", None, None, host=lost[0])
-                return Outcome.RESTART
-        return None
+                self._failure(round_, Failure.HOST_LOST, None, None, host=lost[0])
+                return RoundResult.RESTART
+        return result
+
+    def _act_on_group(self, change: GroupChange, round_: Round, current: Optional[Round], workers: List[_Worker],
+                      own: bool) -> Optional[RoundResult]:
+        if change is GroupChange.JOB_FAILED:
+            return RoundResult.FAILED
+        if change is GroupChange.JOB_DONE:
+            # Another host's workers finished: ours are finishing too (the last evaluation, the chief's
+            # summary). Killing them now would lose that; let them end on their own.
+            self._await_exit(workers, self.config.stop_grace)
+            return RoundResult.SUCCEEDED
+        if change is GroupChange.NONE:
+            return None
+        self.events.write(Event.MEMBERSHIP_CHANGE, round=round_.number,
+                          next_round=None if current is None else current.number,
+                          reason=None if current is None else current.reason)
+        self._count_own_failure(own)
+        # After a failure the group is broken and nothing more can be committed: kill at once.
+        # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
+        if change is GroupChange.RESTARTED:
+            self._kill(workers)
+        else:
+            self._stop(workers)
+        return RoundResult.RESTART
+
+    def _act_on_workers(self, verdict: WorkersVerdict, round_: Round, current: Round, workers: List[_Worker],
+                        own: bool) -> Optional[RoundResult]:
+        if verdict.state is WorkersState.RUNNING:
+            return None
+        if verdict.state is WorkersState.DONE:
+            self.events.write(Event.WORKERS_DONE, round=round_.number, ranks=[w.rank for w in workers])
+            return RoundResult.SUCCEEDED
+        if verdict.state is WorkersState.STOPPED:
+            # Stopped on its own (a preemption notice sent straight to the worker).
+            self.events.write(Event.WORKER_STOPPED, round=round_.number, rank=verdict.rank)
+            self.rendezvous.open_next(current, reason=f"rank {verdict.rank} stopped", failure=False)
+            self._stop(workers)
+            return RoundResult.RESTART
+        if verdict.state is WorkersState.CONFIG_ERROR:
+            self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} stopped on a configuration error (exit code "
+                                              f"{verdict.code}); a restart cannot fix it: see the worker's log")
+            self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
+                              code=verdict.code, host=self.host_id, counted=False)
+            return RoundResult.FAILED
+        if verdict.failure is Failure.HANG:
+            next(w for w in workers if w.rank == verdict.rank).process.kill()
+            own = True
+        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own)
+        return RoundResult.RESTART
 
     def _count_own_failure(self, own: bool) -> None:
         """Blacklists this host after `blacklist_after` failures of its own workers in a row."""
         self._own_failures = self._own_failures + 1 if own else 0
         if own and self._own_failures >= self.config.blacklist_after:
             self._own_failures = 0
-            seconds = self.rendezvous.blacklist(self.config.blacklist_cooldown)
+            seconds = self.job.blacklist(self.config.blacklist_cooldown)
             logging.warning("host %s: %d failures of its own workers in a row; out for %.0fs", self.host_id,
                             self.config.blacklist_after, seconds)
 
-    def _failure(self, round_: Round, kind: str, rank: Optional[int], code: Optional[int], host: str = None,
-                 own: bool = False) -> None:
+    def _failure(self, round_: Round, kind: Failure, rank: Optional[int], code: Optional[int],
+                 host: Optional[str] = None, own: bool = False) -> None:
         self._count_own_failure(own)
         current = self.rendezvous.current()
+        # Name only what is known: a lost host has no rank, a hang no exit code.
+        known = [kind.value] + ([f"rank={rank}"] if rank is not None else []) + [f"host={host or self.host_id}"]
+        reason = " ".join(known)
         counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
-            current, reason=f"{kind} rank={rank} host={host or self.host_id}", failure=True)
-        self.events.write("failure", round=round_.number, kind=kind, rank=rank, code=code, host=host or self.host_id,
-                          counted=counted)
+            current, reason=reason, failure=True)
+        self.events.write(Event.FAILURE, round=round_.number, kind=kind.value, rank=rank, code=code,
+                          host=host or self.host_id, counted=counted)
 
     def _silent(self, worker: _Worker) -> bool:
         """No heartbeat for heartbeat_timeout once training, or for startup_timeout before the first step."""
-        step = contract.read_heartbeat(worker.heartbeat)
+        step = read_heartbeat(worker.heartbeat)
         if not step:
             return time.time() - worker.started > self.config.startup_timeout
         try:
@@ -369,14 +391,14 @@ class ElasticAgent:
         except FileNotFoundError:
             return False
 
-    def _leave(self, round_: Round, workers: List[_Worker]) -> Outcome:
+    def _leave(self, round_: Round, workers: List[_Worker]) -> RoundResult:
         current = self.rendezvous.current()
         if current is not None and current.number == round_.number:
             self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
         self._stop(workers)
         self.rendezvous.leave()
-        self.events.write("leave", round=round_.number, host=self.host_id)
-        return Outcome.LEFT
+        self.events.write(Event.LEAVE, round=round_.number, host=self.host_id)
+        return RoundResult.LEFT
 
     # Processes ---------------------------------------------------------------------------------------
     def _stop(self, workers: List[_Worker]) -> None:
@@ -412,7 +434,7 @@ class ElasticAgent:
         del signum, frame
         self._leaving = True
 
-    def _exit(self, code: int, reason: str) -> int:
-        self.events.write("exit", code=code, reason=reason, host=self.host_id)
-        (logging.info if code == 0 else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
-        return code
+    def _exit(self, code: AgentExit, reason: str) -> int:
+        self.events.write(Event.EXIT, code=int(code), reason=reason, host=self.host_id)
+        (logging.info if code == AgentExit.OK else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
+        return int(code)

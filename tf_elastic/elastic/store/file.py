@@ -1,11 +1,4 @@
-"""Rendezvous stores: one small key-value interface, backends chosen by URL scheme.
-
-The agent keeps all shared state (rounds, host leases, job outcome) in a store. `file:///DIR` works on
-one host or a shared filesystem; other backends (etcd) register themselves in `BACKENDS`.
-Values are JSON text: nothing is pickled, on the wire or on disk.
-"""
-import abc
-import dataclasses
+"""`file:///DIR`: a store in a directory, for one host or a filesystem all hosts share."""
 import fcntl
 import json
 import os
@@ -13,77 +6,9 @@ import time
 import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional
 
-
-class StoreError(RuntimeError):
-    """The store is unreachable or holds content we cannot accept."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreOptions:
-    """Connection settings a networked backend needs; the file store needs none."""
-    user: Optional[str] = None
-    password: Optional[str] = None
-    ca_cert: Optional[str] = None  # TLS: verify the server against this CA
-    cert: Optional[str] = None  # TLS client certificate and its key
-    key: Optional[str] = None
-    request_timeout: float = 2.0  # seconds per request before an endpoint counts as unreachable
-
-
-class Store(abc.ABC):
-    """Keys are '/'-separated paths; values are strings; every key lives under the job's prefix."""
-
-    notifies = False  # True when `wait` wakes on changes rather than sleeping
-
-    @abc.abstractmethod
-    def get(self, key: str) -> Optional[str]:
-        """The value, or None when absent or its lease expired."""
-
-    @abc.abstractmethod
-    def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
-        """Writes `value`; with `ttl` the key disappears `ttl` seconds after its last write."""
-
-    @abc.abstractmethod
-    def compare_and_set(self, key: str, expected: Optional[str], value: str) -> bool:
-        """Writes `value` only if the current value is `expected` (None: absent); True if written."""
-
-    @abc.abstractmethod
-    def list(self, prefix: str) -> Dict[str, str]:
-        """All live keys under `prefix`, with their values."""
-
-    @abc.abstractmethod
-    def delete(self, key: str) -> None:
-        """Removes `key` if present."""
-
-    def wait(self, prefix: str, timeout: float) -> bool:
-        """Blocks until a key under `prefix` may have changed (True) or `timeout` passed (False).
-
-        Backends that cannot notify just sleep and answer True: read again."""
-        time.sleep(timeout)
-        return True
-
-    def close(self) -> None:
-        """Releases connections; the default has none."""
-
-
-Factory = Callable[[urllib.parse.ParseResult, StoreOptions], Store]
-BACKENDS: Dict[str, Factory] = {}
-
-
-def register_backend(scheme: str, factory: Factory) -> None:
-    BACKENDS[scheme] = factory
-
-
-def open_store(url: str, options: StoreOptions = StoreOptions()) -> Store:
-    """Opens the store that `url` names, e.g. `file:///tmp/rdzv` or `etcd://127.0.0.1:2379`."""
-    from tf_elastic.elastic import etcd_store  # noqa: F401  registers etcd://
-
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme not in BACKENDS:
-        raise ValueError(f"--rdzv={url!r}: unknown store scheme {parsed.scheme!r}; known: "
-                         f"{', '.join(s + '://' for s in sorted(BACKENDS))}.")
-    return BACKENDS[parsed.scheme](parsed, options)
+from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 
 
 class FileStore(Store):
@@ -119,7 +44,7 @@ class FileStore(Store):
             for path in base.rglob("*.json"):
                 value = self._read(path)
                 if value is not None:
-                    key = str(path.relative_to(self.root).with_suffix(""))
+                    key = "/" + path.relative_to(self.root).with_suffix("").as_posix()
                     found[key] = value
         return found
 
@@ -168,11 +93,8 @@ class FileStore(Store):
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _file_store(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
+def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
     del options  # a directory needs no credentials
     if url.netloc not in ("", "localhost") or not url.path:
         raise ValueError(f"--rdzv=file://{url.netloc}{url.path}: expected file:///ABSOLUTE/DIR.")
     return FileStore(url.path)
-
-
-register_backend("file", _file_store)

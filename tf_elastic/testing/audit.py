@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Dict, List
 
 from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.protocol import Event, RunDir
 
 
 def index_records(run_dir: Path) -> List[Dict]:
     """Every step's example indices, as the workers logged them in test mode (`--index_log`)."""
     records = []
-    for path in sorted((Path(run_dir) / "indices").glob("*.jsonl")):
+    for path in sorted(RunDir(run_dir).indices.glob("*.jsonl")):
         for line in path.read_text().splitlines():
             try:
                 records.append(json.loads(line))
@@ -25,10 +26,11 @@ def index_records(run_dir: Path) -> List[Dict]:
 
 def restores(run_dir: Path) -> Dict[int, int]:
     """Round -> the step its chief restored from."""
-    return {e["round"]: e["step"] for e in read_events(run_dir) if e["event"] == "restore" and e["rank"] == 0}
+    return {e["round"]: e["step"] for e in read_events(run_dir) if e["event"] == Event.RESTORE and e["rank"] == 0}
 
 
 def committed_records(run_dir: Path) -> List[Dict]:
+    """The index records of steps that survived: each round's up to the step the next round restored."""
     restored = restores(run_dir)
     committed = []
     for record in index_records(run_dir):
@@ -38,13 +40,28 @@ def committed_records(run_dir: Path) -> List[Dict]:
     return committed
 
 
-def exactly_once(run_dir: Path, num_examples: int, largest_global_batch: int) -> Dict[str, int]:
-    """Counts, over committed work, examples used more than once in an epoch and examples an epoch
-    missed beyond its final remainder (each smaller than one global batch is allowed)."""
+def uses_by_epoch(run_dir: Path) -> Dict[int, collections.Counter]:
+    """Epoch -> how often committed work used each example."""
     by_epoch = collections.defaultdict(collections.Counter)
     for record in committed_records(run_dir):
         by_epoch[record["epoch"]].update(record["indices"])
-    repeated = sum(c - 1 for counts in by_epoch.values() for c in counts.values() if c > 1)
+    return by_epoch
+
+
+def _extra_uses(by_epoch: Dict[int, collections.Counter]) -> int:
+    return sum(c - 1 for counts in by_epoch.values() for c in counts.values() if c > 1)
+
+
+def repeats(run_dir: Path) -> int:
+    """Extra uses of examples within an epoch among committed work."""
+    return _extra_uses(uses_by_epoch(run_dir))
+
+
+def exactly_once(run_dir: Path, num_examples: int, largest_global_batch: int) -> Dict[str, int]:
+    """Counts, over committed work, examples used more than once in an epoch and examples an epoch
+    missed beyond its final remainder (each smaller than one global batch is allowed)."""
+    by_epoch = uses_by_epoch(run_dir)
+    repeated = _extra_uses(by_epoch)
     skipped = sum(max(0, num_examples - len(counts) - (largest_global_batch - 1)) for counts in by_epoch.values())
     return {"epochs": len(by_epoch), "repeated": repeated, "skipped": skipped}
 

@@ -11,28 +11,31 @@ from typing import List, Optional, Tuple
 
 from absl import app, flags
 
-from tf_elastic.elastic.agent import AgentConfig, ElasticAgent
-from tf_elastic.elastic.rendezvous import Timeouts
-from tf_elastic.elastic.store import StoreOptions, open_store
+from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
+from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.elastic.protocol import Env
+from tf_elastic.elastic.store import BACKENDS, StoreOptions, open_store
 
 flags.DEFINE_integer("nproc", 1, "Workers on this host.", lower_bound=1)
 flags.DEFINE_integer("min_workers", 1, "Fewest workers the job trains with.", lower_bound=1)
 flags.DEFINE_integer("max_workers", 1, "Most workers the job trains with.", lower_bound=1)
-flags.DEFINE_string("rdzv", None, "Rendezvous store URL: file:///SHARED/DIR or etcd://HOST:PORT[,HOST:PORT...].")
-flags.DEFINE_string("rdzv_user", None, "etcd user name (with --rdzv_password or TF_ELASTIC_RDZV_PASSWORD).")
-flags.DEFINE_string("rdzv_password", None, "etcd password; prefer TF_ELASTIC_RDZV_PASSWORD (argv is visible in ps).")
+flags.DEFINE_string("rdzv", None, "Rendezvous store URL: file:///SHARED/DIR or etcd://HOST:PORT[,HOST:PORT...] "
+                    f"(schemes: {', '.join(sorted(BACKENDS))}).")
+flags.DEFINE_string("rdzv_user", None, f"etcd user name (with --rdzv_password or {Env.RDZV_PASSWORD}).")
+flags.DEFINE_string("rdzv_password", None, f"etcd password; prefer {Env.RDZV_PASSWORD} (argv is visible in ps).")
 flags.DEFINE_string("rdzv_ca_cert", None, "TLS: CA certificate to verify etcd with (switches to https).")
 flags.DEFINE_string("rdzv_cert", None, "TLS: client certificate for etcd (with --rdzv_key).")
 flags.DEFINE_string("rdzv_key", None, "TLS: client key for etcd (with --rdzv_cert).")
 flags.DEFINE_float("rdzv_request_timeout", 2.0, "Seconds per store request before an endpoint counts as down.",
                    lower_bound=0.1)
-flags.DEFINE_string("job_token", None, "Shared secret every agent of the job presents (or TF_ELASTIC_JOB_TOKEN); "
+flags.DEFINE_string("job_token", None, f"Shared secret every agent of the job presents (or {Env.JOB_TOKEN}); "
                     "an agent with another token is refused.")
 flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
 flags.DEFINE_string("run_dir", None, "Run directory (checkpoints, events.jsonl); shared by all hosts.")
 flags.DEFINE_integer("max_restarts", 3, "Failures tolerated before the job fails (joins and leaves are free).",
                      lower_bound=0)
-flags.DEFINE_float("heartbeat_timeout", 3.0, "Seconds of silence from a training worker (it beats every 0.5 s) that count as a hang.",
+flags.DEFINE_float("heartbeat_timeout", 3.0,
+                   "Seconds of silence from a training worker (it beats every 0.5 s) that count as a hang.",
                    lower_bound=0.5)
 flags.DEFINE_float("startup_timeout", 120.0, "Seconds a new worker may take to reach its first step.", lower_bound=1.0)
 flags.DEFINE_float("monitor_interval", 0.2, "Seconds between checks of workers and store.", lower_bound=0.01)
@@ -61,7 +64,8 @@ def _validate() -> None:
         if not getattr(FLAGS, name):
             raise app.UsageError(f"--{name} is required.")
     if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", FLAGS.job_id) or FLAGS.job_id in (".", ".."):
-        raise app.UsageError(f"--job_id={FLAGS.job_id!r}: use 1-128 letters, digits, '_', '.', '-' (it names store keys).")
+        raise app.UsageError(f"--job_id={FLAGS.job_id!r}: use 1-128 letters, digits, '_', '.', '-' "
+                             f"(it names store keys).")
     if FLAGS.min_workers > FLAGS.max_workers:
         raise app.UsageError(f"--min_workers={FLAGS.min_workers} must be <= --max_workers={FLAGS.max_workers}.")
     if FLAGS.monitor_interval >= FLAGS.heartbeat_timeout:
@@ -100,7 +104,7 @@ def main(argv: List[str]) -> int:
     if bool(FLAGS.rdzv_cert) != bool(FLAGS.rdzv_key):
         raise app.UsageError("--rdzv_cert and --rdzv_key go together.")
     options = StoreOptions(user=FLAGS.rdzv_user,
-                           password=FLAGS.rdzv_password or os.environ.get("TF_ELASTIC_RDZV_PASSWORD"),
+                           password=FLAGS.rdzv_password or os.environ.get(Env.RDZV_PASSWORD),
                            ca_cert=FLAGS.rdzv_ca_cert, cert=FLAGS.rdzv_cert, key=FLAGS.rdzv_key,
                            request_timeout=FLAGS.rdzv_request_timeout)
     try:
@@ -116,7 +120,7 @@ def main(argv: List[str]) -> int:
         timeouts=Timeouts(rendezvous=FLAGS.rendezvous_timeout, last_call=FLAGS.last_call,
                           survivor_wait=FLAGS.survivor_wait, host_ttl=FLAGS.host_ttl),
         index_log=FLAGS.index_log, warm_start=FLAGS.warm_start,
-        job_token=FLAGS.job_token or os.environ.get("TF_ELASTIC_JOB_TOKEN"), port_range=_port_range(),
+        job_token=FLAGS.job_token or os.environ.get(Env.JOB_TOKEN), port_range=_port_range(),
         blacklist_after=FLAGS.blacklist_after, blacklist_cooldown=FLAGS.blacklist_cooldown)
     code = ElasticAgent(config, store).run()
     store.close()

@@ -10,7 +10,6 @@ import glob
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,12 +17,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-
-from launch import audit
-from launch import data as datasets
-from launch.etcd_server import EtcdServer
-from launch.local_job import REPO, LocalJob, signal_pid
 from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.protocol import Event, RunDir
+from tf_elastic.elastic.worker import datasets
+from tf_elastic.testing import audit
+from tf_elastic.testing.etcd_server import EtcdServer
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, signal_pid
+from tf_elastic.testing.net import bindable
 
 
 TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--commit_every_steps=10",
@@ -77,7 +77,7 @@ class Soak:
         return self.rng.choice(kinds)
 
     def chief_host(self) -> str:
-        rendezvous = self.job.events("rendezvous")
+        rendezvous = self.job.events(Event.RENDEZVOUS)
         latest = max(e["round"] for e in rendezvous)
         return next(e["source"].split(":", 1)[1] for e in rendezvous if e["round"] == latest and 0 in e["ranks"])
 
@@ -131,14 +131,14 @@ class Soak:
         since = fault.time
         for host in self.live:
             self.job.wait_for(lambda: not self.running() or [
-                e for e in self.job.events("spare_ready", source=f"agent:{host}") if e["time"] > since],
+                e for e in self.job.events(Event.SPARE_READY, source=f"agent:{host}") if e["time"] > since],
                 timeout=180, what=f"a warm spare on {host}")
 
 
 def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
     """Polls for TF's temporary shard directory of a checkpoint being written."""
     deadline = time.time() + timeout
-    pattern = str(run_dir / "checkpoints" / "*_temp*")
+    pattern = str(RunDir(run_dir).checkpoints / "*_temp*")
     while time.time() < deadline:
         if glob.glob(pattern):
             return True
@@ -147,10 +147,10 @@ def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
 
 
 def _corrupt_newest(run_dir: Path) -> str:
-    state = (run_dir / "checkpoints" / "checkpoint")
+    state = RunDir(run_dir).checkpoint_state
     if not state.exists():
         return "no commit yet"
-    newest = state.read_text().splitlines()[0].split('"')[1]
+    newest = _newest_commit(state)
     for data in glob.glob(glob.escape(newest) + ".data-*"):
         size = os.path.getsize(data)
         with open(data, "r+b") as f:
@@ -158,28 +158,34 @@ def _corrupt_newest(run_dir: Path) -> str:
     return f"truncated {Path(newest).name}"
 
 
+def _newest_commit(state: Path) -> str:
+    """The newest commit a `checkpoint` state file names (its text format, read without TensorFlow)."""
+    first = state.read_text().splitlines()[0]  # model_checkpoint_path: "PATH"
+    return first.split('"')[1]
+
+
 def _fault_free(root: Path, epochs: int, seed: int) -> float:
     """The same training without faults or agent: one process, the global batch of two workers."""
     argv = [sys.executable, "-m", "launch.train", *[a for a in TRAIN if not a.startswith("--per_replica")],
             "--per_replica_batch_size=32", f"--epochs={epochs}", f"--seed={seed}", f"--run_dir={root / 'run'}"]
-    subprocess.run(argv, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2"), check=True,
-                   stdout=open(root / "train.log", "ab"), stderr=subprocess.STDOUT, timeout=3600)
-    return [e for e in read_events(root / "run") if e["event"] == "evaluation"][-1]["test_accuracy"]
+    subprocess.run(argv, cwd=REPO, env=repo_env(), check=True, stdout=open(root / "train.log", "ab"),
+                   stderr=subprocess.STDOUT, timeout=3600)
+    return [e for e in read_events(root / "run") if e["event"] == Event.EVALUATION][-1]["test_accuracy"]
 
 
 def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
     job, run_dir = soak.job, soak.job.run_dir
     events = job.events()
-    largest_batch = 16 * max(e["world_size"] for e in events if e["event"] == "rendezvous")
+    largest_batch = 16 * max(e["world_size"] for e in events if e["event"] == Event.RENDEZVOUS)
     data = audit.exactly_once(run_dir, len(datasets.load("digits").y_train), largest_batch)
     # Committed progress: every round restores at least the last commit before it, but for a
     # corrupted newest commit, which sends it back to the previous one.
     backwards, commits = [], []
     for e in events:
-        if e["event"] == "commit":
+        if e["event"] == Event.COMMIT:
             commits.append(e["step"])
-        elif e["event"] == "restore" and e["rank"] == 0 and commits and e["step"] < max(commits):
-            skipped = [s for s in events if s["event"] == "checkpoint_skipped" and s["round"] == e["round"]]
+        elif e["event"] == Event.RESTORE and e["rank"] == 0 and commits and e["step"] < max(commits):
+            skipped = [s for s in events if s["event"] == Event.CHECKPOINT_SKIPPED and s["round"] == e["round"]]
             if not skipped:
                 backwards.append((e["round"], e["step"], max(commits)))
     pids = [e["worker_pid"] for e in events if "worker_pid" in e] + [p.pid for p in job.agents.values()]
@@ -190,20 +196,25 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
     left = sorted(str(p) for p in soak.tmp.glob("tf_elastic-*"))  # (TF's autograph leaves files of its own)
     by_killed = [p for p in left if Path(p).name.split("-")[1][len("agent"):] in {str(k) for k in killed}]
     leaked = [p for p in left if p not in by_killed]
-    bound = [addr for e in events if e["event"] == "rendezvous" for addr in e.get("cluster") or []
-             if not _bindable(addr)]
-    accuracy = [e["test_accuracy"] for e in events if e["event"] == "evaluation"]
-    final_commit = [e for e in events if e["event"] == "commit"][-1]
+    bound = [addr for e in events if e["event"] == Event.RENDEZVOUS for addr in e.get("cluster") or []
+             if not bindable(*_host_port(addr))]
+    accuracy = [e["test_accuracy"] for e in events if e["event"] == Event.EVALUATION]
+    final_commit = [e for e in events if e["event"] == Event.COMMIT][-1]
     return {
         "finished": bool(accuracy) and final_commit["epoch"] == epochs,
         "accuracy": accuracy[-1] if accuracy else None, "reference_accuracy": reference,
         "epochs_checked": data["epochs"], "samples_repeated": data["repeated"], "samples_skipped": data["skipped"],
         "steps_redone": audit.steps_redone(run_dir), "progress_backwards": backwards,
-        "checkpoints_skipped": len([e for e in events if e["event"] == "checkpoint_skipped" and e["rank"] == 0]),
+        "checkpoints_skipped": len([e for e in events if e["event"] == Event.CHECKPOINT_SKIPPED and e["rank"] == 0]),
         "orphans": orphans, "leaked_temp_dirs": leaked, "left_by_killed_hosts": len(by_killed),
         "ports_still_bound": sorted(set(bound)),
-        "agent_exits": {e["host"]: f"{e['code']}: {e['reason']}" for e in events if e["event"] == "exit"},
+        "agent_exits": {e["host"]: f"{e['code']}: {e['reason']}" for e in events if e["event"] == Event.EXIT},
     }
+
+
+def _host_port(addr: str):
+    host, port = addr.rsplit(":", 1)
+    return host, int(port)
 
 
 def _alive(pid: int) -> bool:
@@ -212,18 +223,6 @@ def _alive(pid: int) -> bool:
             return "zombie" not in status.read()
     except FileNotFoundError:
         return False
-
-
-def _bindable(addr: str) -> bool:
-    host, port = addr.rsplit(":", 1)
-    with socket.socket() as s:
-        # SO_REUSEADDR: a closed connection's TIME_WAIT is no process holding the port; a listener still is.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-            return True
-        except OSError:
-            return False
 
 
 def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None,
@@ -240,7 +239,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
         soak.start_host()
         soak.job.first_step_after(0, world_size=2, timeout=300)
         for host in soak.live:
-            soak.job.wait_for(lambda: soak.job.events("spare_ready", source=f"agent:{host}"), timeout=180)
+            soak.job.wait_for(lambda: soak.job.events(Event.SPARE_READY, source=f"agent:{host}"), timeout=180)
         while len(soak.faults) < faults and soak.running():
             time.sleep(rng.uniform(0.0, soak.max_gap))
             soak.await_recovery(soak.inject(soak.choose()))
@@ -274,7 +273,8 @@ def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
 
 def table(result: Dict[str, object]) -> str:
     faults, c = result["faults"], result["checks"]
-    lines = ["| fault | injected | recovered | recovery p50 | p95 | max | notes |", "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| fault | injected | recovered | recovery p50 | p95 | max | notes |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for kind in KINDS:
         mine = [f for f in faults if f["kind"] == kind]
         if not mine:

@@ -1,11 +1,12 @@
-"""Offline datasets for the launch scripts: MNIST from a local `mnist.npz`, scikit-learn's digits."""
+"""Offline example datasets for `launch/train.py`: MNIST from a local `mnist.npz`, scikit-learn's digits,
+a synthetic set and datasets prepared for TFDS."""
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 # ../shared/data beside the repository root, whatever the current directory.
-DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[1].parent / "shared" / "data")
+DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[3].parent / "shared" / "data")
 DATASETS = ("mnist", "digits", "synthetic", "tfds:NAME")
 
 

@@ -16,7 +16,8 @@ def replica_batch_size(policy: str, replicas: int, per_replica: Optional[int], g
     """The per-replica batch for `replicas`; `global` keeps the global batch and must divide evenly."""
     if policy == "per_replica":
         if not per_replica or per_replica <= 0:
-            raise ValueError(f"--per_replica_batch_size must be > 0 with --batch_policy=per_replica; got {per_replica}.")
+            raise ValueError(f"--per_replica_batch_size must be > 0 with --batch_policy=per_replica; "
+                             f"got {per_replica}.")
         return per_replica
     if policy == "global":
         if not global_batch or global_batch <= 0:

@@ -4,7 +4,6 @@ Started with a short heartbeat and election timeout: etcd raises a lease TTL bel
 timeouts to that minimum, and the agents' host leases are 1 s.
 """
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -13,11 +12,7 @@ from typing import Optional, Tuple
 
 import requests
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tf_elastic.testing.net import free_port
 
 
 class EtcdServer:
@@ -31,7 +26,7 @@ class EtcdServer:
             raise RuntimeError("etcd is not installed: apt-get install etcd-server")
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="tf_elastic-etcd-"))
-        self.client_port, self.peer_port = _free_port(), _free_port()
+        self.client_port, self.peer_port = free_port(), free_port()
         self.process: Optional[subprocess.Popen] = None
 
     @property

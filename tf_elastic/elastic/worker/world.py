@@ -1,7 +1,7 @@
-"""The contract between the agent and its workers: environment variables and exit codes.
+"""The worker's reading of the contract: the world the agent describes, the heartbeat it expects, and
+how a worker process ends. No TensorFlow here: a warm worker imports this before its round exists.
 
-The agent describes the world in the environment of each worker it starts; the worker side reads it
-back with `World.from_env()`. Without an agent, a worker is a world of one.
+Without an agent, a worker is a world of one.
 """
 import dataclasses
 import json
@@ -12,23 +12,7 @@ import time
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
-ENV_RUN_DIR = "TF_ELASTIC_RUN_DIR"
-ENV_ROUND = "TF_ELASTIC_ROUND"
-ENV_HEARTBEAT_FILE = "TF_ELASTIC_HEARTBEAT_FILE"
-ENV_HEARTBEAT_TIMEOUT = "TF_ELASTIC_HEARTBEAT_TIMEOUT"
-ENV_RESTARTS = "TF_ELASTIC_RESTARTS"
-ENV_INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
-# Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks in
-# `World.from_env()` until the agent writes the round's variables to its stdin as one JSON line.
-ENV_WARM = "TF_ELASTIC_WARM"
-ENV_WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it is ready to be handed a world
-
-# Worker exit codes the agent understands.
-EXIT_DONE = 0
-EXIT_STOPPED = 3  # stopped on request (preemption notice, membership change) after committing
-EXIT_PEER_FAILURE = 75  # a collective failed: another worker died or hung
-EXIT_CONFIG_ERROR = 78  # bad input (flags, data, committed state of another model): a restart cannot help
-ENV_SCRATCH_DIR = "TF_ELASTIC_SCRATCH_DIR"  # a non-chief's checkpoint scratch space; the agent deletes it
+from tf_elastic.elastic.protocol import Env, write_heartbeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +40,8 @@ class World:
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "World":
         """The world the agent described; a warm-started worker first waits for it on stdin."""
-        if env is None and os.environ.pop(ENV_WARM, None) == "1":
-            ready = os.environ.pop(ENV_WARM_READY, None)
+        if env is None and os.environ.pop(Env.WARM, None) == "1":
+            ready = os.environ.pop(Env.WARM_READY, None)
             if ready:
                 Path(ready).touch()
             line = sys.stdin.readline()
@@ -81,14 +65,14 @@ class World:
         return cls(
             rank=rank,
             size=size,
-            round=int(env.get(ENV_ROUND, 0)),
-            run_dir=env.get(ENV_RUN_DIR),
+            round=int(env.get(Env.ROUND, 0)),
+            run_dir=env.get(Env.RUN_DIR),
             cluster=cluster,
-            heartbeat_file=env.get(ENV_HEARTBEAT_FILE),
-            heartbeat_timeout=float(env.get(ENV_HEARTBEAT_TIMEOUT, 10.0)),
-            restarts=int(env.get(ENV_RESTARTS, 0)),
-            index_log=env.get(ENV_INDEX_LOG) == "1",
-            scratch_dir=env.get(ENV_SCRATCH_DIR),
+            heartbeat_file=env.get(Env.HEARTBEAT_FILE),
+            heartbeat_timeout=float(env.get(Env.HEARTBEAT_TIMEOUT, 10.0)),
+            restarts=int(env.get(Env.RESTARTS, 0)),
+            index_log=env.get(Env.INDEX_LOG) == "1",
+            scratch_dir=env.get(Env.SCRATCH_DIR),
         )
 
 
@@ -100,16 +84,6 @@ def report_progress(step: int) -> None:
     _progress["step"] = step
 
 
-def read_heartbeat(path: Path) -> Optional[int]:
-    """The step in a heartbeat file, or None if there is none yet."""
-    try:
-        return int(path.read_text() or 0)
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        return 0
-
-
 def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
     """Writes the current step to the agent's heartbeat file from a daemon thread.
 
@@ -119,12 +93,10 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     if not world.heartbeat_file:
         return None
     path = Path(world.heartbeat_file)
-    temp = path.with_name(path.name + ".tmp")
 
     def beat():
         while True:
-            temp.write_text(str(_progress["step"]))
-            os.replace(temp, path)
+            write_heartbeat(path, _progress["step"])
             time.sleep(interval)
 
     thread = threading.Thread(target=beat, name="tf_elastic-heartbeat", daemon=True)
@@ -140,4 +112,4 @@ def exit_now(code: int) -> None:
     agent would take for a hang."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(int(code))

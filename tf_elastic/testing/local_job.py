@@ -13,8 +13,14 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.protocol import Event, RunDir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: agents run `launch/` scripts from it
+
+
+def repo_env(**extra: str) -> Dict[str, str]:
+    """The environment for a `launch/` script of this checkout, TensorFlow's log quieted."""
+    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **extra)
 
 
 class LocalJob:
@@ -22,7 +28,7 @@ class LocalJob:
                  rdzv: Optional[str] = None):
         """`rdzv`: the store URL (default: a file store in `tmp`); `job_id`: default unique, so that jobs
         can share one etcd."""
-        self.tmp, self.run_dir = tmp, tmp / "run"
+        self.tmp, self.run_dir = tmp, RunDir(tmp / "run")
         self.rdzv = rdzv or f"file://{tmp / 'rdzv'}"
         self.train_args, self.agent_args = list(train_args), list(agent_args)
         self.job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
@@ -35,11 +41,11 @@ class LocalJob:
                 *[f"--{k}={v}" for k, v in flags.items()], "--",
                 *(command or [sys.executable, "-m", "launch.train", *self.train_args])]
         log = open(self.tmp / f"agent-{host}.log", "ab")
-        env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+        env = repo_env(**(env or {}))
         self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.agents[host]
 
-    def events(self, name: Optional[str] = None, **match) -> List[Dict]:
+    def events(self, name: Optional[Event] = None, **match) -> List[Dict]:
         return [e for e in read_events(self.run_dir) if (name is None or e["event"] == name)
                 and all(e.get(k) == v for k, v in match.items())]
 
@@ -63,12 +69,12 @@ class LocalJob:
 
     def first_step_after(self, moment: float, world_size: Optional[int] = None, timeout: float = 180) -> Dict:
         """The chief's first training step of a group that started after `moment`."""
-        return self.wait_for(lambda: [e for e in self.events("first_step", rank=0) if e["time"] > moment and
+        return self.wait_for(lambda: [e for e in self.events(Event.FIRST_STEP, rank=0) if e["time"] > moment and
                                       (world_size is None or e["world_size"] == world_size)],
                              timeout, what=f"a first step after {moment:.2f} at world size {world_size}")[0]
 
     def worker_pid(self, host: str, round_: Optional[int] = None) -> int:
-        starts = self.events("worker_start", source=f"agent:{host}")
+        starts = self.events(Event.WORKER_START, source=f"agent:{host}")
         if round_ is not None:
             starts = [e for e in starts if e["round"] == round_]
         return starts[-1]["worker_pid"]
@@ -80,13 +86,15 @@ class LocalJob:
         signal_pid(worker, signal.SIGKILL)
 
     def describe(self) -> str:
-        lines = [f"{e['event']} {e['source']} " + str({k: v for k, v in e.items() if k not in ('time', 'event', 'source', 'pid')})
+        hidden = ("time", "event", "source", "pid")
+        lines = [f"{e['event']} {e['source']} " + str({k: v for k, v in e.items() if k not in hidden})
                  for e in read_events(self.run_dir)]
-        logs = "".join(f"\n--- {p.name} (tail)\n" + p.read_text(errors="replace")[-3000:] for p in self.tmp.glob("agent-*.log"))
+        logs = "".join(f"\n--- {p.name} (tail)\n" + p.read_text(errors="replace")[-3000:]
+                       for p in self.tmp.glob("agent-*.log"))
         return "\n".join(lines[-60:]) + logs
 
     def cleanup(self) -> None:
-        pids = [e["worker_pid"] for e in self.events("worker_start")]
+        pids = [e["worker_pid"] for e in self.events(Event.WORKER_START)]
         for proc in self.agents.values():
             if proc.poll() is None:
                 proc.kill()

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 import requests
 from absl import logging
 
-from tf_elastic.elastic.store import Store, StoreError, StoreOptions, register_backend
+from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 
 ROOT = "/tf_elastic"  # every key of every job lives under this prefix
 
@@ -78,7 +78,7 @@ class EtcdStore(Store):
     def list(self, prefix: str) -> Dict[str, str]:
         start = ROOT + prefix.rstrip("/") + "/"
         reply = self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(_range_end(start))})
-        return {_text(kv["key"])[len(ROOT) + 1:]: _text(kv.get("value", "")) for kv in reply.get("kvs", [])}
+        return {_text(kv["key"])[len(ROOT):]: _text(kv.get("value", "")) for kv in reply.get("kvs", [])}
 
     def delete(self, key: str) -> None:
         self._written.pop(key, None)
@@ -123,6 +123,13 @@ class EtcdStore(Store):
         return reply["ID"]
 
     # HTTP ------------------------------------------------------------------------------------------
+    def stream(self, path: str, body: Dict, read_timeout: float) -> requests.Response:
+        """A streaming POST to the current endpoint (a watch), outside the request lock: it can block
+        for `read_timeout` seconds and must not hold up the agent's requests meanwhile."""
+        headers = {"Authorization": self._token} if self._token else {}
+        return requests.post(self._url(path), json=body, stream=True, headers=headers,
+                             timeout=(self.options.request_timeout, read_timeout), **self._tls)
+
     def _url(self, path: str, endpoint: Optional[str] = None) -> str:
         return f"{self._scheme}://{endpoint or self.endpoints[self._current]}{path}"
 
@@ -148,7 +155,8 @@ class EtcdStore(Store):
         try:
             reply = response.json()
         except ValueError:
-            raise StoreError(f"etcd at {endpoint} answered {path} with HTTP {response.status_code} and no JSON") from None
+            raise StoreError(f"etcd at {endpoint} answered {path} with HTTP {response.status_code} and no JSON"
+                             ) from None
         if response.status_code != 200 or "error" in reply:
             message = reply.get("message") or reply.get("error") or response.text[:200]
             if retry_auth and self.options.user and "token" in str(message):
@@ -158,7 +166,8 @@ class EtcdStore(Store):
         return reply
 
     def _authenticate(self, endpoint: str) -> str:
-        response = self._session.post(self._url("/v3/auth/authenticate", endpoint), timeout=self.options.request_timeout,
+        response = self._session.post(self._url("/v3/auth/authenticate", endpoint),
+                                      timeout=self.options.request_timeout,
                                       json={"name": self.options.user, "password": self.options.password or ""},
                                       **self._tls)
         try:
@@ -208,11 +217,8 @@ class _Watch:
             request = {"key": _b64(self.prefix), "range_end": _b64(_range_end(self.prefix))}
             if revision is not None:
                 request["start_revision"] = str(revision + 1)
-            store = self.store
-            headers = {"Authorization": store._token} if store._token else {}
             try:
-                with requests.post(store._url("/v3/watch"), json={"create_request": request}, stream=True, **store._tls,
-                                   headers=headers, timeout=(store.options.request_timeout, self._STREAM_SECONDS)) as response:
+                with self.store.stream("/v3/watch", {"create_request": request}, self._STREAM_SECONDS) as response:
                     for line in response.iter_lines():
                         result = json.loads(line).get("result", {}) if line else {}
                         if result.get("compact_revision"):
@@ -233,7 +239,7 @@ class _Watch:
                 time.sleep(0.1)
 
 
-def _etcd_store(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
+def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
     endpoints = [e for e in url.netloc.split(",") if e]
     if not endpoints or url.path not in ("", "/") or any(":" not in e for e in endpoints):
         raise ValueError(f"--rdzv={url.geturl()!r}: expected etcd://HOST:PORT[,HOST:PORT...].")
@@ -243,5 +249,3 @@ def _etcd_store(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
             raise ValueError(f"--rdzv={url.geturl()!r}: endpoint {endpoint!r} needs HOST:PORT with a port in 1..65535.")
     return EtcdStore(endpoints, options)
 
-
-register_backend("etcd", _etcd_store)

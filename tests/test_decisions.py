@@ -1,0 +1,115 @@
+"""The agent's rules as pure functions: no store, no process, no clock."""
+import pytest
+
+from tf_elastic.elastic.agent import decisions
+from tf_elastic.elastic.agent.decisions import GroupChange, JoinAction, WorkersState
+from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.protocol import ExitCode, Failure, JobStatus
+
+TIMEOUTS = Timeouts(last_call=2.0, survivor_wait=30.0)
+
+
+def _participant(nproc=1, previous_rank=None, joined=0.0, port=1000):
+    return {"nproc": nproc, "addr": "127.0.0.1", "ports": list(range(port, port + nproc)), "joined": joined,
+            "previous_rank": previous_rank}
+
+
+def _round(number=0, phase="joining", participants=None, expected=(), restarts=0, assignment=None):
+    return Round(number, phase, "test", restarts, 0.0, dict(participants or {}), list(expected), assignment,
+                 [] if assignment is None else ["x"] * sum(len(r) for r in assignment.values()))
+
+
+@pytest.mark.parametrize("round_, after, action", [
+    (None, -1, JoinAction.CREATE_FIRST),
+    (_round(), -1, JoinAction.ADD_SELF),
+    (_round(participants={"me": _participant()}), -1, JoinAction.TRY_FREEZE),
+    (_round(1, "frozen", {"me": _participant()}, assignment={"me": [0]}), 0, JoinAction.TAKE),
+    (_round(1, "frozen", {"me": _participant()}, assignment={"me": [0]}), 1, JoinAction.OPEN_NEXT),  # trained in it
+    (_round(1, "frozen", {"other": _participant()}, assignment={"other": [0]}), -1, JoinAction.OPEN_NEXT),
+    (_round(1, "frozen", {"me": _participant(), "o": _participant()}, assignment={"o": [0], "me": []}), 0,
+     JoinAction.WAIT),  # standby: no ranks in a full round
+], ids=["no round", "joining without us", "joining with us", "frozen with our ranks", "frozen, already trained",
+        "frozen without us", "standby"])
+def test_next_join_action(round_, after, action):
+    assert decisions.next_join_action(round_, "me", after) is action
+
+
+def test_freeze_waits_for_min_workers_then_last_call_on_a_fresh_job():
+    round_ = _round(participants={"a": _participant()})
+    assert not decisions.ready_to_freeze(round_, 2, 4, {"a"}, waited=100.0, timeouts=TIMEOUTS)
+    round_.participants["b"] = _participant()
+    assert not decisions.ready_to_freeze(round_, 2, 4, {"a", "b"}, waited=1.0, timeouts=TIMEOUTS)
+    assert decisions.ready_to_freeze(round_, 2, 4, {"a", "b"}, waited=2.5, timeouts=TIMEOUTS)
+
+
+def test_freeze_at_once_when_full_or_when_every_expected_survivor_is_in():
+    full = _round(participants={"a": _participant(2)})
+    assert decisions.ready_to_freeze(full, 1, 2, {"a"}, waited=0.0, timeouts=TIMEOUTS)
+    survivors_in = _round(participants={"a": _participant()}, expected=["a", "gone"])
+    assert decisions.ready_to_freeze(survivors_in, 1, 4, {"a"}, waited=0.0, timeouts=TIMEOUTS)
+
+
+def test_freeze_waits_for_a_live_survivor_up_to_survivor_wait():
+    round_ = _round(participants={"a": _participant()}, expected=["a", "b"])
+    assert not decisions.ready_to_freeze(round_, 1, 4, {"a", "b"}, waited=10.0, timeouts=TIMEOUTS)
+    assert decisions.ready_to_freeze(round_, 1, 4, {"a", "b"}, waited=31.0, timeouts=TIMEOUTS)
+
+
+def test_freeze_ranks_survivors_first_then_newcomers_by_join_time_and_caps_at_max_workers():
+    round_ = _round(participants={
+        "newcomer_early": _participant(joined=1.0, port=3000),  # joined first, but is not a survivor
+        "survivor_rank1": _participant(previous_rank=1, joined=5.0, port=2000),
+        "survivor_rank0": _participant(previous_rank=0, joined=9.0, port=1000),
+        "newcomer_late": _participant(2, joined=2.0, port=4000)})
+    frozen = decisions.freeze(round_, max_workers=4)
+    assert frozen.phase == "frozen"
+    assert frozen.assignment == {"survivor_rank0": [0], "survivor_rank1": [1], "newcomer_early": [2],
+                                 "newcomer_late": [3]}
+    assert frozen.cluster == ["127.0.0.1:1000", "127.0.0.1:2000", "127.0.0.1:3000", "127.0.0.1:4000"]
+
+
+def test_next_round_expects_the_ranked_hosts_but_a_leaving_one_and_counts_failures():
+    seen = _round(3, "frozen", {"a": _participant(), "b": _participant(), "c": _participant()}, restarts=1,
+                  assignment={"a": [0], "b": [1], "c": []})
+    after_failure = decisions.next_round(seen, "worker_exit", failure=True, opened=7.0)
+    assert (after_failure.number, after_failure.restarts, after_failure.expected) == (4, 2, ["a", "b"])
+    after_leave = decisions.next_round(seen, "leave b", failure=False, opened=7.0, leaving_host="b")
+    assert (after_leave.restarts, after_leave.expected, after_leave.phase) == (1, ["a"], "joining")
+
+
+@pytest.mark.parametrize("outcome, current, change", [
+    (JobStatus.FAILED, None, GroupChange.JOB_FAILED),
+    (JobStatus.DONE, None, GroupChange.JOB_DONE),
+    (None, _round(2, restarts=1), GroupChange.NONE),
+    (None, _round(3, restarts=1), GroupChange.RESIZED),
+    (None, _round(3, restarts=2), GroupChange.RESTARTED),
+    (None, None, GroupChange.RESTARTED),
+])
+def test_judge_group(outcome, current, change):
+    assert decisions.judge_group(_round(2, restarts=1), outcome, current) is change
+
+
+@pytest.mark.parametrize("codes, silent, expected", [
+    ({0: None, 1: None}, set(), (WorkersState.RUNNING, None, None)),
+    ({0: 0, 1: 0}, set(), (WorkersState.DONE, None, None)),
+    ({0: 0, 1: None}, {1}, (WorkersState.FAILED, 1, Failure.HANG)),
+    ({0: None, 1: ExitCode.STOPPED}, set(), (WorkersState.STOPPED, 1, None)),
+    ({0: ExitCode.CONFIG_ERROR}, set(), (WorkersState.CONFIG_ERROR, 0, Failure.CONFIG_ERROR)),
+    ({0: ExitCode.PEER_FAILURE}, set(), (WorkersState.FAILED, 0, Failure.PEER_FAILURE)),
+    ({0: None, 1: -9}, {0}, (WorkersState.FAILED, 0, Failure.HANG)),  # a hang is judged before exits
+    ({0: 1, 1: ExitCode.PEER_FAILURE}, set(), (WorkersState.FAILED, 0, Failure.WORKER_EXIT)),
+])
+def test_judge_workers(codes, silent, expected):
+    verdict = decisions.judge_workers(codes, silent)
+    assert (verdict.state, verdict.rank, verdict.failure) == expected
+
+
+def test_own_failure_ignores_peers_stops_and_successes():
+    assert not decisions.own_failure({0: None, 1: 0, 2: ExitCode.STOPPED, 3: ExitCode.PEER_FAILURE})
+    assert decisions.own_failure({0: None, 1: -9})
+
+
+def test_lost_hosts_are_ranked_hosts_without_a_lease_but_this_one():
+    round_ = _round(1, "frozen", assignment={"me": [0], "b": [1], "standby": []})
+    assert decisions.lost_hosts(round_, alive={"b"}, me="me") == []
+    assert decisions.lost_hosts(round_, alive=set(), me="me") == ["b"]

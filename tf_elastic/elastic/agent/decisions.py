@@ -1,0 +1,139 @@
+"""The agent's decisions, as pure functions of what it observed: no store, no processes, no clock.
+
+Like torch elastic's dynamic rendezvous, the code that reads the store and signals processes
+(`rendezvous.py`, `agent.py`) only gathers facts, asks here what they mean, and carries it out, so
+every rule below is tested without a process (tests/test_decisions.py).
+"""
+import dataclasses
+import enum
+from typing import Dict, List, Optional, Set
+
+from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.protocol import ExitCode, Failure, JobStatus
+
+
+# Joining a round ---------------------------------------------------------------------------------
+class JoinAction(enum.Enum):
+    CREATE_FIRST = "create_first"  # no round yet: open round 0
+    OPEN_NEXT = "open_next"  # a frozen round we are not part of: open the next one
+    ADD_SELF = "add_self"  # a round still joining, without us: add this host
+    TRY_FREEZE = "try_freeze"  # a round still joining, with us: freeze it once `ready_to_freeze`
+    TAKE = "take"  # a frozen round newer than our last that gives us ranks: train in it
+    WAIT = "wait"  # nothing to do until the round changes (standby: in a frozen round without ranks)
+
+
+def next_join_action(round_: Optional[Round], host_id: str, after: int) -> JoinAction:
+    """What a host that last trained in round `after` does next, given the current round."""
+    if round_ is None:
+        return JoinAction.CREATE_FIRST
+    if round_.phase == "frozen":
+        if round_.number > after and host_id in round_.participants:
+            return JoinAction.TAKE if (round_.assignment or {}).get(host_id) else JoinAction.WAIT
+        return JoinAction.OPEN_NEXT
+    return JoinAction.TRY_FREEZE if host_id in round_.participants else JoinAction.ADD_SELF
+
+
+def ready_to_freeze(round_: Round, min_workers: int, max_workers: int, alive: Set[str], waited: float,
+                    timeouts: Timeouts) -> bool:
+    """Freeze once enough workers are in and no live survivor is still on its way.
+
+    A survivor whose host lease is alive is stopping its workers and will join; freezing without it
+    would only make it open yet another round. `survivor_wait` bounds that wait; with no survivors
+    expected (a fresh job), `last_call` gives stragglers a moment."""
+    joined = sum(p["nproc"] for p in round_.participants.values())
+    if joined >= max_workers:
+        return True
+    if joined < min_workers:
+        return False
+    missing = [h for h in round_.expected if h in alive and h not in round_.participants]
+    if missing:
+        return waited > timeouts.survivor_wait
+    return bool(round_.expected) or waited > timeouts.last_call
+
+
+def freeze(round_: Round, max_workers: int) -> Round:
+    """Ranks for the participants: survivors first, in their previous order (so rank 0 held fresh state),
+    then newcomers by join time; workers beyond `max_workers` get none (standby)."""
+    order = sorted(round_.participants.items(), key=lambda item: (
+        item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0, item[1]["joined"], item[0]))
+    assignment, cluster = {}, []
+    for host, info in order:
+        take = max(0, min(info["nproc"], max_workers - len(cluster)))
+        assignment[host] = list(range(len(cluster), len(cluster) + take))
+        cluster += [f"{info['addr']}:{port}" for port in info["ports"][:take]]
+    return dataclasses.replace(round_, phase="frozen", assignment=assignment, cluster=cluster)
+
+
+def next_round(seen: Round, reason: str, failure: bool, opened: float, leaving_host: Optional[str] = None) -> Round:
+    """The round after `seen`: it expects `seen`'s ranked hosts back (but one that leaves) and counts a
+    failure as a restart."""
+    expected = [h for h, ranks in (seen.assignment or {}).items() if ranks and h != leaving_host]
+    return Round(seen.number + 1, "joining", reason, seen.restarts + int(failure), opened, {}, expected)
+
+
+# Watching a round --------------------------------------------------------------------------------
+class GroupChange(enum.Enum):
+    NONE = "none"
+    JOB_FAILED = "job_failed"  # the job's outcome is `failed`: stop
+    JOB_DONE = "job_done"  # another host's workers finished: ours are finishing too
+    RESTARTED = "restarted"  # a newer round counts a failure (or the round vanished): the group is broken
+    RESIZED = "resized"  # a newer round without a failure (a join or a leave): commit, then stop
+
+
+def judge_group(round_: Round, outcome: Optional[JobStatus], current: Optional[Round]) -> GroupChange:
+    """What the store says about the round this host trains in."""
+    if outcome is JobStatus.FAILED:
+        return GroupChange.JOB_FAILED
+    if outcome is JobStatus.DONE:
+        return GroupChange.JOB_DONE
+    if current is None or current.number != round_.number:
+        failed = current is None or current.restarts > round_.restarts
+        return GroupChange.RESTARTED if failed else GroupChange.RESIZED
+    return GroupChange.NONE
+
+
+class WorkersState(enum.Enum):
+    RUNNING = "running"
+    DONE = "done"  # every local worker finished training
+    STOPPED = "stopped"  # a worker stopped on its own after committing (a notice sent straight to it)
+    CONFIG_ERROR = "config_error"  # a worker refused its input: a restart cannot help
+    FAILED = "failed"  # a worker hung or failed: a counted restart
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkersVerdict:
+    state: WorkersState
+    rank: Optional[int] = None
+    code: Optional[int] = None
+    failure: Optional[Failure] = None
+
+
+def judge_workers(codes: Dict[int, Optional[int]], silent: Set[int]) -> WorkersVerdict:
+    """What this host's workers' exit codes (None: running) and silent heartbeats mean, in that order:
+    all done; a hang; the first worker (by rank) that exited otherwise."""
+    if codes and all(code == ExitCode.DONE for code in codes.values()):
+        return WorkersVerdict(WorkersState.DONE)
+    for rank in sorted(codes):
+        if codes[rank] is None and rank in silent:
+            return WorkersVerdict(WorkersState.FAILED, rank, None, Failure.HANG)
+    for rank in sorted(codes):
+        code = codes[rank]
+        if code in (None, ExitCode.DONE):
+            continue
+        if code == ExitCode.STOPPED:
+            return WorkersVerdict(WorkersState.STOPPED, rank, code)
+        if code == ExitCode.CONFIG_ERROR:
+            return WorkersVerdict(WorkersState.CONFIG_ERROR, rank, code, Failure.CONFIG_ERROR)
+        kind = Failure.PEER_FAILURE if code == ExitCode.PEER_FAILURE else Failure.WORKER_EXIT
+        return WorkersVerdict(WorkersState.FAILED, rank, code, kind)
+    return WorkersVerdict(WorkersState.RUNNING)
+
+
+def own_failure(codes: Dict[int, Optional[int]]) -> bool:
+    """Did a worker of this host fail by itself (not stopped, done, or broken by a peer)?"""
+    return any(code not in (None, ExitCode.DONE, ExitCode.STOPPED, ExitCode.PEER_FAILURE) for code in codes.values())
+
+
+def lost_hosts(round_: Round, alive: Set[str], me: str) -> List[str]:
+    """Hosts with ranks in `round_` whose lease is gone."""
+    return [h for h, ranks in (round_.assignment or {}).items() if ranks and h not in alive and h != me]

@@ -1,0 +1,132 @@
+"""The job's record in the store, beside its rounds: the token digest, the outcome and the blacklist.
+
+Every key of a job lives under `/JOB_ID`; `JobKeys` is the one place that spells them.
+"""
+import dataclasses
+import hashlib
+import hmac
+import json
+import time
+from typing import Dict, Optional
+
+from tf_elastic.elastic.protocol import JobStatus
+from tf_elastic.elastic.store import Store, StoreError
+
+
+class TokenRefused(RuntimeError):
+    """This agent's job token is not the job's: it belongs to another job or an old incarnation."""
+
+
+class JobEnded(RuntimeError):
+    """The job finished or failed while we waited; `status` says which."""
+
+    def __init__(self, status: JobStatus, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+@dataclasses.dataclass(frozen=True)
+class JobKeys:
+    job_id: str
+
+    @property
+    def prefix(self) -> str:
+        return f"/{self.job_id}"
+
+    @property
+    def round(self) -> str:
+        return f"/{self.job_id}/round"
+
+    @property
+    def hosts(self) -> str:
+        return f"/{self.job_id}/hosts"
+
+    def host(self, host_id: str) -> str:
+        return f"/{self.job_id}/hosts/{host_id}"
+
+    @property
+    def outcome(self) -> str:
+        return f"/{self.job_id}/outcome"
+
+    @property
+    def token(self) -> str:
+        return f"/{self.job_id}/token"
+
+    def blacklist(self, host_id: str) -> str:
+        return f"/{self.job_id}/blacklist/{host_id}"
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOutcome:
+    status: JobStatus
+    reason: str
+
+
+class JobRecord:
+    """What one agent reads and writes of the job as a whole; rounds live in `Rendezvous`."""
+
+    def __init__(self, store: Store, job_id: str, host_id: str, token: Optional[str] = None):
+        self.store, self.job_id, self.host_id = store, job_id, host_id
+        self.keys = JobKeys(job_id)
+        # Only a digest is stored: the token itself never reaches the store.
+        self._token_digest = hashlib.sha256(f"{job_id}:{token or ''}".encode()).hexdigest()
+        self._token_checked = False
+
+    def check_token(self) -> None:
+        """The first agent sets the job's token; any other must present the same one."""
+        if self._token_checked:
+            return
+        self.store.compare_and_set(self.keys.token, None, self._token_digest)
+        self._token_checked = hmac.compare_digest(self.store.get(self.keys.token) or "", self._token_digest)
+        if not self._token_checked:
+            raise TokenRefused(f"refused to join job {self.job_id!r}: this agent's --job_token (or "
+                               f"TF_ELASTIC_JOB_TOKEN) is not the job's; it belongs to another job or an old "
+                               f"incarnation of this one")
+
+    # Outcome --------------------------------------------------------------------------------------
+    def finish(self, status: JobStatus, reason: str) -> None:
+        """Records the job's outcome once; later calls keep the first."""
+        record = json.dumps({"status": JobStatus(status).value, "reason": reason})
+        self.store.compare_and_set(self.keys.outcome, None, record)
+
+    def outcome(self) -> Optional[JobOutcome]:
+        raw = self.store.get(self.keys.outcome)
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            if isinstance(record.get("reason"), str):
+                return JobOutcome(JobStatus(record.get("status")), record["reason"])
+        except (ValueError, AttributeError):
+            pass
+        raise StoreError(f"malformed job outcome record at {self.keys.outcome}: {raw[:200]!r}")
+
+    def raise_if_ended(self) -> None:
+        outcome = self.outcome()
+        if outcome is not None:
+            raise JobEnded(outcome.status, outcome.reason)
+
+    # Blacklist ------------------------------------------------------------------------------------
+    def blacklist(self, cooldown: float) -> float:
+        """Keeps this host out for `cooldown` x 2^(strikes so far); returns the seconds to stay out."""
+        strikes = self._blacklist_record().get("strikes", 0) + 1
+        seconds = cooldown * 2 ** (strikes - 1)
+        record = {"strikes": strikes, "until": time.time() + seconds}
+        self.store.set(self.keys.blacklist(self.host_id), json.dumps(record))
+        return seconds
+
+    def blacklisted_for(self) -> float:
+        """Seconds this host must still stay out (0: free to join)."""
+        return max(0.0, self._blacklist_record().get("until", 0.0) - time.time())
+
+    def _blacklist_record(self) -> Dict:
+        key = self.keys.blacklist(self.host_id)
+        raw = self.store.get(key)
+        try:
+            record = json.loads(raw) if raw else {}
+            numbers = all(isinstance(record.get(k, 0), (int, float)) for k in ("strikes", "until"))
+            if isinstance(record, dict) and numbers:
+                return record
+        except ValueError:
+            pass
+        raise StoreError(f"malformed blacklist record at {key}: {raw[:200]!r}")

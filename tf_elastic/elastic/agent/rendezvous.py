@@ -1,0 +1,136 @@
+"""Rounds of membership agreement between agents, kept in a `Store`.
+
+A round opens in the `joining` phase, agents add themselves (compare-and-set), and once enough workers
+are in it freezes with ranks and a TF cluster spec on fresh ports (`decisions.freeze`). Any change (a
+failure, a host lost, a join, a graceful leave) opens the next round; only failures count towards
+`max_restarts`. Hosts prove they are alive with leases at `/JOB/hosts/HOST`. What to do at each look
+is decided in `decisions`; this module only reads and writes the store.
+"""
+import json
+import time
+from typing import Callable, List, Optional, Tuple
+
+from absl import logging
+
+from tf_elastic.elastic.agent import decisions
+from tf_elastic.elastic.agent.decisions import JoinAction
+from tf_elastic.elastic.agent.job_record import JobRecord
+from tf_elastic.elastic.agent.ports import NoFreePorts, free_ports
+from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.protocol import JobStatus
+from tf_elastic.elastic.store import Store, StoreError
+
+
+class RendezvousTimeout(RuntimeError):
+    """Fewer than `min_workers` joined within the rendezvous timeout."""
+
+
+class Rendezvous:
+    def __init__(self, store: Store, job_id: str, host_id: str, nproc: int, addr: str, min_workers: int,
+                 max_workers: int, max_restarts: int, timeouts: Timeouts = Timeouts(), token: Optional[str] = None,
+                 port_range: Optional[Tuple[int, int]] = None):
+        self.store, self.host_id, self.nproc, self.addr = store, host_id, nproc, addr
+        self.min_workers, self.max_workers, self.max_restarts = min_workers, max_workers, max_restarts
+        self.timeouts, self.port_range = timeouts, port_range
+        self.job = JobRecord(store, job_id, host_id, token)
+        self.keys = self.job.keys
+
+    def wait_for_change(self, timeout: float) -> bool:
+        """True when the job's keys may have changed within `timeout` (always, for a store that cannot tell)."""
+        return self.store.wait(self.keys.prefix, timeout)
+
+    # Leases ---------------------------------------------------------------------------------------
+    def keepalive(self) -> None:
+        self.store.set(self.keys.host(self.host_id), json.dumps({"addr": self.addr, "nproc": self.nproc}),
+                       ttl=self.timeouts.host_ttl)
+
+    def leave(self) -> None:
+        self.store.delete(self.keys.host(self.host_id))
+
+    def alive_hosts(self) -> List[str]:
+        return [key.rsplit("/", 1)[-1] for key in self.store.list(self.keys.hosts)]
+
+    # Rounds ---------------------------------------------------------------------------------------
+    def current(self) -> Optional[Round]:
+        raw = self.store.get(self.keys.round)
+        return None if raw is None else Round.from_json(raw)
+
+    def open_next(self, seen: Round, reason: str, failure: bool, leaving: bool = False) -> bool:
+        """Opens round `seen.number + 1` unless someone already moved past `seen`; True if we did.
+
+        Only the agent whose compare-and-set wins counts a failure, so a failure seen by every agent
+        is counted once."""
+        nxt = decisions.next_round(seen, reason, failure, time.time(), self.host_id if leaving else None)
+        if nxt.restarts > self.max_restarts:
+            self.job.finish(JobStatus.FAILED, f"max_restarts={self.max_restarts} exceeded ({reason})")
+        return self.store.compare_and_set(self.keys.round, seen.to_json(), nxt.to_json())
+
+    def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1,
+             cancelled: Callable[[], bool] = lambda: False) -> Optional[Round]:
+        """Blocks until a frozen round numbered above `after` gives this host ranks; returns it, or None
+        once `cancelled()` (the agent was asked to leave while waiting)."""
+        deadline = time.monotonic() + self.timeouts.rendezvous
+        unreachable: Optional[Exception] = None
+        while True:
+            if cancelled():
+                return None
+            try:
+                taken, changed = self._join_step(previous_ranks, after)
+                if unreachable is not None:
+                    logging.info("rendezvous store reachable again")
+                    unreachable = None
+            except (StoreError, NoFreePorts) as error:
+                if unreachable is None:
+                    logging.warning("rendezvous: %s; retrying until --rendezvous_timeout", error)
+                unreachable, taken, changed = error, None, False
+            if taken is not None:
+                return taken
+            if time.monotonic() > deadline:
+                raise self._timed_out(unreachable)
+            if not changed:
+                self.wait_for_change(self._poll())
+
+    def _timed_out(self, unreachable: Optional[Exception]) -> RendezvousTimeout:
+        if unreachable is not None:
+            return RendezvousTimeout(f"no rendezvous within --rendezvous_timeout={self.timeouts.rendezvous:g}s: "
+                                     f"{unreachable}")
+        round_ = self.current()
+        joined = sum(p["nproc"] for p in round_.participants.values()) if round_ else 0
+        reason = (f"only {joined} of min_workers={self.min_workers} workers joined within "
+                  f"--rendezvous_timeout={self.timeouts.rendezvous:g}s")
+        self.job.finish(JobStatus.FAILED, reason)
+        return RendezvousTimeout(reason)
+
+    def _poll(self) -> float:
+        # A notifying store wakes us on change; still come back in time to renew our lease.
+        return self.timeouts.host_ttl / 3 if self.store.notifies else self.timeouts.poll
+
+    def _join_step(self, previous_ranks: Optional[List[int]], after: int) -> Tuple[Optional[Round], bool]:
+        """One look at the round and the action `decisions` picks for it. Returns the round to train in
+        (or None) and whether we changed the store (then look again at once)."""
+        self.job.check_token()
+        self.job.raise_if_ended()
+        self.keepalive()
+        raw = self.store.get(self.keys.round)
+        round_ = None if raw is None else Round.from_json(raw)
+        action = decisions.next_join_action(round_, self.host_id, after)
+        if action is JoinAction.TAKE:
+            return round_, False
+        if action is JoinAction.WAIT:
+            return None, False
+        if action is JoinAction.CREATE_FIRST:
+            first = Round(0, "joining", "start", 0, time.time(), {}, [])
+            self.store.compare_and_set(self.keys.round, None, first.to_json())
+        elif action is JoinAction.OPEN_NEXT:
+            self.open_next(round_, reason=f"join {self.host_id}", failure=False)
+        elif action is JoinAction.ADD_SELF:
+            round_.participants[self.host_id] = {
+                "nproc": self.nproc, "addr": self.addr, "ports": free_ports(self.addr, self.nproc, self.port_range),
+                "joined": time.time(), "previous_rank": min(previous_ranks) if previous_ranks else None}
+            self.store.compare_and_set(self.keys.round, raw, round_.to_json())
+        elif decisions.ready_to_freeze(round_, self.min_workers, self.max_workers, set(self.alive_hosts()),
+                                       time.time() - round_.opened, self.timeouts):
+            self.store.compare_and_set(self.keys.round, raw, decisions.freeze(round_, self.max_workers).to_json())
+        else:
+            return None, False
+        return None, True

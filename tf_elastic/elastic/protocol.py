@@ -1,0 +1,159 @@
+"""The contract between the agent and its workers, in one place: the run directory's layout, event
+names, exit codes, environment variables and the heartbeat format.
+
+Both sides import this module and nothing of each other, so the agent never loads TensorFlow and a
+renamed event or directory changes in one line. It imports nothing beyond the standard library.
+"""
+import enum
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+
+class Env:
+    """Environment variables the agent sets for its workers (and two secrets it keeps from them)."""
+    RUN_DIR = "TF_ELASTIC_RUN_DIR"
+    ROUND = "TF_ELASTIC_ROUND"
+    HEARTBEAT_FILE = "TF_ELASTIC_HEARTBEAT_FILE"
+    HEARTBEAT_TIMEOUT = "TF_ELASTIC_HEARTBEAT_TIMEOUT"
+    RESTARTS = "TF_ELASTIC_RESTARTS"
+    INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
+    SCRATCH_DIR = "TF_ELASTIC_SCRATCH_DIR"  # a non-chief's checkpoint scratch space; the agent deletes it
+    # Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks
+    # until the agent writes the round's variables to its stdin as one JSON line.
+    WARM = "TF_ELASTIC_WARM"
+    WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it is ready to be handed a world
+    # Secrets the agent reads and never passes on.
+    JOB_TOKEN = "TF_ELASTIC_JOB_TOKEN"
+    RDZV_PASSWORD = "TF_ELASTIC_RDZV_PASSWORD"
+    SECRETS = (JOB_TOKEN, RDZV_PASSWORD)
+
+
+class ExitCode(enum.IntEnum):
+    """Worker exit codes the agent understands."""
+    DONE = 0
+    STOPPED = 3  # stopped on request (preemption notice, membership change) after committing
+    PEER_FAILURE = 75  # a collective failed: another worker died or hung
+    CONFIG_ERROR = 78  # bad input (flags, data, committed state of another model): a restart cannot help
+
+
+class AgentExit(enum.IntEnum):
+    """The agent's own exit codes."""
+    OK = 0  # the job finished, or this host left gracefully
+    FAILED = 1  # the job failed (max_restarts, rendezvous timeout, a configuration error, the store)
+    REFUSED = 2  # this agent's job token is not the job's
+
+
+class JobStatus(str, enum.Enum):
+    """The job's outcome as every agent reads it from the store."""
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Failure(str, enum.Enum):
+    """Kinds of failure, as `Event.FAILURE` records them."""
+    HANG = "hang"  # a worker's heartbeat went silent
+    PEER_FAILURE = "peer_failure"  # a worker's collective failed (another worker died or hung)
+    WORKER_EXIT = "worker_exit"  # a worker exited with an unexpected code
+    HOST_LOST = "host_lost"  # another host's lease expired
+    CONFIG_ERROR = "config_error"  # a worker refused its input: the job ends without restarts
+
+
+class Event(str, enum.Enum):
+    """Names of the records in `events.jsonl`; a str, so `record["event"] == Event.COMMIT` works."""
+    # Agent.
+    AGENT_START = "agent_start"
+    BLACKLISTED = "blacklisted"
+    RENDEZVOUS = "rendezvous"
+    WORKER_START = "worker_start"
+    SPARE_READY = "spare_ready"
+    MEMBERSHIP_CHANGE = "membership_change"
+    FAILURE = "failure"
+    WORKER_STOPPED = "worker_stopped"
+    WORKERS_DONE = "workers_done"
+    STORE_UNREACHABLE = "store_unreachable"
+    STORE_REACHABLE = "store_reachable"
+    LEAVE = "leave"
+    EXIT = "exit"
+    # Worker.
+    RESTORE = "restore"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    RESTORE_MISMATCH = "restore_mismatch"
+    FIRST_STEP = "first_step"
+    COMMIT = "commit"
+    EPOCH_END = "epoch_end"
+    REMAINDER_SKIPPED = "remainder_skipped"
+    COLLECTIVE_FAILURE = "collective_failure"
+    WORKER_EXIT = "worker_exit"
+    EVALUATION = "evaluation"
+
+
+class RunDir:
+    """The layout of a run directory: where each side writes what the other (and `launch.report`) reads."""
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def checkpoint_state(self) -> Path:
+        """The state file naming the kept commits (`tf.train.CheckpointManager`'s `checkpoint`)."""
+        return self.checkpoints / "checkpoint"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def indices(self) -> Path:
+        """Test mode: one JSON-lines file of example indices per worker and round."""
+        return self.path / "indices"
+
+    def index_log(self, round_: int, rank: int) -> Path:
+        return self.indices / f"round{round_}-rank{rank}.jsonl"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.path / "heartbeats"
+
+    def heartbeat(self, round_: int, rank: int) -> Path:
+        return self.heartbeats / f"round{round_}-rank{rank}"
+
+    def warm_ready(self, host_id: str, number: int) -> Path:
+        return self.heartbeats / f"warm-{host_id}-{number}.ready"
+
+
+def write_heartbeat(path: Path, step: int) -> None:
+    """Atomically: the agent never reads a half-written step."""
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(str(step))
+    os.replace(temp, path)
+
+
+def read_heartbeat(path: Path) -> Optional[int]:
+    """The step in a heartbeat file (0: the worker is still starting up), or None if there is none yet."""
+    try:
+        return int(path.read_text() or 0)
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return 0

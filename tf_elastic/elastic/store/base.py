@@ -1,0 +1,61 @@
+"""The store interface every rendezvous backend implements.
+
+The agents keep all shared state (rounds, host leases, job outcome) in a store. Keys are absolute
+'/'-separated paths (`/JOB/hosts/HOST`), everywhere: `get`, `set` and what `list` returns. Values are
+JSON text: nothing is pickled, on the wire or on disk.
+"""
+import abc
+import dataclasses
+import time
+from typing import Dict, Optional
+
+
+class StoreError(RuntimeError):
+    """The store is unreachable or holds content we cannot accept."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreOptions:
+    """Connection settings a networked backend needs; the file store needs none."""
+    user: Optional[str] = None
+    password: Optional[str] = None
+    ca_cert: Optional[str] = None  # TLS: verify the server against this CA
+    cert: Optional[str] = None  # TLS client certificate and its key
+    key: Optional[str] = None
+    request_timeout: float = 2.0  # seconds per request before an endpoint counts as unreachable
+
+
+class Store(abc.ABC):
+    """Keys are '/'-separated paths; values are strings; every key lives under the job's prefix."""
+
+    notifies = False  # True when `wait` wakes on changes rather than sleeping
+
+    @abc.abstractmethod
+    def get(self, key: str) -> Optional[str]:
+        """The value, or None when absent or its lease expired."""
+
+    @abc.abstractmethod
+    def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
+        """Writes `value`; with `ttl` the key disappears `ttl` seconds after its last write."""
+
+    @abc.abstractmethod
+    def compare_and_set(self, key: str, expected: Optional[str], value: str) -> bool:
+        """Writes `value` only if the current value is `expected` (None: absent); True if written."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Dict[str, str]:
+        """All live keys under `prefix` (absolute, like the keys `get` takes), with their values."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Removes `key` if present."""
+
+    def wait(self, prefix: str, timeout: float) -> bool:
+        """Blocks until a key under `prefix` may have changed (True) or `timeout` passed (False).
+
+        Backends that cannot notify just sleep and answer True: read again."""
+        time.sleep(timeout)
+        return True
+
+    def close(self) -> None:
+        """Releases connections; the default has none."""

@@ -1,0 +1,21 @@
+"""The worker side: world, strategy, committed state and `fit`. Everything here but `world`, `errors`
+and `data_plan` imports TensorFlow, so names load on first use."""
+import importlib
+
+_NAMES = {
+    "World": "world", "start_heartbeat": "world", "exit_now": "world",
+    "ConfigurationError": "errors", "PeerFailure": "errors", "StopRequested": "errors", "exit_code": "errors",
+    "resolve_world": "cluster", "RESOLVERS": "cluster",
+    "make_strategy": "strategy", "STRATEGIES": "strategy", "COLLECTIVES": "strategy",
+    "CommittedState": "commit",
+    "fit": "training", "FitConfig": "training",
+    "install_fit_fix": "keras_compat",
+    "BATCH_POLICIES": "data_plan",
+}
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

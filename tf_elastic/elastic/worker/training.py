@@ -1,0 +1,283 @@
+"""`fit`: trains a compiled Keras model with `model.fit` from the last commit, at any world size.
+
+It feeds each worker its exact share of the rest of the epoch, commits on cadence at steps all
+workers agree on, and raises instead of ending the process: `StopRequested` after a SIGTERM (state
+committed), `PeerFailure` when a collective fails, `ConfigurationError` for bad input.
+"""
+import dataclasses
+import json
+import signal
+import time
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tf_elastic.elastic.events import EventLog
+from tf_elastic.elastic.protocol import Event, ExitCode, RunDir
+from tf_elastic.elastic.worker import keras_compat
+from tf_elastic.elastic.worker.commit import CommittedState
+from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
+from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
+from tf_elastic.elastic.worker.world import World, report_progress
+from tf_elastic.schedules import BatchResizeSchedule
+
+# What a collective raises when a peer died or hung (PLATFORM.md).
+COLLECTIVE_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+                       tf.errors.AbortedError, tf.errors.InternalError)
+
+
+@dataclasses.dataclass(frozen=True)
+class FitConfig:
+    """How `fit` batches, commits and agrees; everything else comes from the model and the world.
+
+    `batch_policy`: `per_replica` (the global batch follows the world, the paper's Dynamic SGD) or
+    `global` (a constant global batch, which the world size must divide). Commits happen every
+    `commit_every_steps` (0: only at epoch ends) and, if set, once `commit_every_seconds` passed;
+    workers agree on stops and time-based commits every `sync_every_steps`.
+    """
+    epochs: int
+    per_replica_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    batch_policy: str = "per_replica"
+    commit_every_steps: int = 100
+    commit_every_seconds: Optional[float] = None
+    sync_every_steps: int = 5
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.batch_policy not in BATCH_POLICIES:
+            raise ConfigurationError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}; "
+                                     f"got {self.batch_policy!r}.")
+        if self.epochs < 1 or self.commit_every_steps < 0 or self.sync_every_steps < 1:
+            raise ConfigurationError(f"epochs >= 1, commit_every_steps >= 0 and sync_every_steps >= 1 are needed; "
+                                     f"got {self.epochs}, {self.commit_every_steps}, {self.sync_every_steps}.")
+
+    def global_batch(self, replicas: int) -> int:
+        """The global batch of a world with `replicas` replicas in sync."""
+        return replica_batch_size(self.batch_policy, replicas, self.per_replica_batch_size,
+                                  self.global_batch_size) * replicas
+
+
+class _ElasticCallback(keras.callbacks.Callback):
+    """Hands Keras's epoch and batch boundaries to the trainer."""
+
+    def __init__(self, trainer: "_ElasticTrainer"):
+        super().__init__()
+        self.trainer = trainer
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.trainer.begin_epoch(epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.trainer.end_step(logs or {})
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.trainer.end_epoch(epoch)
+
+
+class _ElasticTrainer:
+    """Exact data positions, commits on cadence, and stops at the same step on every worker."""
+
+    def __init__(self, *, model: keras.Model, x: np.ndarray, y: np.ndarray, world: World,
+                 strategy: tf.distribute.Strategy, state: CommittedState, config: FitConfig, worker_batch: int,
+                 events: EventLog):
+        self.model, self.x, self.y, self.world, self.strategy = model, x, y, world, strategy
+        self.state, self.config, self.events = state, config, events
+        self.plan = DataPlan(len(x), config.seed)
+        self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
+        self.global_batch = worker_batch * world.size
+        self.step = state.step
+        self.epoch, self.epoch_start = state.epoch, state.samples
+        self.batches: List[np.ndarray] = []
+        self.batch_in_epoch = 0  # batches of `self.batches` trained so far
+        self.last_commit = time.time()
+        self.epoch_began = time.time()
+        self.stop_requested = self.stopped = False
+        self.first_step_logged = False
+        self.last_loss = None
+        self._sum = None
+        self._index_log: Optional[TextIO] = None
+        if world.index_log and world.run_dir:
+            path = RunDir(world.run_dir).index_log(world.round, world.rank)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._index_log = open(path, "a", encoding="utf-8")
+        self.set_batches(self.epoch, self.epoch_start)
+
+    def set_batches(self, epoch: int, start: int) -> None:
+        self.epoch, self.epoch_start, self.batch_in_epoch = epoch, start, 0
+        self.batches = self.plan.replica_batches(epoch, start, self.world.size, self.world.rank, self.worker_batch)
+
+    def dataset(self) -> tf.data.Dataset:
+        def generate():
+            for index in self.batches:
+                yield self.x[index], self.y[index]
+
+        spec = (tf.TensorSpec((self.worker_batch, *self.x.shape[1:]), tf.as_dtype(self.x.dtype)),
+                tf.TensorSpec((self.worker_batch, *self.y.shape[1:]), tf.as_dtype(self.y.dtype)))
+        dataset = tf.data.Dataset.from_generator(generate, output_signature=spec)
+        # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch.
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self.batches))).prefetch(2)
+        options = tf.data.Options()
+        # Each worker feeds exactly its own slices: no automatic sharding on top.
+        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return dataset.with_options(options)
+
+    # Callback hooks ------------------------------------------------------------------------------
+    def begin_epoch(self, epoch: int) -> None:
+        self.epoch_began = time.time()
+        if epoch != self.epoch:
+            self.set_batches(epoch, 0)
+        else:
+            self.batch_in_epoch = 0
+
+    def end_step(self, logs: Dict) -> None:
+        self.last_loss = logs.get("loss")
+        if self._index_log is not None:
+            self._index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank, "epoch": self.epoch,
+                                              "step": self.step + 1,
+                                              "indices": self.batches[self.batch_in_epoch].tolist()}) + "\n")
+            self._index_log.flush()
+        self.batch_in_epoch += 1
+        self.step += 1
+        report_progress(self.step)
+        if not self.first_step_logged:
+            self.first_step_logged = True
+            self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
+                              world_size=self.world.size)
+        every = self.config.commit_every_steps
+        commit = bool(every) and self.step % every == 0
+        if self.step % self.config.sync_every_steps == 0:
+            stop, due = self._agree(self.stop_requested, self._commit_due())
+            commit, self.stopped = commit or due or stop, stop
+        if commit:
+            self.commit(self.epoch, self.epoch_start + self.batch_in_epoch * self.global_batch)
+        if self.stopped:
+            self.model.stop_training = True
+
+    def end_epoch(self, epoch: int) -> None:
+        if self.stopped:
+            return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
+        if self.world.is_chief:
+            seconds = time.time() - self.epoch_began
+            self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.batch_in_epoch,
+                              seconds=round(seconds, 4), world_size=self.world.size)
+            logging.info("epoch %d done: world size %d, global batch %d, learning rate %.4g, loss %.4f, %.1fs",
+                         epoch + 1, self.world.size, self.global_batch, float(self.model.optimizer.learning_rate),
+                         float(self.last_loss or 0.0), seconds)
+        start = self.epoch_start + self.batch_in_epoch * self.global_batch
+        skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
+        if skipped:
+            self.events.write(Event.REMAINDER_SKIPPED, epoch=epoch, samples=skipped, rank=self.world.rank)
+        self.commit(epoch + 1, 0)
+        self.set_batches(epoch + 1, 0)
+
+    # Commit and agreement ------------------------------------------------------------------------
+    def commit(self, epoch: int, samples: int) -> None:
+        started = time.time()
+        self.state.commit(epoch, samples, self.step, self.global_batch)
+        self.last_commit = time.time()
+        if self.world.is_chief:
+            loss = None if self.last_loss is None else float(self.last_loss)
+            self.events.write(Event.COMMIT, round=self.world.round, step=self.step, epoch=epoch, samples=samples,
+                              seconds=round(self.last_commit - started, 4), loss=loss,
+                              learning_rate=float(self.model.optimizer.learning_rate),
+                              world_size=self.world.size, global_batch=self.global_batch)
+
+    def _commit_due(self) -> bool:
+        every = self.config.commit_every_seconds
+        return bool(every) and time.time() - self.last_commit >= every
+
+    def _agree(self, stop: bool, commit: bool) -> Tuple[bool, bool]:
+        """If any worker wants to stop or commit, all do, at this same step."""
+        stops, commits = self.sum_over_workers([float(stop), float(commit)])
+        return stops > 0, commits > 0
+
+    def sum_over_workers(self, values: List[float]) -> np.ndarray:
+        if self.world.size == 1:
+            return np.asarray(values, np.float64)
+        if self._sum is None:
+            strategy = self.strategy
+
+            @tf.function
+            def total(local):
+                per_replica = strategy.run(lambda: tf.identity(local))
+                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+            self._sum = total
+        return self._sum(tf.constant(values, tf.float64)).numpy()
+
+    def epoch_spans(self, epochs: int) -> List[Tuple[int, int]]:
+        """The `model.fit` calls still to make, as (initial_epoch, epochs) pairs.
+
+        A restart mid-epoch trains the rest of that epoch in a call of its own: Keras needs every epoch of
+        one call to have the same length. If less than one global batch of it is left at this world size
+        (a commit at the epoch's last step restored into a larger world, or the epoch-end commit lost),
+        that is the remainder every epoch skips: go on with the next epoch."""
+        first, partial = self.epoch, self.epoch_start > 0
+        if partial and not self.batches:
+            self.events.write(Event.REMAINDER_SKIPPED, epoch=first, rank=self.world.rank,
+                              samples=self.plan.remainder(self.epoch_start, self.global_batch))
+            first, partial = first + 1, False
+            self.set_batches(first, 0)
+        spans = [(first, first + 1)] if partial else []
+        return [(begin, end) for begin, end in spans + [(first + int(partial), epochs)] if begin < end]
+
+    def close(self) -> None:
+        if self._index_log is not None:
+            self._index_log.close()
+
+
+def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strategy: tf.distribute.Strategy,
+        run_dir: str, config: FitConfig, schedule: Optional[BatchResizeSchedule] = None,
+        callbacks: Sequence[keras.callbacks.Callback] = (), verbose="auto") -> None:
+    """Trains a compiled model with `model.fit` from the last committed state until `config.epochs`.
+
+    Returns when training is done. Raises `StopRequested` after a SIGTERM (committed at the next agreed
+    step), `PeerFailure` when a collective failed (another worker died or hung: this process's TF runtime
+    is unusable, end it) and `ConfigurationError` for input a restart cannot fix.
+    """
+    keras_compat.install_fit_fix()
+    events = EventLog(run_dir, source=f"worker:{world.rank}")
+    replicas = strategy.num_replicas_in_sync
+    # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
+    worker_batch = config.global_batch(replicas) // world.size
+    state = CommittedState(world, run_dir, model, schedule)
+    restored, skipped = state.restore()
+    for path, error in skipped:
+        events.write(Event.CHECKPOINT_SKIPPED, round=world.round, rank=world.rank, path=path, error=error)
+        logging.warning("skipped the unreadable commit %s: %s", path, error)
+    events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=restored is not None, path=restored,
+                 step=state.step, epoch=state.epoch, samples=state.samples, world_size=world.size)
+    trainer = _ElasticTrainer(model=model, x=x, y=y, world=world, strategy=strategy, state=state, config=config,
+                              worker_batch=worker_batch, events=events)
+    if schedule is not None:
+        schedule.resize(state.step, trainer.global_batch)
+    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
+    try:
+        if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
+            # A worker of the previous round was still committing while we restored: start the round again.
+            events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
+            raise PeerFailure(state.step, "the workers restored different steps")
+        for begin, end in trainer.epoch_spans(config.epochs):
+            if trainer.stopped:
+                break
+            model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, verbose=verbose, shuffle=False,
+                      callbacks=[_ElasticCallback(trainer), *callbacks])
+    except COLLECTIVE_FAILURES as error:
+        events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
+                     step=trainer.step)
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__, first_line)
+        raise PeerFailure(trainer.step, f"{type(error).__name__}: {first_line}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        trainer.close()
+        state.close()
+    if trainer.stopped:
+        events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.STOPPED),
+                     step=trainer.step)
+        raise StopRequested(trainer.step)
+    events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.DONE), step=trainer.step)

@@ -1,0 +1,5 @@
+"""The shared harness of the tests, benchmarks, soak and demo: real agents and workers on this machine
+(`local_job`), a throwaway etcd (`etcd_server`), checks of a finished job from its own records
+(`audit`), the fault-injection soak (`soak`) and loopback port helpers (`net`).
+
+It runs `launch/` scripts from the checkout, so it is for a source checkout, not an installed wheel."""
