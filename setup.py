@@ -20,9 +20,9 @@ setup(
     extras_require={
         # jax: the optimizer math on Keras' JAX backend; optax: the benchmark's reference LARS;
         # matplotlib: plots; scikit-learn: the `digits` dataset that ships offline; tensorflow-datasets
-        # (and importlib_resources, which its builders import): the `tfds:NAME` datasets.
+        # (and importlib_resources, which its builders import): the `tfds:NAME` datasets; ruff: the lint CI runs.
         "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn", "tensorflow-datasets>=4.9",
-                 "importlib_resources"],
+                 "importlib_resources", "ruff"],
     },
     entry_points={
         # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout).

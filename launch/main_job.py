@@ -18,6 +18,7 @@ from absl import app, flags
 
 from launch import report
 from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing.local_job import LocalJob
 
 flags.DEFINE_string("run_dir", None, "Where the store, checkpoints, events and plot go (default: a new temp dir).")
@@ -27,11 +28,12 @@ flags.DEFINE_integer("commit_every_steps", 20, "Workers commit every N steps.", 
 flags.DEFINE_bool("faults", True, "Kill host-b part-way and let host-c join (False: a plain two-host run).")
 FLAGS = flags.FLAGS
 
-DATASET_SIZE = 1437  # digits' training split in launch/data.py
 
 
 def run_job(root: Path) -> LocalJob:
+    # A decaying schedule: a constant LARS learning rate leaves the loss flat at 0.15-0.2 (0.925 accuracy).
     job = LocalJob(root, ["--dataset=digits", f"--epochs={FLAGS.epochs}", "--per_replica_batch_size=16",
+                          "--base_schedule=warmup_cosine",
                           f"--commit_every_steps={FLAGS.commit_every_steps}", "--threads=1"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--last_call=1"], job_id="main")
     say = lambda text: print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
@@ -71,7 +73,7 @@ def main(argv: List[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
     print("\n" + report.summary(job.run_dir))
-    report.plot(job.run_dir, job.run_dir / "run.png", dataset_size=DATASET_SIZE)
+    report.plot(job.run_dir, job.run_dir / "run.png", dataset_size=len(datasets.load("digits").y_train))
     print(f"\nplot: {job.run_dir / 'run.png'}\nevents: {job.run_dir / 'events.jsonl'}")
     return 0 if all(code == 0 for host, code in job.wait_agents().items() if host != "host-b") else 1
 
