@@ -18,14 +18,22 @@ import models  # noqa: E402
 from tf_elastic.elastic.events import EventLog  # noqa: E402
 from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402
 from tf_elastic.elastic.worker import cluster, data_plan, datasets, errors, strategy as strategies  # noqa: E402
+from tf_elastic.elastic.worker.data import preprocess as preprocessing  # noqa: E402
 from tf_elastic.elastic.worker.world import World, exit_now, start_heartbeat  # noqa: E402
 from tf_elastic.schedules.batch_resize import SCALINGS, TRANSITIONS  # noqa: E402
 
 # Model and data.
 flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry (models.NAMES).")
-flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnist (--data_dir), synthetic, "
-                    "or tfds:NAME (needs tensorflow-datasets and the data prepared locally).")
-flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data beside the repo).")
+flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnist (--data_dir, else Keras's download), "
+                    "synthetic, folder:PATH (PATH/train/<class>/*, PATH/validation/<class>/*), tfrecord:DIR "
+                    "(DIR/train-*, DIR/validation-*), or tfds:NAME (prepared as ArrayRecord in --data_dir).")
+flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz or TFDS data (default: ../shared/data beside the "
+                    "repo).")
+flags.DEFINE_integer("image_size", 0, "Resize images to this square size (0: keep; imagenet preprocessing: 224).",
+                     lower_bound=0)
+flags.DEFINE_enum("preprocess", "simple", preprocessing.PREPROCESSING,
+                  "simple: resize and scale to [0, 1]; imagenet: random-resized crop + flip for training, resize + "
+                  "center crop for evaluation.")
 flags.DEFINE_integer("train_examples", 0, "Use only this many training examples (0: all).", lower_bound=0)
 flags.DEFINE_integer("epochs", 3, "Epochs to train.", lower_bound=1)
 # Batch and optimisation.
@@ -73,7 +81,7 @@ FLAGS = flags.FLAGS
 flags.register_validator("dtype_policy", lambda v: v in ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16",
                                                           "float16"),
                          "--dtype_policy must be float32, mixed_float16, mixed_bfloat16, bfloat16 or float16")
-flags.register_validator("dataset", lambda v: v in datasets.DATASETS or (v.startswith("tfds:") and len(v) > 5),
+flags.register_validator("dataset", datasets.valid_name,
                          f"--dataset must be one of {', '.join(datasets.DATASETS)}")
 flags.register_validator("model", lambda v: v in models.NAMES, f"--model must be one of {', '.join(models.NAMES)}")
 flags.register_multi_flags_validator(
@@ -145,10 +153,15 @@ def main(argv: List[str]) -> None:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * FLAGS.cpu_devices)
     keras.mixed_precision.set_global_policy(FLAGS.dtype_policy)
-    data = datasets.load(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
-    x, y = data.x_train, data.y_train
+    from tf_elastic.elastic.worker import data
+
+    train, test = datasets.sources(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
     if FLAGS.train_examples:
-        x, y = x[: FLAGS.train_examples], y[: FLAGS.train_examples]
+        train = data.Head(train, FLAGS.train_examples)
+    train_preprocess = preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=True)
+    input_shape = data.pipeline(train, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
+    if not input_shape.is_fully_defined():
+        raise ValueError(f"--dataset={FLAGS.dataset} has images of different sizes: set --image_size.")
     # Everything above is independent of the world: a warm-started worker has done it before its round.
     world = elastic.resolve_world(FLAGS.cluster_resolver, FLAGS.port_base, FLAGS.k8s_selector)
     start_heartbeat(world)
@@ -163,9 +176,9 @@ def main(argv: List[str]) -> None:
     peak = FLAGS.learning_rate if FLAGS.learning_rate is not None else {
         "lars": 0.1, "sgd": 0.05, "adam": 0.001, "lamb": 0.001}[FLAGS.optimizer]
     with strategy.scope():
-        model = models.get(FLAGS.model, x.shape[1:], data.num_classes)
+        model = models.get(FLAGS.model, tuple(input_shape), train.num_classes)
         schedule = BatchResizeSchedule(
-            base_schedule(peak, len(x) // FLAGS.reference_batch_size, keras), FLAGS.reference_batch_size,
+            base_schedule(peak, train.num_examples // FLAGS.reference_batch_size, keras), FLAGS.reference_batch_size,
             batch_size=global_batch, scaling=FLAGS.scaling, transition=FLAGS.transition,
             transition_steps=FLAGS.transition_steps, momentum=FLAGS.momentum)
         optimizer = build_optimizer(schedule, keras)
@@ -173,10 +186,12 @@ def main(argv: List[str]) -> None:
                       metrics=["accuracy"])
         optimizer.build(model.trainable_variables)  # eagerly, before tracing (keras#23085)
     callbacks = [SummaryCallback(run_dir, world, global_batch, keras, tf)] if world.is_chief else []
-    elastic.fit(model, x, y, world=world, strategy=strategy, run_dir=run_dir, config=config, schedule=schedule,
-                callbacks=callbacks, verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
-    # Every worker evaluates: under MWMS evaluation runs collectives.
-    _, accuracy = model.evaluate(data.x_test, data.y_test, batch_size=256, verbose=0)
+    elastic.fit(model, train, world=world, strategy=strategy, run_dir=run_dir, config=config,
+                preprocess=train_preprocess, schedule=schedule, callbacks=callbacks,
+                verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
+    # Every worker evaluates, streaming the whole split: under MWMS evaluation runs collectives.
+    evaluation = data.evaluation(test, 256, preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=False))
+    _, accuracy = model.evaluate(evaluation, verbose=0)
     if world.is_chief:
         steps = int(model.optimizer.iterations.numpy())
         EventLog(run_dir, "worker:0").write(Event.EVALUATION, test_accuracy=float(accuracy), step=steps)

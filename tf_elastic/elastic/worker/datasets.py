@@ -1,13 +1,44 @@
-"""Offline example datasets for `launch/train.py`: MNIST from a local `mnist.npz`, scikit-learn's digits,
-a synthetic set and datasets prepared for TFDS."""
+"""The datasets of `launch/train.py`: in-memory examples (MNIST from a local `mnist.npz` or Keras's
+download, scikit-learn's digits, a synthetic set) and file-backed sources (an image folder, TFRecord
+shards, a prepared TFDS dataset), each as a (train, evaluation) pair of `data.Source`s."""
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Tuple
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from tf_elastic.elastic.worker.data import Source
+
 # ../shared/data beside the repository root, whatever the current directory.
 DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[3].parent / "shared" / "data")
-DATASETS = ("mnist", "digits", "synthetic", "tfds:NAME")
+DATASETS = ("mnist", "digits", "synthetic", "folder:PATH", "tfrecord:DIR", "tfds:NAME")
+FILE_KINDS = ("folder:", "tfrecord:", "tfds:")
+
+
+def valid_name(name: str) -> bool:
+    return name in DATASETS[:3] or any(name.startswith(k) and len(name) > len(k) for k in FILE_KINDS)
+
+
+def sources(name: str, data_dir: str = DEFAULT_DATA_DIR, channels: int = 3) -> Tuple["Source", "Source"]:
+    """(training, evaluation) sources of `name`; file-backed ones hold only names and offsets in memory."""
+    from tf_elastic.elastic.worker import data
+
+    kind, _, where = name.partition(":")
+    if kind == "folder":
+        train = data.ImageFolder(str(Path(where) / "train"), channels)
+        return train, data.ImageFolder(str(Path(where) / "validation"), channels, class_names=train.class_names)
+    if kind == "tfrecord":
+        train = data.TFRecordSource(str(Path(where) / "train-*"), channels=channels)
+        return train, data.TFRecordSource(str(Path(where) / "validation-*"), channels=channels,
+                                          num_classes=train.num_classes)
+    if kind == "tfds":
+        tfds_dir = None if data_dir == DEFAULT_DATA_DIR else data_dir
+        train = data.TFDSSource(where, "train", tfds_dir)
+        return train, data.TFDSSource(where, "test" if "test" in train.data.dataset_info.splits else "validation",
+                                      tfds_dir)
+    arrays = load(name, data_dir)
+    return (data.ArraySource(arrays.x_train, arrays.y_train, arrays.num_classes),
+            data.ArraySource(arrays.x_test, arrays.y_test, arrays.num_classes))
 
 
 class Dataset(NamedTuple):
@@ -22,10 +53,11 @@ def load(name: str, data_dir: str = DEFAULT_DATA_DIR) -> Dataset:
     """Images as float32 in [0, 1] with a channel axis, labels as int32."""
     if name == "mnist":
         path = Path(data_dir) / "mnist.npz"
-        if not path.is_file():
-            raise FileNotFoundError(f"--data_dir={data_dir!r} has no mnist.npz (keras.datasets.mnist format).")
-        with np.load(path) as data:
-            arrays = [data[k] for k in ("x_train", "y_train", "x_test", "y_test")]
+        if path.is_file():
+            with np.load(path) as data:
+                arrays = [data[k] for k in ("x_train", "y_train", "x_test", "y_test")]
+        else:
+            arrays = _download_mnist(data_dir)
         x_train, y_train, x_test, y_test = arrays
         scale = 255.0
     elif name == "digits":
@@ -45,30 +77,20 @@ def load(name: str, data_dir: str = DEFAULT_DATA_DIR) -> Dataset:
         images = 0.6 * patterns[labels] + 0.4 * rng.random((6000, 28, 28))
         x_train, y_train, x_test, y_test = images[:5000], labels[:5000], images[5000:], labels[5000:]
         scale = 1.0
-    elif name.startswith("tfds:"):
-        return _tfds(name[len("tfds:"):], data_dir)
     else:
         raise ValueError(f"unknown dataset {name!r}; known datasets: {', '.join(DATASETS)}.")
     prepare = lambda x: (x.astype(np.float32) / scale)[..., None]
     return Dataset(prepare(x_train), y_train.astype(np.int32), prepare(x_test), y_test.astype(np.int32), 10)
 
 
-def _tfds(name: str, data_dir: str) -> Dataset:
-    """An image-classification dataset already prepared in TFDS's data dir (nothing is downloaded): its
-    supervised pair, or its `image` and `label` features."""
+def _download_mnist(data_dir: str):
+    """Keras's MNIST download, for users without a local copy; says so, and names the local file it looked for."""
+    import keras
+
+    missing = f"--data_dir={data_dir!r} has no mnist.npz (keras.datasets.mnist format)"
+    print(f"{missing}: falling back to keras.datasets.mnist.load_data() (a download)", flush=True)
     try:
-        import tensorflow_datasets as tfds
-    except ImportError:
-        raise ValueError(f"--dataset=tfds:{name} needs tensorflow-datasets (pip install tensorflow-datasets)") from None
-    try:
-        builder = tfds.builder(name, data_dir=None if data_dir == DEFAULT_DATA_DIR else data_dir)
-        image, label = builder.info.supervised_keys or ("image", "label")
-        splits = tfds.as_numpy(builder.as_dataset(split=["train", "test"], batch_size=-1))
-        (x_train, y_train), (x_test, y_test) = [(s[image], s[label]) for s in splits]
-    except (tfds.core.registered.DatasetNotFoundError, AssertionError, KeyError, ValueError) as error:
-        raise ValueError(f"--dataset=tfds:{name}: no prepared train and test splits with {name}'s image and label "
-                         f"in --data_dir={data_dir!r} ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
-                         ) from None
-    prepare = lambda x: x.astype(np.float32) / 255.0
-    return Dataset(prepare(x_train), y_train.astype(np.int32), prepare(x_test), y_test.astype(np.int32),
-                   int(max(y_train.max(), y_test.max())) + 1)
+        (x_train, y_train), (x_test, y_test) = keras.datasets.mnist.load_data()
+    except Exception as error:  # noqa: BLE001 - offline, a proxy, a full disk: all mean "no MNIST here"
+        raise FileNotFoundError(f"{missing}, and keras.datasets.mnist.load_data() failed: {error}") from None
+    return x_train, y_train, x_test, y_test

@@ -8,7 +8,7 @@ import dataclasses
 import json
 import signal
 import time
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Dict, List, Optional, Sequence, TextIO, Tuple, Union
 
 import keras
 import numpy as np
@@ -19,6 +19,7 @@ from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, ExitCode, RunDir
 from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
+from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, pipeline
 from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.world import World, report_progress
@@ -81,12 +82,13 @@ class _ElasticCallback(keras.callbacks.Callback):
 class _ElasticTrainer:
     """Exact data positions, commits on cadence, and stops at the same step on every worker."""
 
-    def __init__(self, *, model: keras.Model, x: np.ndarray, y: np.ndarray, world: World,
+    def __init__(self, *, model: keras.Model, source: Source, preprocess: Optional[Preprocess], world: World,
                  strategy: tf.distribute.Strategy, state: CommittedState, config: FitConfig, worker_batch: int,
                  events: EventLog):
-        self.model, self.x, self.y, self.world, self.strategy = model, x, y, world, strategy
+        self.model, self.source, self.preprocess = model, source, preprocess
+        self.world, self.strategy = world, strategy
         self.state, self.config, self.events = state, config, events
-        self.plan = DataPlan(len(x), config.seed)
+        self.plan = DataPlan(source.num_examples, config.seed)
         self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
         self.global_batch = worker_batch * world.size
         self.step = state.step
@@ -111,19 +113,10 @@ class _ElasticTrainer:
         self.batches = self.plan.replica_batches(epoch, start, self.world.size, self.world.rank, self.worker_batch)
 
     def dataset(self) -> tf.data.Dataset:
-        def generate():
-            for index in self.batches:
-                yield self.x[index], self.y[index]
-
-        spec = (tf.TensorSpec((self.worker_batch, *self.x.shape[1:]), tf.as_dtype(self.x.dtype)),
-                tf.TensorSpec((self.worker_batch, *self.y.shape[1:]), tf.as_dtype(self.y.dtype)))
-        dataset = tf.data.Dataset.from_generator(generate, output_signature=spec)
-        # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch.
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(self.batches))).prefetch(2)
-        options = tf.data.Options()
-        # Each worker feeds exactly its own slices: no automatic sharding on top.
-        options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-        return dataset.with_options(options)
+        """This worker's planned batches of the current epoch, read by the source in the tf.data graph."""
+        indices = np.concatenate(self.batches) if self.batches else np.zeros([0], np.int64)
+        return pipeline(self.source, indices, self.worker_batch, preprocess=self.preprocess, seed=self.config.seed,
+                        epoch=self.epoch)
 
     # Callback hooks ------------------------------------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
@@ -230,10 +223,15 @@ class _ElasticTrainer:
             self._index_log.close()
 
 
-def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strategy: tf.distribute.Strategy,
-        run_dir: str, config: FitConfig, schedule: Optional[BatchResizeSchedule] = None,
-        callbacks: Sequence[keras.callbacks.Callback] = (), verbose="auto") -> None:
+def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray] = None, *, world: World,
+        strategy: tf.distribute.Strategy, run_dir: str, config: FitConfig, preprocess: Optional[Preprocess] = None,
+        schedule: Optional[BatchResizeSchedule] = None, callbacks: Sequence[keras.callbacks.Callback] = (),
+        verbose="auto") -> None:
     """Trains a compiled model with `model.fit` from the last committed state until `config.epochs`.
+
+    `x`: in-memory features with labels `y`, or a `data.Source` (`y` None) read example by example in the
+    tf.data graph; `preprocess(features, label, seed)` runs per example before batching (default: integer
+    images to float in [0, 1]).
 
     Returns when training is done. Raises `StopRequested` after a SIGTERM (committed at the next agreed
     step), `PeerFailure` when a collective failed (another worker died or hung: this process's TF runtime
@@ -251,7 +249,9 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
         logging.warning("skipped the unreadable commit %s: %s", path, error)
     events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=restored is not None, path=restored,
                  step=state.step, epoch=state.epoch, samples=state.samples, world_size=world.size)
-    trainer = _ElasticTrainer(model=model, x=x, y=y, world=world, strategy=strategy, state=state, config=config,
+    source = x if isinstance(x, Source) else ArraySource(x, y)
+    trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
+                              state=state, config=config,
                               worker_batch=worker_batch, events=events)
     if schedule is not None:
         schedule.resize(state.step, trainer.global_batch)
@@ -272,6 +272,10 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
         first_line = str(error).splitlines()[0] if str(error) else ""
         logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__, first_line)
         raise PeerFailure(trainer.step, f"{type(error).__name__}: {first_line}") from None
+    except tf.errors.InvalidArgumentError as error:
+        # Bad data (a corrupt image, a record that does not parse, a label out of range): the error
+        # names the file; a restart would only meet it again.
+        raise ConfigurationError(f"bad input at step {trainer.step}: {_data_error(error)}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         trainer.close()
@@ -281,3 +285,11 @@ def fit(model: keras.Model, x: np.ndarray, y: np.ndarray, *, world: World, strat
                      step=trainer.step)
         raise StopRequested(trainer.step)
     events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.DONE), step=trainer.step)
+
+
+def _data_error(error: tf.errors.InvalidArgumentError) -> str:
+    """The assertion's own text (it names the file), without TensorFlow's op and stack context."""
+    message = str(error.message if hasattr(error, "message") else error)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    named = [line for line in lines if "/" in line and "{{function_node" not in line]
+    return (named or lines or [type(error).__name__])[0][:500]

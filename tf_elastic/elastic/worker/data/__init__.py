@@ -1,0 +1,14 @@
+"""Data sources for `fit`: where examples come from, by index, inside the tf.data graph.
+
+    source = ImageFolder("/data/imagenet/train")            # or TFRecordSource("/data/tfr/train-*"),
+    fit(model, source, world=..., preprocess=my_fn, ...)     # TFDSSource(name, split), ArraySource(x, y)
+
+A source of your own subclasses `Source` (see source.py): `num_examples`, `num_classes` and
+`read(index) -> (features, label)` in graph ops.
+"""
+from tf_elastic.elastic.worker.data.files import ImageFolder, TFRecordSource, default_parse
+from tf_elastic.elastic.worker.data.source import ArraySource, Head, Preprocess, Source, evaluation, pipeline, to_float
+from tf_elastic.elastic.worker.data.tfds_source import TFDSSource
+
+__all__ = ["ArraySource", "Head", "ImageFolder", "Preprocess", "Source", "TFDSSource", "TFRecordSource",
+           "default_parse", "evaluation", "pipeline", "to_float"]

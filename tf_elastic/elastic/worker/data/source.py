@@ -1,0 +1,101 @@
+"""The data-source interface of `fit`, in-memory arrays, and the graph-mode pipeline over any source.
+
+A source answers one question in the tf.data graph: "example number `index` is (features, label)".
+`DataPlan` decides which indices each worker trains on; the pipeline turns this worker's planned
+indices into batches (read -> decode -> preprocess -> batch -> prefetch) with parallel calls and a
+deterministic order, so batch k is exactly the plan's batch k (the index log records it) and a step
+redone after a restart sees the same data. Random augmentation gets a stateless seed made of
+(seed, epoch, example index) for the same reason.
+"""
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_elastic.elastic.worker.errors import ConfigurationError
+
+# preprocess(features, label, seed) -> (features, label); `seed` is an int64 [2] tensor for tf.random.stateless_*.
+Preprocess = Callable[[tf.Tensor, tf.Tensor, tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
+AUTOTUNE = tf.data.AUTOTUNE
+
+
+class Source:
+    """Random access to a labelled dataset by example index, inside the tf.data graph.
+
+    A new source sets `num_examples` and `num_classes` and implements `read`; or `examples` instead,
+    to read several indices at once (a Python data source per batch, a file opened at an offset)."""
+
+    num_examples: int
+    num_classes: int
+
+    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(features, label) of example `index` (a scalar int64 tensor); graph ops only."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither read nor examples")
+
+    def examples(self, indices: tf.data.Dataset) -> tf.data.Dataset:
+        """(features, label) for each index of `indices`, in their order."""
+        return indices.map(self.read, num_parallel_calls=AUTOTUNE, deterministic=True)
+
+
+class ArraySource(Source):
+    """In-memory arrays (features `x`, integer labels `y`): today's case, and small datasets."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, num_classes: Optional[int] = None):
+        if len(x) != len(y) or not len(x):
+            raise ConfigurationError(f"x and y need the same, non-zero length; got {len(x)} and {len(y)}.")
+        self.x, self.y = tf.constant(x), tf.constant(y)
+        self.num_examples = len(x)
+        self.num_classes = int(num_classes if num_classes is not None else np.max(y) + 1)
+
+    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        return tf.gather(self.x, index), tf.gather(self.y, index)
+
+
+class Head(Source):
+    """The first `n` examples of another source (`--train_examples`)."""
+
+    def __init__(self, source: Source, n: int):
+        self.source, self.num_examples, self.num_classes = source, min(n, source.num_examples), source.num_classes
+
+    def examples(self, indices: tf.data.Dataset) -> tf.data.Dataset:
+        return self.source.examples(indices)
+
+
+def to_float(features: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The default preprocessing: integer images to float32 in [0, 1], float features unchanged."""
+    del seed
+    if features.dtype.is_integer:
+        return tf.cast(features, tf.float32) / 255.0, label
+    return features, label
+
+
+def example_seed(seed: int, epoch: int, index: tf.Tensor) -> tf.Tensor:
+    """The stateless seed of one example in one epoch: the same whichever worker or round reads it."""
+    return tf.stack([tf.constant(seed * 1_000_003 + epoch, tf.int64), tf.cast(index, tf.int64)])
+
+
+def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess: Optional[Preprocess] = None,
+             seed: int = 0, epoch: int = 0, drop_remainder: bool = True) -> tf.data.Dataset:
+    """Batches of (features, label) for `indices` in their order: read, decode and preprocess in parallel."""
+    preprocess = preprocess or to_float
+    index_ds = tf.data.Dataset.from_tensor_slices(np.asarray(indices, np.int64))
+    examples = tf.data.Dataset.zip(index_ds, source.examples(index_ds))
+    dataset = examples.map(lambda i, example: preprocess(*example, example_seed(seed, epoch, i)),
+                           num_parallel_calls=AUTOTUNE, deterministic=True)
+    dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, num_parallel_calls=AUTOTUNE,
+                            deterministic=True)
+    if drop_remainder:
+        # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch.
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(indices) // batch_size))
+    options = tf.data.Options()
+    options.deterministic = True
+    # Each worker feeds exactly its own planned examples: no automatic sharding on top.
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return dataset.prefetch(AUTOTUNE).with_options(options)
+
+
+def evaluation(source: Source, batch_size: int, preprocess: Optional[Preprocess] = None) -> tf.data.Dataset:
+    """Every example of `source` once, in order, streamed (each worker evaluates all of it: the
+    metric is the same on every worker, and no worker waits on a shorter share in a collective)."""
+    return pipeline(source, np.arange(source.num_examples), batch_size, preprocess=preprocess,
+                    drop_remainder=False)
