@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from tf_elastic.elastic.events import read_events
-from tf_elastic.elastic.protocol import Event, RunDir
+from tf_elastic.elastic.protocol import Event
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: agents run `launch/` scripts from it
 
@@ -28,7 +28,7 @@ class LocalJob:
                  rdzv: Optional[str] = None):
         """`rdzv`: the store URL (default: a file store in `tmp`); `job_id`: default unique, so that jobs
         can share one etcd."""
-        self.tmp, self.run_dir = tmp, RunDir(tmp / "run")
+        self.tmp, self.run_dir = tmp, tmp / "run"
         self.rdzv = rdzv or f"file://{tmp / 'rdzv'}"
         self.train_args, self.agent_args = list(train_args), list(agent_args)
         self.job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
