@@ -8,7 +8,7 @@ import dataclasses
 import enum
 from typing import Dict, List, Optional, Set
 
-from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.agent.round import Phase, Round, Timeouts
 from tf_elastic.elastic.protocol import ExitCode, Failure, JobStatus
 
 
@@ -26,7 +26,7 @@ def next_join_action(round_: Optional[Round], host_id: str, after: int) -> JoinA
     """What a host that last trained in round `after` does next, given the current round."""
     if round_ is None:
         return JoinAction.CREATE_FIRST
-    if round_.phase == "frozen":
+    if round_.phase == Phase.FROZEN.value:
         if round_.number > after and host_id in round_.participants:
             return JoinAction.TAKE if (round_.assignment or {}).get(host_id) else JoinAction.WAIT
         return JoinAction.OPEN_NEXT
@@ -61,14 +61,14 @@ def freeze(round_: Round, max_workers: int) -> Round:
         take = max(0, min(info["nproc"], max_workers - len(cluster)))
         assignment[host] = list(range(len(cluster), len(cluster) + take))
         cluster += [f"{info['addr']}:{port}" for port in info["ports"][:take]]
-    return dataclasses.replace(round_, phase="frozen", assignment=assignment, cluster=cluster)
+    return dataclasses.replace(round_, phase=Phase.FROZEN.value, assignment=assignment, cluster=cluster)
 
 
 def next_round(seen: Round, reason: str, failure: bool, opened: float, leaving_host: Optional[str] = None) -> Round:
     """The round after `seen`: it expects `seen`'s ranked hosts back (but one that leaves) and counts a
     failure as a restart."""
     expected = [h for h, ranks in (seen.assignment or {}).items() if ranks and h != leaving_host]
-    return Round(seen.number + 1, "joining", reason, seen.restarts + int(failure), opened, {}, expected)
+    return Round(seen.number + 1, Phase.JOINING.value, reason, seen.restarts + int(failure), opened, {}, expected)
 
 
 # Watching a round --------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.decisions import JoinAction
 from tf_elastic.elastic.agent.job_record import JobRecord
 from tf_elastic.elastic.agent.ports import NoFreePorts, free_ports
-from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.agent.round import Phase, Round, Timeouts
 from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import Store, StoreError
 
@@ -119,7 +119,7 @@ class Rendezvous:
         if action is JoinAction.WAIT:
             return None, False
         if action is JoinAction.CREATE_FIRST:
-            first = Round(0, "joining", "start", 0, time.time(), {}, [])
+            first = Round(0, Phase.JOINING.value, "start", 0, time.time(), {}, [])
             self.store.compare_and_set(self.keys.round, None, first.to_json())
         elif action is JoinAction.OPEN_NEXT:
             self.open_next(round_, reason=f"join {self.host_id}", failure=False)

@@ -1,13 +1,18 @@
 """A rendezvous round as it lives in the store (one JSON record at `/JOB/round`), and the timeouts
 that govern rounds."""
 import dataclasses
+import enum
 import json
 from typing import Dict, List, Optional
 
 from tf_elastic.elastic.store import StoreError
 
 SCHEMA_VERSION = 1
-PHASES = ("joining", "frozen")
+
+
+class Phase(str, enum.Enum):
+    JOINING = "joining"  # agents add themselves
+    FROZEN = "frozen"  # ranks and cluster are fixed; the group trains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +28,7 @@ class Timeouts:
 class Round:
     """Opens `joining`; agents add themselves; freezes with ranks (`assignment`) and a TF cluster spec."""
     number: int
-    phase: str  # one of PHASES
+    phase: str  # a `Phase` value (plain text in the record)
     reason: str
     restarts: int
     opened: float
@@ -47,7 +52,7 @@ class Round:
                 raise ValueError(f"schema version {record.get('version')!r}, expected {SCHEMA_VERSION}")
             record.pop("version")
             round_ = cls(**record)
-            if round_.phase not in PHASES or not isinstance(round_.participants, dict):
+            if round_.phase not in tuple(Phase) or not isinstance(round_.participants, dict):
                 raise ValueError("bad phase or participants")
             return round_
         except (ValueError, TypeError, AttributeError) as error:

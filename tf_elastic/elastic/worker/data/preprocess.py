@@ -36,7 +36,9 @@ def imagenet(image_size: int, training: bool) -> Preprocess:
             tf.shape(image), tf.zeros([1, 0, 4]), seed=crop_seed, min_object_covered=0.08,
             aspect_ratio_range=(3 / 4, 4 / 3), area_range=(0.08, 1.0), max_attempts=10,
             use_image_if_no_bounding_boxes=True)
-        image = tf.image.resize(_scale(tf.slice(image, begin, size)), (image_size, image_size))
+        crop = tf.slice(image, begin, size)
+        crop.set_shape([None, None, image.shape[-1]])
+        image = tf.image.resize(_scale(crop), (image_size, image_size))
         return tf.image.stateless_random_flip_left_right(image, flip_seed), label
 
     def evaluate(image: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
