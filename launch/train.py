@@ -191,7 +191,10 @@ def main(argv: List[str]) -> None:
                 verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
     # Every worker evaluates, streaming the whole split: under MWMS evaluation runs collectives.
     evaluation = data.evaluation(test, 256, preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=False))
-    _, accuracy = model.evaluate(evaluation, verbose=0)
+    try:
+        _, accuracy = model.evaluate(evaluation, verbose=0)
+    except tf.errors.InvalidArgumentError as error:
+        raise errors.ConfigurationError(f"bad evaluation input: {data.describe_error(error)}") from None
     if world.is_chief:
         steps = int(model.optimizer.iterations.numpy())
         EventLog(run_dir, "worker:0").write(Event.EVALUATION, test_accuracy=float(accuracy), step=steps)

@@ -19,7 +19,7 @@ from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, ExitCode, RunDir
 from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
-from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, pipeline
+from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, describe_error, pipeline
 from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.world import World, report_progress
@@ -275,7 +275,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
     except tf.errors.InvalidArgumentError as error:
         # Bad data (a corrupt image, a record that does not parse, a label out of range): the error
         # names the file; a restart would only meet it again.
-        raise ConfigurationError(f"bad input at step {trainer.step}: {_data_error(error)}") from None
+        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(error)}") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
         trainer.close()
@@ -286,10 +286,3 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
         raise StopRequested(trainer.step)
     events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.DONE), step=trainer.step)
 
-
-def _data_error(error: tf.errors.InvalidArgumentError) -> str:
-    """The assertion's own text (it names the file), without TensorFlow's op and stack context."""
-    message = str(error.message if hasattr(error, "message") else error)
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    named = [line for line in lines if "/" in line and "{{function_node" not in line]
-    return (named or lines or [type(error).__name__])[0][:500]

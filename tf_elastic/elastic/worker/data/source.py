@@ -99,3 +99,12 @@ def evaluation(source: Source, batch_size: int, preprocess: Optional[Preprocess]
     metric is the same on every worker, and no worker waits on a shorter share in a collective)."""
     return pipeline(source, np.arange(source.num_examples), batch_size, preprocess=preprocess,
                     drop_remainder=False)
+
+
+def describe_error(error: tf.errors.InvalidArgumentError) -> str:
+    """What a failed input assertion says (it names the file), without TensorFlow's node and stack context."""
+    lines = [line.strip() for line in str(error.message).splitlines() if line.strip()]
+    for line in lines:
+        if "assertion failed:" in line:
+            return line.split("assertion failed:", 1)[1].strip()[:500]
+    return (lines[-1] if lines else type(error).__name__)[:500]
