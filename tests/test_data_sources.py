@@ -1,0 +1,182 @@
+"""Data sources of `fit` over files written at test time: the pipeline yields exactly the plan's
+examples, augmentation is reproducible, bad data is named, each source trains, and a kill and a join
+mid-epoch keep every example exactly once per epoch among committed work."""
+import hashlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import REPO
+from tf_elastic.elastic.protocol import RunDir
+from tf_elastic.elastic.worker import data
+from tf_elastic.elastic.worker.data_plan import DataPlan
+from tf_elastic.elastic.worker.errors import ConfigurationError
+from tf_elastic.testing import audit, data_files
+from tf_elastic.testing.local_job import LocalJob, repo_env
+
+KINDS = ("folder", "tfrecord", "tfds")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return {"root": root, **data_files.write_all(root)}
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return data_files.digits()
+
+
+def _train_source(kind, files):
+    return {"folder": lambda: data.ImageFolder(str(files["folder"] / "train"), channels=1),
+            "tfrecord": lambda: data.TFRecordSource(str(files["tfrecord"] / "train-*"), channels=1),
+            "tfds": lambda: data.TFDSSource("digits_files", "train", str(files["tfds"]))}[kind]()
+
+
+def _example_numbers(kind, source):
+    """Which written example (its position in `digits`) each source index is."""
+    if kind == "folder":
+        return np.array([int(Path(p.decode()).stem) for p in source.paths.numpy()])
+    return np.arange(source.num_examples)  # shards and the TFDS split keep the written order
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pipeline_yields_the_planned_examples_in_order(kind, files, digits):
+    """What the index log records (the plan's indices) is what the pipeline reads: a mid-epoch share
+    of rank 1 in a world of 3 decodes to exactly those written images and labels."""
+    (images, labels), _ = digits
+    source = _train_source(kind, files)
+    assert source.num_examples == len(labels)
+    batches = DataPlan(source.num_examples, seed=5).replica_batches(epoch=2, start=96, world_size=3, rank=1, batch=8)
+    planned = np.concatenate(batches)
+    keep = lambda x, y, seed: (x, y)  # noqa: E731 - raw pixels
+    got = list(data.pipeline(source, planned, 8, preprocess=keep, seed=5, epoch=2).as_numpy_iterator())
+    assert len(got) == len(batches)
+    numbers = _example_numbers(kind, source)[planned]
+    np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), images[numbers])
+    offset = 1 if kind == "tfrecord" else 0  # the shards hold ImageNet-style 1-based labels
+    np.testing.assert_array_equal(np.concatenate([y for _, y in got]), labels[numbers] + offset)
+
+
+def test_tfrecord_labels_may_start_at_one_without_a_class_count(files):
+    assert _train_source("tfrecord", files).num_classes == 11  # labels 1..10, 0 reserved
+    assert _train_source("folder", files).num_classes == 10
+
+
+def test_augmentation_is_the_same_for_the_same_seed_epoch_and_example(digits):
+    from tf_elastic.elastic.worker.data import preprocess
+
+    (images, labels), _ = digits
+    source = data.ArraySource(np.repeat(images[:16], 3, axis=-1), labels[:16])
+    crop = preprocess.imagenet(12, training=True)
+    run = lambda seed, epoch, order: np.concatenate([x for x, _ in data.pipeline(  # noqa: E731
+        source, order, 4, preprocess=crop, seed=seed, epoch=epoch).as_numpy_iterator()])
+    order = np.arange(16)
+    first = run(1, 0, order)
+    np.testing.assert_array_equal(first, run(1, 0, order))
+    np.testing.assert_array_equal(first[::-1], run(1, 0, order[::-1]))  # per example, not per position
+    assert not np.array_equal(first, run(1, 1, order))
+    assert not np.array_equal(first, run(2, 0, order))
+
+
+def test_missing_and_empty_folders_are_named(tmp_path):
+    with pytest.raises(ConfigurationError, match=re.escape(f"{tmp_path / 'nope'} does not exist")):
+        data.ImageFolder(str(tmp_path / "nope"))
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    (tmp_path / "images" / "dog").mkdir()
+    (tmp_path / "images" / "cat" / "1.png").write_bytes(data_files.png(np.zeros((4, 4, 1), np.uint8)))
+    with pytest.raises(ConfigurationError, match=re.escape(f"class folder {tmp_path / 'images' / 'dog'} is missing")):
+        data.ImageFolder(str(tmp_path / "images"))
+    with pytest.raises(ConfigurationError, match="no TFRecord files match"):
+        data.TFRecordSource(str(tmp_path / "train-*"))
+
+
+def test_a_record_that_does_not_parse_is_named(tmp_path):
+    path = tmp_path / "train-00000-of-00001"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        writer.write(data_files.example(data_files.png(np.zeros((4, 4, 1), np.uint8)), 1))
+        writer.write(b"not a tf.train.Example")
+    with pytest.raises(ConfigurationError, match=re.escape(f"TFRecord file {path} has a record that does not parse")):
+        data.TFRecordSource(str(tmp_path / "train-*"))
+
+
+def test_a_label_outside_the_class_range_is_named(tmp_path, digits):
+    (images, labels), _ = digits
+    data_files.write_tfrecords(tmp_path, "train", images[:8], np.full(8, 12), shards=1)
+    source = data.TFRecordSource(str(tmp_path / "train-*"), channels=1, num_classes=10)
+    with pytest.raises(tf.errors.InvalidArgumentError) as error:
+        list(data.pipeline(source, np.arange(8), 4))
+    message = data.describe_error(error.value)
+    assert "[13] [outside [0, 10) in]" in message and str(tmp_path / "train-00000-of-00001") in message
+
+
+def _train(args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "launch.train", "--epochs=3", "--optimizer=sgd", "--threads=1",
+                           "--image_size=16", *args], cwd=REPO, env=repo_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_source_trains_to_a_sensible_accuracy(kind, files, tmp_path):
+    where = {"folder": f"folder:{files['folder']}", "tfrecord": f"tfrecord:{files['tfrecord']}",
+             "tfds": "tfds:digits_files"}[kind]
+    proc = _train([f"--dataset={where}", f"--data_dir={files['tfds']}", f"--run_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split("test accuracy ")[1].split()[0]) > 0.85, proc.stdout[-2000:]
+
+
+def _digest(directory: Path) -> str:
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_path):
+    import shutil
+
+    shutil.copytree(files["folder"], tmp_path / "folder")
+    run = tmp_path / "run"
+    assert _train([f"--dataset=folder:{tmp_path / 'folder'}", "--epochs=1", f"--run_dir={run}"]).returncode == 0
+    before = _digest(RunDir(run).checkpoints)
+    bad = sorted((tmp_path / "folder" / "train" / "class_4").iterdir())[3]
+    bad.write_bytes(b"this is not a PNG")
+    proc = _train([f"--dataset=folder:{tmp_path / 'folder'}", "--epochs=2", f"--run_dir={run}"])
+    assert proc.returncode == 78, proc.stderr[-3000:]
+    assert f"not an image file (corrupt?):] [{bad}]" in proc.stderr
+    assert _digest(RunDir(run).checkpoints) == before
+
+
+@pytest.mark.slow
+def test_kill_and_join_mid_epoch_on_an_image_folder_keep_every_example_once(files, tmp_path):
+    """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
+    epoch exactly once, by the indices the workers logged while reading image files."""
+    epochs, commit_every = 3, 5
+    job = LocalJob(tmp_path, [f"--dataset=folder:{files['folder']}", "--image_size=16", "--per_replica_batch_size=16",
+                              "--threads=1", f"--commit_every_steps={commit_every}", "--optimizer=sgd",
+                              f"--epochs={epochs}"],
+                   ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
+    try:
+        job.start_agent("a")
+        job.start_agent("b")
+        pair = job.wait_for(lambda: [e for e in job.events("commit") if e["world_size"] == 2 and e["samples"] > 0],
+                            what="a mid-epoch commit at world size 2")[0]
+        job.kill_host("b")
+        job.wait_for(lambda: [e for e in job.events("first_step", rank=0) if e["round"] > pair["round"]
+                              and e["world_size"] == 1], what="the survivor alone")
+        job.start_agent("c")
+        job.wait_for(lambda: [e for e in job.events("first_step", rank=0) if e["round"] > pair["round"] + 1
+                              and e["world_size"] == 2], what="c joining")
+        codes = job.wait_agents()
+        assert codes["a"] == 0 and codes["c"] == 0, job.describe()
+        counts = audit.exactly_once(job.run_dir, 1400, 32)
+        assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0}, counts
+        assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
+    finally:
+        job.cleanup()
