@@ -16,6 +16,7 @@ from absl import app, flags  # noqa: E402
 
 import models  # noqa: E402
 from tf_elastic.elastic.events import EventLog  # noqa: E402
+from tf_elastic.elastic.flag_checks import require_finite_floats  # noqa: E402
 from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402
 from tf_elastic.elastic.worker import cluster, data_plan, datasets, errors, strategy as strategies  # noqa: E402
 from tf_elastic.elastic.worker.data import preprocess as preprocessing  # noqa: E402
@@ -77,6 +78,7 @@ flags.DEFINE_integer("commit_every_steps", 100, "Commit state every N steps (0: 
 flags.DEFINE_float("commit_every_seconds", None, "Also commit when this many seconds passed.", lower_bound=0.1)
 flags.DEFINE_integer("seed", 0, "Seed for weights and the data order.")
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 flags.register_validator("dtype_policy", lambda v: v in ("float32", "mixed_float16", "mixed_bfloat16", "bfloat16",
                                                           "float16"),
@@ -159,7 +161,8 @@ def main(argv: List[str]) -> None:
     if FLAGS.train_examples:
         train = data.Head(train, FLAGS.train_examples)
     train_preprocess = preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=True)
-    input_shape = data.pipeline(train, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
+    with tf.Graph().as_default():  # shapes only: MWMS must find TF's eager runtime still uninitialised
+        input_shape = data.pipeline(train, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
     if not input_shape.is_fully_defined():
         raise ValueError(f"--dataset={FLAGS.dataset} has images of different sizes: set --image_size.")
     # Everything above is independent of the world: a warm-started worker has done it before its round.
