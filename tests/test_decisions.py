@@ -27,19 +27,28 @@ def _round(number=0, phase="joining", participants=None, expected=(), restarts=0
     (_round(1, "frozen", {"me": _participant()}, assignment={"me": [0]}), 1, JoinAction.OPEN_NEXT),  # trained in it
     (_round(1, "frozen", {"other": _participant()}, assignment={"other": [0]}), -1, JoinAction.OPEN_NEXT),
     (_round(1, "frozen", {"me": _participant(), "o": _participant()}, assignment={"o": [0], "me": []}), 0,
-     JoinAction.WAIT),  # standby: no ranks in a full round
+     JoinAction.STANDBY),  # considered, no place
+    (_round(1, "frozen", {"o": _participant(2)}, assignment={"o": [0, 1]}), -1, JoinAction.STANDBY),  # full
+    (_round(1, "frozen", {"o": _participant()}, assignment={"o": [0]}), -1, JoinAction.OPEN_NEXT),  # room left
 ], ids=["no round", "joining without us", "joining with us", "frozen with our ranks", "frozen, already trained",
-        "frozen without us", "standby"])
+        "frozen without us", "left out", "full", "room left"])
 def test_next_join_action(round_, after, action):
-    assert decisions.next_join_action(round_, "me", after) is action
+    assert decisions.next_join_action(round_, "me", after, max_workers=2) is action
 
 
 def test_freeze_waits_for_min_workers_then_last_call_on_a_fresh_job():
-    round_ = _round(participants={"a": _participant()})
-    assert not decisions.ready_to_freeze(round_, 2, 4, {"a"}, waited=100.0, timeouts=TIMEOUTS)
+    round_ = _round(participants={"a": _participant(), "dead": _participant()})
+    assert not decisions.ready_to_freeze(round_, 2, 4, {"a"}, waited=100.0, timeouts=TIMEOUTS)  # "dead" counts not
     round_.participants["b"] = _participant()
     assert not decisions.ready_to_freeze(round_, 2, 4, {"a", "b"}, waited=1.0, timeouts=TIMEOUTS)
     assert decisions.ready_to_freeze(round_, 2, 4, {"a", "b"}, waited=2.5, timeouts=TIMEOUTS)
+
+
+def test_a_full_round_still_waits_for_a_live_survivor():
+    """A newcomer must not take the place of a survivor that is still stopping its workers."""
+    round_ = _round(participants={"a": _participant(), "newcomer": _participant()}, expected=["a", "b"])
+    assert not decisions.ready_to_freeze(round_, 1, 2, {"a", "b", "newcomer"}, waited=1.0, timeouts=TIMEOUTS)
+    assert decisions.ready_to_freeze(round_, 1, 2, {"a", "b", "newcomer"}, waited=31.0, timeouts=TIMEOUTS)
 
 
 def test_freeze_at_once_when_full_or_when_every_expected_survivor_is_in():
@@ -68,6 +77,17 @@ def test_freeze_ranks_survivors_first_then_newcomers_by_join_time_and_caps_at_ma
     assert frozen.cluster == ["127.0.0.1:1000", "127.0.0.1:2000", "127.0.0.1:3000", "127.0.0.1:4000"]
 
 
+def test_freeze_leaves_out_a_participant_whose_lease_expired():
+    round_ = _round(participants={"a": _participant(port=1000), "gone": _participant(previous_rank=0, port=2000)})
+    frozen = decisions.freeze(round_, max_workers=2, alive={"a"})
+    assert frozen.assignment == {"a": [0]} and frozen.cluster == ["127.0.0.1:1000"]
+
+
+@pytest.mark.parametrize("offered, divides, size", [(3, 64, 2), (4, 64, 4), (3, None, 3), (5, 6, 3), (1, 7, 1)])
+def test_world_size_divides_the_global_batch(offered, divides, size):
+    assert decisions.world_size(offered, max_workers=4, divides=divides) == size
+
+
 def test_next_round_expects_the_ranked_hosts_but_a_leaving_one_and_counts_failures():
     seen = _round(3, "frozen", {"a": _participant(), "b": _participant(), "c": _participant()}, restarts=1,
                   assignment={"a": [0], "b": [1], "c": []})
@@ -89,18 +109,20 @@ def test_judge_group(outcome, current, change):
     assert decisions.judge_group(_round(2, restarts=1), outcome, current) is change
 
 
-@pytest.mark.parametrize("codes, silent, expected", [
-    ({0: None, 1: None}, set(), (WorkersState.RUNNING, None, None)),
-    ({0: 0, 1: 0}, set(), (WorkersState.DONE, None, None)),
-    ({0: 0, 1: None}, {1}, (WorkersState.FAILED, 1, Failure.HANG)),
-    ({0: None, 1: ExitCode.STOPPED}, set(), (WorkersState.STOPPED, 1, None)),
-    ({0: ExitCode.CONFIG_ERROR}, set(), (WorkersState.CONFIG_ERROR, 0, Failure.CONFIG_ERROR)),
-    ({0: ExitCode.PEER_FAILURE}, set(), (WorkersState.FAILED, 0, Failure.PEER_FAILURE)),
-    ({0: None, 1: -9}, {0}, (WorkersState.FAILED, 0, Failure.HANG)),  # a hang is judged before exits
-    ({0: 1, 1: ExitCode.PEER_FAILURE}, set(), (WorkersState.FAILED, 0, Failure.WORKER_EXIT)),
+@pytest.mark.parametrize("codes, silent, stalled, expected", [
+    ({0: None, 1: None}, set(), set(), (WorkersState.RUNNING, None, None)),
+    ({0: 0, 1: 0}, set(), set(), (WorkersState.DONE, None, None)),
+    ({0: 0, 1: None}, {1}, set(), (WorkersState.FAILED, 1, Failure.HANG)),
+    ({0: None, 1: None}, set(), {1}, (WorkersState.FAILED, 1, Failure.NO_PROGRESS)),
+    ({0: None, 1: None}, {1}, {0}, (WorkersState.FAILED, 1, Failure.HANG)),  # silence before a stall
+    ({0: None, 1: ExitCode.STOPPED}, set(), set(), (WorkersState.STOPPED, 1, None)),
+    ({0: ExitCode.CONFIG_ERROR}, set(), set(), (WorkersState.CONFIG_ERROR, 0, Failure.CONFIG_ERROR)),
+    ({0: ExitCode.PEER_FAILURE}, set(), set(), (WorkersState.FAILED, 0, Failure.PEER_FAILURE)),
+    ({0: None, 1: -9}, {0}, set(), (WorkersState.FAILED, 0, Failure.HANG)),  # a hang is judged before exits
+    ({0: 1, 1: ExitCode.PEER_FAILURE}, set(), set(), (WorkersState.FAILED, 0, Failure.WORKER_EXIT)),
 ])
-def test_judge_workers(codes, silent, expected):
-    verdict = decisions.judge_workers(codes, silent)
+def test_judge_workers(codes, silent, stalled, expected):
+    verdict = decisions.judge_workers(codes, silent, stalled)
     assert (verdict.state, verdict.rank, verdict.failure) == expected
 
 
@@ -113,3 +135,9 @@ def test_lost_hosts_are_ranked_hosts_without_a_lease_but_this_one():
     round_ = _round(1, "frozen", assignment={"me": [0], "b": [1], "standby": []})
     assert decisions.lost_hosts(round_, alive={"b"}, me="me") == []
     assert decisions.lost_hosts(round_, alive=set(), me="me") == ["b"]
+
+
+def test_progress_timeout_is_the_flag_else_ten_longest_gaps_but_never_below_the_floor():
+    assert decisions.progress_timeout(5.0, floor=60.0, longest_gap=100.0) == 5.0
+    assert decisions.progress_timeout(None, floor=60.0, longest_gap=2.0) == 60.0
+    assert decisions.progress_timeout(None, floor=60.0, longest_gap=9.0) == 90.0

@@ -4,6 +4,7 @@ names, exit codes, environment variables and the heartbeat format.
 Both sides import this module and nothing of each other, so the agent never loads TensorFlow and a
 renamed event or directory changes in one line. It imports nothing beyond the standard library.
 """
+import dataclasses
 import enum
 import os
 from pathlib import Path
@@ -19,6 +20,8 @@ class Env:
     RESTARTS = "TF_ELASTIC_RESTARTS"
     INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
     SCRATCH_DIR = "TF_ELASTIC_SCRATCH_DIR"  # a non-chief's checkpoint scratch space; the agent deletes it
+    AGENT_PID = "TF_ELASTIC_AGENT_PID"  # a worker ends itself once its agent is gone (even when it was SIGKILLed)
+    TEST_FAULTS = "TF_ELASTIC_TEST_FAULTS"  # test only: SIGUSR2 blocks the worker's main thread (a stuck step)
     # Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks
     # until the agent writes the round's variables to its stdin as one JSON line.
     WARM = "TF_ELASTIC_WARM"
@@ -53,6 +56,7 @@ class JobStatus(str, enum.Enum):
 class Failure(str, enum.Enum):
     """Kinds of failure, as `Event.FAILURE` records them."""
     HANG = "hang"  # a worker's heartbeat went silent
+    NO_PROGRESS = "no_progress"  # a worker's heartbeat goes on but its main thread made no progress
     PEER_FAILURE = "peer_failure"  # a worker's collective failed (another worker died or hung)
     WORKER_EXIT = "worker_exit"  # a worker exited with an unexpected code
     HOST_LOST = "host_lost"  # another host's lease expired
@@ -74,6 +78,7 @@ class Event(str, enum.Enum):
     STORE_UNREACHABLE = "store_unreachable"
     STORE_REACHABLE = "store_reachable"
     LEAVE = "leave"
+    PREEMPTION_NOTICE = "preemption_notice"
     EXIT = "exit"
     # Worker.
     RESTORE = "restore"
@@ -131,29 +136,55 @@ class RunDir:
     def index_log(self, round_: int, rank: int) -> Path:
         return self.indices / f"round{round_}-rank{rank}.jsonl"
 
-    @property
-    def heartbeats(self) -> Path:
-        return self.path / "heartbeats"
+
+
+class HostDir:
+    """An agent's host-local directory (never shared): its workers' heartbeats, warm-start markers and
+    checkpoint scratch space. Its name carries the agent's PID so that a later agent on the host can
+    remove what a SIGKILLed one left (`HostDir.PREFIX` + pid + "-")."""
+
+    PREFIX = "tf_elastic-agent"
+
+    def __init__(self, path: Union[str, Path]):
+        self.path = Path(path)
 
     def heartbeat(self, round_: int, rank: int) -> Path:
-        return self.heartbeats / f"round{round_}-rank{rank}"
+        return self.path / f"heartbeat-round{round_}-rank{rank}"
 
-    def warm_ready(self, host_id: str, number: int) -> Path:
-        return self.heartbeats / f"warm-{host_id}-{number}.ready"
+    def warm_ready(self, number: int) -> Path:
+        return self.path / f"warm-{number}.ready"
 
 
-def write_heartbeat(path: Path, step: int) -> None:
-    """Atomically: the agent never reads a half-written step."""
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """What a worker's heartbeat file says. `beat` changes every write (the process is alive); `progress`
+    changes with every training step, evaluation batch and commit (its main thread is not stuck);
+    `step` is the training step (0 until the first)."""
+    step: int
+    progress: int
+    beat: int
+
+    def to_text(self) -> str:
+        return f"{self.step} {self.progress} {self.beat}"
+
+    @classmethod
+    def from_text(cls, text: str) -> Optional["Heartbeat"]:
+        parts = text.split()
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            return None  # torn or foreign content: no news
+        return cls(*map(int, parts))
+
+
+def write_heartbeat(path: Path, heartbeat: Heartbeat) -> None:
+    """Atomically: the agent never reads a half-written heartbeat."""
     temp = path.with_name(path.name + ".tmp")
-    temp.write_text(str(step))
+    temp.write_text(heartbeat.to_text())
     os.replace(temp, path)
 
 
-def read_heartbeat(path: Path) -> Optional[int]:
-    """The step in a heartbeat file (0: the worker is still starting up), or None if there is none yet."""
+def read_heartbeat(path: Path) -> Optional[Heartbeat]:
+    """The worker's last heartbeat, or None if there is none (yet)."""
     try:
-        return int(path.read_text() or 0)
+        return Heartbeat.from_text(path.read_text())
     except FileNotFoundError:
         return None
-    except ValueError:
-        return 0

@@ -4,13 +4,13 @@ It never imports TensorFlow. Layers: a `Store` holds shared state, `Rendezvous` 
 agent runs its local workers through the states below and turns every change into a new round.
 """
 import dataclasses
+import datetime
 import enum
 import json
 import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -18,27 +18,15 @@ from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
-from tf_elastic.elastic.agent import decisions
+from tf_elastic.elastic.agent import decisions, preemption, workers
 from tf_elastic.elastic.agent.decisions import GroupChange, WorkersState, WorkersVerdict
 from tf_elastic.elastic.agent.job_record import JobEnded, TokenRefused
-from tf_elastic.elastic.agent.rendezvous import Rendezvous, RendezvousTimeout
+from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous, RendezvousTimeout
 from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.agent.workers import Spare, Worker
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, RunDir, read_heartbeat
+from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus
 from tf_elastic.elastic.store import Store, StoreError
-
-_SCRATCH_PREFIX = "tf_elastic-agent"  # + agent pid: a later agent on this host removes a dead agent's
-
-
-def sweep_dead_agents_scratch() -> List[str]:
-    """Removes the workers' scratch dirs of agents on this host that died without cleaning up (SIGKILL)."""
-    removed = []
-    for path in Path(tempfile.gettempdir()).glob(f"{_SCRATCH_PREFIX}*-rank*"):
-        pid = path.name[len(_SCRATCH_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
-    return removed
 
 
 class RoundResult(enum.Enum):
@@ -73,48 +61,44 @@ class AgentConfig:
     port_range: Optional[Tuple[int, int]] = None  # workers' TF server ports come from here
     blacklist_after: int = 2  # this many failures of our own workers in a row keep this host out...
     blacklist_cooldown: float = 60.0  # ...for this long, doubled at each further strike
-
-
-@dataclasses.dataclass
-class _Spare:
-    """A warm worker: started ahead of its round, blocked until it is handed a world on stdin."""
-    process: subprocess.Popen
-    ready: Path  # created by the worker once its imports are done
-    announced: bool = False
-
-
-@dataclasses.dataclass
-class _Worker:
-    rank: int
-    process: subprocess.Popen
-    heartbeat: Path
-    started: float
-    scratch: Path  # deleted once the process is gone
+    progress_timeout: Optional[float] = None  # no progress this long is a hang (None: derived, see below)
+    progress_floor: float = 60.0  # the derived progress timeout is never shorter
+    preemption_signals: Tuple[int, ...] = (signal.SIGTERM,)  # each makes the agent commit and leave
+    preemption_notice_url: Optional[str] = None  # polled; a notice there also makes it commit and leave
+    preemption_poll_interval: float = 1.0
+    world_size_divides: Optional[int] = None  # form only worlds whose size divides this (a global batch)
 
 
 class ElasticAgent:
     def __init__(self, config: AgentConfig, store: Store):
         self.config = config
-        self.host_id = config.host_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.host_id = config.host_id or socket.gethostname()
         self.rendezvous = Rendezvous(store, config.job_id, self.host_id, config.nproc, config.advertise_addr,
                                      config.min_workers, config.max_workers, config.max_restarts, config.timeouts,
-                                     token=config.job_token, port_range=config.port_range)
+                                     token=config.job_token, port_range=config.port_range,
+                                     world_size_divides=config.world_size_divides)
         self.job = self.rendezvous.job
-        self.run_dir = RunDir(config.run_dir)
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
+        self.host_dir = workers.make_host_dir()
         self._leaving = False
-        self._warm: List[_Spare] = []
+        self._notice: Optional[Tuple[float, str]] = None  # (when, what) of a preemption notice
+        self._warm: List[Spare] = []
         self._warm_spawned = 0
         self._own_failures = 0  # failures of this host's own workers, in a row
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
-        previous = signal.signal(signal.SIGTERM, self._on_leave_signal)
+        previous = {sig: signal.signal(sig, self._on_leave_signal) for sig in self.config.preemption_signals}
+        watcher = preemption.NoticeWatcher(self.config.preemption_notice_url, self.config.preemption_poll_interval,
+                                self._on_notice) if self.config.preemption_notice_url else None
         self.events.write(Event.AGENT_START, host=self.host_id, nproc=self.config.nproc,
-                          swept=len(sweep_dead_agents_scratch()))
+                          swept=len(workers.sweep_dead_agents_dirs()))
         ranks: Optional[List[int]] = None
         after = -1
         try:
+            self.rendezvous.claim_host_id()
+            if watcher:
+                watcher.start()
             if self.config.warm_start:
                 # Join only once our workers are warm: the group trains on while a newcomer starts up.
                 self._spawn_warm(self.config.nproc)
@@ -143,15 +127,18 @@ class ElasticAgent:
                 if result is RoundResult.FAILED:
                     outcome = self.job.outcome()
                     return self._exit(AgentExit.FAILED, outcome.reason if outcome else "job failed")
-        except TokenRefused as refused:
+        except (TokenRefused, HostIdTaken) as refused:
             return self._exit(AgentExit.REFUSED, str(refused))
         except StoreError as error:
             return self._exit(AgentExit.FAILED, f"rendezvous store error: {error}")
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if watcher:
+                watcher.stop()
             for spare in self._warm:
-                spare.process.kill()
-                spare.process.wait()
+                workers.kill(spare.process)
+            shutil.rmtree(self.host_dir.path, ignore_errors=True)
 
     def _record_done(self) -> None:
         """Tells every agent the job is done, retrying while the store is unreachable (up to the
@@ -184,17 +171,17 @@ class ElasticAgent:
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> RoundResult:
-        workers = [self._start(rank, round_) for rank in ranks]
+        started = [self._start(rank, round_) for rank in ranks]
         try:
-            return self._monitor(round_, workers)
+            return self._monitor(round_, started)
         finally:
-            self._kill(workers)
+            for worker in started:
+                worker.close()
 
-    def _start(self, rank: int, round_: Round) -> _Worker:
-        heartbeat = self.run_dir.heartbeat(round_.number, rank)
-        heartbeat.parent.mkdir(parents=True, exist_ok=True)
+    def _start(self, rank: int, round_: Round) -> Worker:
+        heartbeat = self.host_dir.heartbeat(round_.number, rank)
         heartbeat.unlink(missing_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-rank{rank}-"))
+        scratch = Path(tempfile.mkdtemp(prefix=f"scratch-rank{rank}-", dir=self.host_dir.path))
         world = {
             "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
             Env.RUN_DIR: self.config.run_dir,
@@ -206,63 +193,50 @@ class ElasticAgent:
         }
         if self.config.index_log:
             world[Env.INDEX_LOG] = "1"
-        process = self._take_warm(world) or self._spawn(dict(self._base_env(), **world), warm=False)
+        process = self._take_warm(world) or workers.spawn(self.config.command, dict(self._base_env(), **world),
+                                                          warm=False)
         self.events.write(Event.WORKER_START, round=round_.number, rank=rank, worker_pid=process.pid,
                           warm=process.stdin is not None)
-        return _Worker(rank, process, heartbeat, time.time(), scratch)
+        return Worker(rank, process, heartbeat, scratch)
 
     def _base_env(self) -> Dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in Env.SECRETS}  # workers never need them
-        return dict(env, **(self.config.extra_env or {}))
-
-    def _spawn(self, env: Dict[str, str], warm: bool) -> subprocess.Popen:
-        # An argv list, never a shell; a session of its own so terminal signals reach the agent only.
-        return subprocess.Popen(self.config.command, env=env, start_new_session=True,
-                                stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
+        return dict(env, **(self.config.extra_env or {}), **{Env.AGENT_PID: str(os.getpid())})
 
     def _spawn_warm(self, count: int) -> None:
         for _ in range(count):
             self._warm_spawned += 1
-            ready = self.run_dir.warm_ready(self.host_id, self._warm_spawned)
-            ready.parent.mkdir(parents=True, exist_ok=True)
+            ready = self.host_dir.warm_ready(self._warm_spawned)
             env = dict(self._base_env(), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
-            self._warm.append(_Spare(self._spawn(env, warm=True), ready))
+            self._warm.append(Spare(workers.spawn(self.config.command, env, warm=True), ready))
 
     def _wait_warm_ready(self) -> None:
         """Waits (up to startup_timeout) until every warm worker has done its imports."""
-        deadline = time.time() + self.config.startup_timeout
-        while time.time() < deadline and not self._leaving and any(
+        deadline = time.monotonic() + self.config.startup_timeout
+        while time.monotonic() < deadline and not self._leaving and any(
                 s.process.poll() is None and not s.ready.exists() for s in self._warm):
             time.sleep(self.config.monitor_interval)
         for spare in self._warm:
             spare.ready.unlink(missing_ok=True)
 
-    def _take_warm(self, world: Dict[str, str]) -> Optional[subprocess.Popen]:
-        """A warm worker, handed this round's world on its stdin; None if none is alive."""
+    def _take_warm(self, world: Dict[str, str]):
+        """A warm worker's process, handed this round's world on its stdin; None if none is alive."""
         while self._warm:
-            process = self._warm.pop(0).process
-            if process.poll() is not None:
-                continue
-            try:
-                process.stdin.write((json.dumps(world) + "\n").encode())
-                process.stdin.close()
-                return process
-            except (BrokenPipeError, OSError):
-                process.kill()
-                process.wait()
+            spare = self._warm.pop(0)
+            if spare.hand_world(world):
+                return spare.process
         return None
 
-    def _tend_spares(self, round_: Round, workers: List[_Worker]) -> None:
+    def _tend_spares(self, round_: Round, running: List[Worker]) -> None:
         """Once this round trains, pays the next round's start-up (imports, data) ahead of time."""
-        if self.config.warm_start and len(self._warm) < len(workers) and all(
-                read_heartbeat(w.heartbeat) for w in workers):
-            self._spawn_warm(len(workers) - len(self._warm))
+        if self.config.warm_start and len(self._warm) < len(running) and all(w.training for w in running):
+            self._spawn_warm(len(running) - len(self._warm))
         for spare in self._warm:
             if not spare.announced and spare.ready.exists():
                 spare.announced = True
                 self.events.write(Event.SPARE_READY, round=round_.number, worker_pid=spare.process.pid)
 
-    def _monitor(self, round_: Round, workers: List[_Worker]) -> RoundResult:
+    def _monitor(self, round_: Round, running: List[Worker]) -> RoundResult:
         """Watches the workers and the store until the round ends. While the store is unreachable the
         workers train on; whatever needs the store is retried once it is back."""
         unreachable_since = None
@@ -270,7 +244,7 @@ class ElasticAgent:
         while True:
             try:
                 self.rendezvous.keepalive()
-                result = self._check_round(round_, workers, changed)
+                result = self._check_round(round_, running, changed)
             except StoreError as error:
                 if unreachable_since is None:
                     unreachable_since = time.time()
@@ -287,24 +261,29 @@ class ElasticAgent:
             # The local workers are checked every interval; the store only when it may have changed.
             changed = self.rendezvous.wait_for_change(self.config.monitor_interval) or unreachable_since is not None
 
-    def _check_round(self, round_: Round, workers: List[_Worker], changed: bool) -> Optional[RoundResult]:
+    def _check_round(self, round_: Round, running: List[Worker], changed: bool) -> Optional[RoundResult]:
         """One look: observe (worker exit codes, heartbeats, and the store if it `changed`), let
         `decisions` judge, act on the verdict."""
         if self._leaving:
-            return self._leave(round_, workers)
-        codes = {w.rank: w.process.poll() for w in workers}
+            return self._leave(round_, running)
+        codes = {w.rank: w.process.poll() for w in running}
         own = decisions.own_failure(codes)
         current = round_
         if changed:
             outcome = self.job.outcome()
             current = self.rendezvous.current()
             result = self._act_on_group(decisions.judge_group(round_, outcome and outcome.status, current),
-                                        round_, current, workers, own)
+                                        round_, current, running, own)
             if result is not None:
                 return result
-        self._tend_spares(round_, workers)
-        silent = {w.rank for w in workers if codes[w.rank] is None and self._silent(w)}
-        result = self._act_on_workers(decisions.judge_workers(codes, silent), round_, current, workers, own)
+        for worker in running:
+            worker.observe()
+        self._tend_spares(round_, running)
+        silent = {w.rank for w in running if self._silent(w)}
+        stalled = {w.rank for w in running if w.stalled_for() > decisions.progress_timeout(
+            self.config.progress_timeout, self.config.progress_floor, w.longest_gap)}
+        verdict = decisions.judge_workers(codes, silent, stalled)
+        result = self._act_on_workers(verdict, round_, current, running, own)
         if result is None and changed:
             lost = decisions.lost_hosts(round_, set(self.rendezvous.alive_hosts()), self.host_id)
             if lost:
@@ -312,14 +291,14 @@ class ElasticAgent:
                 return RoundResult.RESTART
         return result
 
-    def _act_on_group(self, change: GroupChange, round_: Round, current: Optional[Round], workers: List[_Worker],
+    def _act_on_group(self, change: GroupChange, round_: Round, current: Optional[Round], running: List[Worker],
                       own: bool) -> Optional[RoundResult]:
         if change is GroupChange.JOB_FAILED:
             return RoundResult.FAILED
         if change is GroupChange.JOB_DONE:
             # Another host's workers finished: ours are finishing too (the last evaluation, the chief's
             # summary). Killing them now would lose that; let them end on their own.
-            self._await_exit(workers, self.config.stop_grace)
+            self._await_exit(running, self.config.stop_grace)
             return RoundResult.SUCCEEDED
         if change is GroupChange.NONE:
             return None
@@ -330,23 +309,23 @@ class ElasticAgent:
         # After a failure the group is broken and nothing more can be committed: kill at once.
         # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
         if change is GroupChange.RESTARTED:
-            self._kill(workers)
+            self._kill(running)
         else:
-            self._stop(workers)
+            self._stop(running)
         return RoundResult.RESTART
 
-    def _act_on_workers(self, verdict: WorkersVerdict, round_: Round, current: Round, workers: List[_Worker],
+    def _act_on_workers(self, verdict: WorkersVerdict, round_: Round, current: Round, running: List[Worker],
                         own: bool) -> Optional[RoundResult]:
         if verdict.state is WorkersState.RUNNING:
             return None
         if verdict.state is WorkersState.DONE:
-            self.events.write(Event.WORKERS_DONE, round=round_.number, ranks=[w.rank for w in workers])
+            self.events.write(Event.WORKERS_DONE, round=round_.number, ranks=[w.rank for w in running])
             return RoundResult.SUCCEEDED
         if verdict.state is WorkersState.STOPPED:
             # Stopped on its own (a preemption notice sent straight to the worker).
             self.events.write(Event.WORKER_STOPPED, round=round_.number, rank=verdict.rank)
             self.rendezvous.open_next(current, reason=f"rank {verdict.rank} stopped", failure=False)
-            self._stop(workers)
+            self._stop(running)
             return RoundResult.RESTART
         if verdict.state is WorkersState.CONFIG_ERROR:
             self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} stopped on a configuration error (exit code "
@@ -354,8 +333,8 @@ class ElasticAgent:
             self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
                               code=verdict.code, host=self.host_id, counted=False)
             return RoundResult.FAILED
-        if verdict.failure is Failure.HANG:
-            next(w for w in workers if w.rank == verdict.rank).process.kill()
+        if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
+            workers.kill(next(w for w in running if w.rank == verdict.rank).process)
             own = True
         self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own)
         return RoundResult.RESTART
@@ -381,41 +360,39 @@ class ElasticAgent:
         self.events.write(Event.FAILURE, round=round_.number, kind=kind.value, rank=rank, code=code,
                           host=host or self.host_id, counted=counted)
 
-    def _silent(self, worker: _Worker) -> bool:
-        """No heartbeat for heartbeat_timeout once training, or for startup_timeout before the first step."""
-        step = read_heartbeat(worker.heartbeat)
-        if not step:
-            return time.time() - worker.started > self.config.startup_timeout
-        try:
-            return time.time() - worker.heartbeat.stat().st_mtime > self.config.heartbeat_timeout
-        except FileNotFoundError:
+    def _silent(self, worker: Worker) -> bool:
+        """No heartbeat for heartbeat_timeout once training, or no first step within startup_timeout."""
+        if worker.process.poll() is not None:
             return False
+        limit = self.config.heartbeat_timeout if worker.training else self.config.startup_timeout
+        return worker.silent_for() > limit
 
-    def _leave(self, round_: Round, workers: List[_Worker]) -> RoundResult:
+    def _leave(self, round_: Round, running: List[Worker]) -> RoundResult:
         current = self.rendezvous.current()
         if current is not None and current.number == round_.number:
             self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
-        self._stop(workers)
+        self._stop(running)
         self.rendezvous.leave()
-        self.events.write(Event.LEAVE, round=round_.number, host=self.host_id)
+        noticed = self._notice and round(time.monotonic() - self._notice[0], 2)
+        self.events.write(Event.LEAVE, round=round_.number, host=self.host_id, seconds_after_notice=noticed)
         return RoundResult.LEFT
 
     # Processes ---------------------------------------------------------------------------------------
-    def _stop(self, workers: List[_Worker]) -> None:
+    def _stop(self, running: List[Worker]) -> None:
         """SIGTERM (workers commit at their next step boundary and exit), SIGKILL after the grace period."""
-        for worker in workers:
+        for worker in running:
             if worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
-        self._await_exit(workers, self.config.stop_grace)
-        for worker in workers:
+                workers.signal_group(worker.process, signal.SIGTERM)
+        self._await_exit(running, self.config.stop_grace)
+        for worker in running:
             if worker.process.poll() is None:
                 logging.warning("rank %d ignored SIGTERM for %.0fs; killing it", worker.rank, self.config.stop_grace)
-        self._kill(workers)
+        self._kill(running)
 
-    def _await_exit(self, workers: List[_Worker], grace: float) -> None:
+    def _await_exit(self, running: List[Worker], grace: float) -> None:
         """Waits up to `grace` seconds for the workers to exit, renewing this host's lease meanwhile."""
-        deadline = time.time() + grace
-        while any(w.process.poll() is None for w in workers) and time.time() < deadline:
+        deadline = time.monotonic() + grace
+        while any(w.process.poll() is None for w in running) and time.monotonic() < deadline:
             try:
                 self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
             except StoreError:
@@ -423,15 +400,20 @@ class ElasticAgent:
             time.sleep(self.config.monitor_interval)
 
     @staticmethod
-    def _kill(workers: List[_Worker]) -> None:
-        for worker in workers:
-            if worker.process.poll() is None:
-                worker.process.kill()
-            worker.process.wait()
-            shutil.rmtree(worker.scratch, ignore_errors=True)
+    def _kill(running: List[Worker]) -> None:
+        for worker in running:
+            worker.close()
 
     def _on_leave_signal(self, signum, frame) -> None:
-        del signum, frame
+        del frame
+        self._on_notice(f"signal {signal.Signals(signum).name}")
+
+    def _on_notice(self, what: str) -> None:
+        """A preemption notice (a signal, or the notice URL): commit and leave, once."""
+        if self._notice is None:
+            self._notice = (time.monotonic(), what)
+            left = preemption.seconds_left(what, datetime.datetime.now(datetime.timezone.utc))
+            self.events.write(Event.PREEMPTION_NOTICE, host=self.host_id, notice=what, seconds_left=left)
         self._leaving = True
 
     def _exit(self, code: AgentExit, reason: str) -> int:

@@ -5,16 +5,18 @@
 """
 import os
 import re
+import signal
 import socket
 import sys
 from typing import List, Optional, Tuple
 
-from absl import app, flags
+from absl import app, flags, logging
 
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Env
-from tf_elastic.elastic.store import BACKENDS, StoreOptions, open_store
+from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
 flags.DEFINE_integer("nproc", 1, "Workers on this host.", lower_bound=1)
 flags.DEFINE_integer("min_workers", 1, "Fewest workers the job trains with.", lower_bound=1)
@@ -28,8 +30,8 @@ flags.DEFINE_string("rdzv_cert", None, "TLS: client certificate for etcd (with -
 flags.DEFINE_string("rdzv_key", None, "TLS: client key for etcd (with --rdzv_cert).")
 flags.DEFINE_float("rdzv_request_timeout", 2.0, "Seconds per store request before an endpoint counts as down.",
                    lower_bound=0.1)
-flags.DEFINE_string("job_token", None, f"Shared secret every agent of the job presents (or {Env.JOB_TOKEN}); "
-                    "an agent with another token is refused.")
+flags.DEFINE_string("job_token", None, f"Shared secret every agent of the job presents; an agent with another "
+                    f"token is refused. Prefer {Env.JOB_TOKEN}: a flag's value is visible to every user in ps.")
 flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
 flags.DEFINE_string("run_dir", None, "Run directory (checkpoints, events.jsonl); shared by all hosts.")
 flags.DEFINE_integer("max_restarts", 3, "Failures tolerated before the job fails (joins and leaves are free).",
@@ -53,19 +55,38 @@ flags.DEFINE_integer("blacklist_after", 2, "Failures of this host's own workers 
                      lower_bound=1)
 flags.DEFINE_float("blacklist_cooldown", 60.0, "Seconds a blacklisted host stays out; doubled at each strike.",
                    lower_bound=0.0)
-flags.DEFINE_string("host_id", None, "This host's id in the job (default: hostname-pid).")
+flags.DEFINE_string("host_id", None, "This host's id in the job: 1-128 letters, digits, '_', '.', '-' (default: the "
+                    "host name). Stable across restarts (the blacklist is keyed by it); one live agent per id.")
+flags.DEFINE_float("progress_timeout", None, "Seconds a worker may go without progress (a training step, an "
+                   "evaluation batch, a commit) before it counts as hung (default: 10x the longest wait seen, "
+                   "at least --progress_floor).", lower_bound=1.0)
+flags.DEFINE_float("progress_floor", 60.0, "The derived --progress_timeout is never shorter.", lower_bound=1.0)
+flags.DEFINE_list("preemption_signals", ["SIGTERM"], "Signals that make the agent commit and leave gracefully "
+                  "(e.g. SIGTERM,SIGUSR1 for Slurm's --signal=USR1@90).")
+flags.DEFINE_string("preemption_notice_url", None, "A metadata URL polled for a preemption notice (GCE "
+                    ".../instance/preempted or .../maintenance-event, AWS .../spot/instance-action).")
+flags.DEFINE_float("preemption_poll_interval", 1.0, "Seconds between polls of --preemption_notice_url.",
+                   lower_bound=0.1)
+flags.DEFINE_integer("world_size_divides", None, "Form only worlds whose size divides this number (your global "
+                     "batch with --batch_policy=global); extra workers wait as standby.", lower_bound=1)
 flags.DEFINE_bool("warm_start", True, "Start each next worker ahead of its round (imports done before a restart).")
 flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indices they train on.")
 FLAGS = flags.FLAGS
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+require_finite_floats(__name__)
 
 
 def _validate() -> None:
     for name in ("rdzv", "job_id", "run_dir"):
         if not getattr(FLAGS, name):
             raise app.UsageError(f"--{name} is required.")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", FLAGS.job_id) or FLAGS.job_id in (".", ".."):
-        raise app.UsageError(f"--job_id={FLAGS.job_id!r}: use 1-128 letters, digits, '_', '.', '-' "
-                             f"(it names store keys).")
+    for name in ("job_id", "host_id"):
+        value = getattr(FLAGS, name)
+        if value is not None and (not _NAME.fullmatch(value) or value in (".", "..")):
+            raise app.UsageError(f"--{name}={value!r}: use 1-128 letters, digits, '_', '.', '-' "
+                                 f"(it names store keys).")
     if FLAGS.min_workers > FLAGS.max_workers:
         raise app.UsageError(f"--min_workers={FLAGS.min_workers} must be <= --max_workers={FLAGS.max_workers}.")
     if FLAGS.monitor_interval >= FLAGS.heartbeat_timeout:
@@ -88,12 +109,25 @@ def _port_range() -> Optional[Tuple[int, int]]:
 
 
 def _advertise_addr() -> str:
+    """The given address if it resolves (it need not be this host's: NAT), else this host name's."""
     if FLAGS.advertise_addr:
+        try:
+            socket.getaddrinfo(FLAGS.advertise_addr, None)
+        except (OSError, UnicodeError) as error:
+            raise app.UsageError(f"--advertise_addr={FLAGS.advertise_addr!r} does not resolve ({error}).") from None
         return FLAGS.advertise_addr
     try:
         return socket.gethostbyname(socket.getfqdn())
     except OSError as error:
         raise app.UsageError(f"cannot resolve this host's name ({error}); give --advertise_addr.") from None
+
+
+def _signals() -> Tuple[int, ...]:
+    try:
+        return tuple(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+                     for name in FLAGS.preemption_signals)
+    except KeyError as error:
+        raise app.UsageError(f"--preemption_signals: unknown signal {error} (e.g. SIGTERM,SIGUSR1).") from None
 
 
 def main(argv: List[str]) -> int:
@@ -103,25 +137,30 @@ def main(argv: List[str]) -> int:
     _validate()
     if bool(FLAGS.rdzv_cert) != bool(FLAGS.rdzv_key):
         raise app.UsageError("--rdzv_cert and --rdzv_key go together.")
+    if FLAGS.rdzv_user and not (FLAGS.rdzv_ca_cert or FLAGS.rdzv_cert):
+        logging.warning("--rdzv_user without TLS (--rdzv_ca_cert): the password goes to etcd in clear text")
     options = StoreOptions(user=FLAGS.rdzv_user,
                            password=FLAGS.rdzv_password or os.environ.get(Env.RDZV_PASSWORD),
                            ca_cert=FLAGS.rdzv_ca_cert, cert=FLAGS.rdzv_cert, key=FLAGS.rdzv_key,
                            request_timeout=FLAGS.rdzv_request_timeout)
     try:
         store = open_store(FLAGS.rdzv, options)
-    except ValueError as error:
+    except (ValueError, StoreError) as error:
         raise app.UsageError(str(error))
     config = AgentConfig(
         command=command, job_id=FLAGS.job_id, run_dir=FLAGS.run_dir, nproc=FLAGS.nproc,
         min_workers=FLAGS.min_workers, max_workers=FLAGS.max_workers, max_restarts=FLAGS.max_restarts,
         heartbeat_timeout=FLAGS.heartbeat_timeout, startup_timeout=FLAGS.startup_timeout,
         monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=_advertise_addr(),
-        host_id=FLAGS.host_id or "",  # empty: the agent uses hostname-pid
+        host_id=FLAGS.host_id or "",  # empty: the agent uses the host name
         timeouts=Timeouts(rendezvous=FLAGS.rendezvous_timeout, last_call=FLAGS.last_call,
                           survivor_wait=FLAGS.survivor_wait, host_ttl=FLAGS.host_ttl),
         index_log=FLAGS.index_log, warm_start=FLAGS.warm_start,
         job_token=FLAGS.job_token or os.environ.get(Env.JOB_TOKEN), port_range=_port_range(),
-        blacklist_after=FLAGS.blacklist_after, blacklist_cooldown=FLAGS.blacklist_cooldown)
+        blacklist_after=FLAGS.blacklist_after, blacklist_cooldown=FLAGS.blacklist_cooldown,
+        progress_timeout=FLAGS.progress_timeout, progress_floor=FLAGS.progress_floor,
+        preemption_signals=_signals(), preemption_notice_url=FLAGS.preemption_notice_url,
+        preemption_poll_interval=FLAGS.preemption_poll_interval, world_size_divides=FLAGS.world_size_divides)
     code = ElasticAgent(config, store).run()
     store.close()
     return code

@@ -19,16 +19,24 @@ class JoinAction(enum.Enum):
     ADD_SELF = "add_self"  # a round still joining, without us: add this host
     TRY_FREEZE = "try_freeze"  # a round still joining, with us: freeze it once `ready_to_freeze`
     TAKE = "take"  # a frozen round newer than our last that gives us ranks: train in it
-    WAIT = "wait"  # nothing to do until the round changes (standby: in a frozen round without ranks)
+    STANDBY = "standby"  # a frozen round at max_workers: wait, without disturbing it, for a place to free up
 
 
-def next_join_action(round_: Optional[Round], host_id: str, after: int) -> JoinAction:
-    """What a host that last trained in round `after` does next, given the current round."""
+def next_join_action(round_: Optional[Round], host_id: str, after: int, max_workers: int) -> JoinAction:
+    """What a host that last trained in round `after` does next, given the current round.
+
+    A frozen round that already trains `max_workers` workers is left alone: joining it would open a
+    round that again has no place for us (measured before: 25 rounds in 30 s with three hosts for two
+    places). We wait as a standby and join the next round that opens (a failure, a leave)."""
     if round_ is None:
         return JoinAction.CREATE_FIRST
     if round_.phase == Phase.FROZEN.value:
-        if round_.number > after and host_id in round_.participants:
-            return JoinAction.TAKE if (round_.assignment or {}).get(host_id) else JoinAction.WAIT
+        assignment = round_.assignment or {}
+        if round_.number > after and assignment.get(host_id):
+            return JoinAction.TAKE
+        # Considered and left out (the world was full, or a smaller size divides the global batch).
+        if round_.number > after and (host_id in assignment or round_.world_size >= max_workers):
+            return JoinAction.STANDBY
         return JoinAction.OPEN_NEXT
     return JoinAction.TRY_FREEZE if host_id in round_.participants else JoinAction.ADD_SELF
 
@@ -39,26 +47,38 @@ def ready_to_freeze(round_: Round, min_workers: int, max_workers: int, alive: Se
 
     A survivor whose host lease is alive is stopping its workers and will join; freezing without it
     would only make it open yet another round. `survivor_wait` bounds that wait; with no survivors
-    expected (a fresh job), `last_call` gives stragglers a moment."""
-    joined = sum(p["nproc"] for p in round_.participants.values())
-    if joined >= max_workers:
-        return True
+    expected (a fresh job), `last_call` gives stragglers a moment. A full round waits for survivors too:
+    ranks go to survivors first, so a newcomer must not take the place of one still on its way."""
+    joined = sum(p["nproc"] for h, p in round_.participants.items() if h in alive)
     if joined < min_workers:
         return False
     missing = [h for h in round_.expected if h in alive and h not in round_.participants]
     if missing:
         return waited > timeouts.survivor_wait
-    return bool(round_.expected) or waited > timeouts.last_call
+    return joined >= max_workers or bool(round_.expected) or waited > timeouts.last_call
 
 
-def freeze(round_: Round, max_workers: int) -> Round:
+def world_size(offered: int, max_workers: int, divides: Optional[int] = None) -> int:
+    """The largest world of at most `max_workers` of the `offered` workers whose size divides `divides`
+    (a constant global batch needs equal per-worker shares)."""
+    size = min(offered, max_workers)
+    while divides and size > 1 and divides % size:
+        size -= 1
+    return size
+
+
+def freeze(round_: Round, max_workers: int, alive: Optional[Set[str]] = None, divides: Optional[int] = None
+           ) -> Round:
     """Ranks for the participants: survivors first, in their previous order (so rank 0 held fresh state),
-    then newcomers by join time; workers beyond `max_workers` get none (standby)."""
-    order = sorted(round_.participants.items(), key=lambda item: (
-        item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0, item[1]["joined"], item[0]))
+    then newcomers by join time. Workers beyond `world_size` get none (standby), nor does a participant
+    whose lease expired since it joined (ranking it would only cost a counted restart at once)."""
+    order = sorted(((h, p) for h, p in round_.participants.items() if alive is None or h in alive),
+                   key=lambda item: (item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0,
+                                     item[1]["joined"], item[0]))
+    size = world_size(sum(p["nproc"] for _, p in order), max_workers, divides)
     assignment, cluster = {}, []
     for host, info in order:
-        take = max(0, min(info["nproc"], max_workers - len(cluster)))
+        take = max(0, min(info["nproc"], size - len(cluster)))
         assignment[host] = list(range(len(cluster), len(cluster) + take))
         cluster += [f"{info['addr']}:{port}" for port in info["ports"][:take]]
     return dataclasses.replace(round_, phase=Phase.FROZEN.value, assignment=assignment, cluster=cluster)
@@ -108,14 +128,16 @@ class WorkersVerdict:
     failure: Optional[Failure] = None
 
 
-def judge_workers(codes: Dict[int, Optional[int]], silent: Set[int]) -> WorkersVerdict:
-    """What this host's workers' exit codes (None: running) and silent heartbeats mean, in that order:
-    all done; a hang; the first worker (by rank) that exited otherwise."""
+def judge_workers(codes: Dict[int, Optional[int]], silent: Set[int], stalled: Set[int] = frozenset()
+                  ) -> WorkersVerdict:
+    """What this host's workers' exit codes (None: running), silent heartbeats and stalled main threads
+    mean, in that order: all done; a hang; no progress; the first worker (by rank) that exited otherwise."""
     if codes and all(code == ExitCode.DONE for code in codes.values()):
         return WorkersVerdict(WorkersState.DONE)
-    for rank in sorted(codes):
-        if codes[rank] is None and rank in silent:
-            return WorkersVerdict(WorkersState.FAILED, rank, None, Failure.HANG)
+    for kind, ranks in ((Failure.HANG, silent), (Failure.NO_PROGRESS, stalled)):
+        for rank in sorted(codes):
+            if codes[rank] is None and rank in ranks:
+                return WorkersVerdict(WorkersState.FAILED, rank, None, kind)
     for rank in sorted(codes):
         code = codes[rank]
         if code in (None, ExitCode.DONE):
@@ -137,3 +159,12 @@ def own_failure(codes: Dict[int, Optional[int]]) -> bool:
 def lost_hosts(round_: Round, alive: Set[str], me: str) -> List[str]:
     """Hosts with ranks in `round_` whose lease is gone."""
     return [h for h, ranks in (round_.assignment or {}).items() if ranks and h not in alive and h != me]
+
+
+def progress_timeout(configured: Optional[float], floor: float, longest_gap: float, factor: float = 10.0) -> float:
+    """Seconds without progress that count as a hang: `configured` if given, else `factor` times the
+    longest wait for progress seen so far (a commit, an epoch end and an evaluation included), never
+    below `floor`."""
+    if configured:
+        return configured
+    return max(floor, factor * longest_gap)

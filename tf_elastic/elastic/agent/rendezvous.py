@@ -8,6 +8,7 @@ is decided in `decisions`; this module only reads and writes the store.
 """
 import json
 import time
+import uuid
 from typing import Callable, List, Optional, Tuple
 
 from absl import logging
@@ -25,24 +26,45 @@ class RendezvousTimeout(RuntimeError):
     """Fewer than `min_workers` joined within the rendezvous timeout."""
 
 
+class HostIdTaken(RuntimeError):
+    """Another live agent holds this host id (two agents would share ranks and commit to the same files)."""
+
+
 class Rendezvous:
     def __init__(self, store: Store, job_id: str, host_id: str, nproc: int, addr: str, min_workers: int,
                  max_workers: int, max_restarts: int, timeouts: Timeouts = Timeouts(), token: Optional[str] = None,
-                 port_range: Optional[Tuple[int, int]] = None):
+                 port_range: Optional[Tuple[int, int]] = None, world_size_divides: Optional[int] = None):
         self.store, self.host_id, self.nproc, self.addr = store, host_id, nproc, addr
+        self.world_size_divides = world_size_divides
         self.min_workers, self.max_workers, self.max_restarts = min_workers, max_workers, max_restarts
         self.timeouts, self.port_range = timeouts, port_range
         self.job = JobRecord(store, job_id, host_id, token)
         self.keys = self.job.keys
+        self.incarnation = uuid.uuid4().hex  # tells this agent from another one with the same host id
 
     def wait_for_change(self, timeout: float) -> bool:
         """True when the job's keys may have changed within `timeout` (always, for a store that cannot tell)."""
         return self.store.wait(self.keys.prefix, timeout)
 
     # Leases ---------------------------------------------------------------------------------------
+    def claim_host_id(self) -> None:
+        """Takes this host id's lease, or raises `HostIdTaken` if another agent keeps renewing it. A lease
+        left by a dead agent (SIGKILL, then a restart) expires within `host_ttl`: we wait that out."""
+        key = self.keys.host(self.host_id)
+        deadline = time.monotonic() + 3 * self.timeouts.host_ttl + 1.0
+        while True:
+            raw = self.store.get(key)
+            holder = _incarnation(raw)
+            if raw is None or holder == self.incarnation:
+                return self.keepalive()
+            if time.monotonic() > deadline:
+                raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
+                                  f"{self.job.job_id!r}; give each agent its own --host_id")
+            time.sleep(self.timeouts.host_ttl / 4)
+
     def keepalive(self) -> None:
-        self.store.set(self.keys.host(self.host_id), json.dumps({"addr": self.addr, "nproc": self.nproc}),
-                       ttl=self.timeouts.host_ttl)
+        lease = {"addr": self.addr, "nproc": self.nproc, "incarnation": self.incarnation}
+        self.store.set(self.keys.host(self.host_id), json.dumps(lease), ttl=self.timeouts.host_ttl)
 
     def leave(self) -> None:
         self.store.delete(self.keys.host(self.host_id))
@@ -61,9 +83,11 @@ class Rendezvous:
         Only the agent whose compare-and-set wins counts a failure, so a failure seen by every agent
         is counted once."""
         nxt = decisions.next_round(seen, reason, failure, time.time(), self.host_id if leaving else None)
-        if nxt.restarts > self.max_restarts:
+        opened = self.store.compare_and_set(self.keys.round, seen.to_json(), nxt.to_json())
+        # Only the winner judges: a lost compare-and-set means another agent moved on, maybe without a failure.
+        if opened and nxt.restarts > self.max_restarts:
             self.job.finish(JobStatus.FAILED, f"max_restarts={self.max_restarts} exceeded ({reason})")
-        return self.store.compare_and_set(self.keys.round, seen.to_json(), nxt.to_json())
+        return opened
 
     def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1,
              cancelled: Callable[[], bool] = lambda: False) -> Optional[Round]:
@@ -75,19 +99,21 @@ class Rendezvous:
             if cancelled():
                 return None
             try:
-                taken, changed = self._join_step(previous_ranks, after)
+                action, taken, wrote = self._join_step(previous_ranks, after)
                 if unreachable is not None:
                     logging.info("rendezvous store reachable again")
                     unreachable = None
             except (StoreError, NoFreePorts) as error:
                 if unreachable is None:
                     logging.warning("rendezvous: %s; retrying until --rendezvous_timeout", error)
-                unreachable, taken, changed = error, None, False
+                unreachable, action, taken, wrote = error, None, None, False
             if taken is not None:
                 return taken
+            if action is JoinAction.STANDBY:
+                deadline = time.monotonic() + self.timeouts.rendezvous  # the job trains: waiting is no failure
             if time.monotonic() > deadline:
                 raise self._timed_out(unreachable)
-            if not changed:
+            if not wrote:
                 self.wait_for_change(self._poll())
 
     def _timed_out(self, unreachable: Optional[Exception]) -> RendezvousTimeout:
@@ -105,19 +131,20 @@ class Rendezvous:
         # A notifying store wakes us on change; still come back in time to renew our lease.
         return self.timeouts.host_ttl / 3 if self.store.notifies else self.timeouts.poll
 
-    def _join_step(self, previous_ranks: Optional[List[int]], after: int) -> Tuple[Optional[Round], bool]:
-        """One look at the round and the action `decisions` picks for it. Returns the round to train in
-        (or None) and whether we changed the store (then look again at once)."""
+    def _join_step(self, previous_ranks: Optional[List[int]],
+                   after: int) -> Tuple[JoinAction, Optional[Round], bool]:
+        """One look at the round and the action `decisions` picks for it, carried out. Returns the action,
+        the round to train in (for `TAKE`) and whether the store was written (then look again at once)."""
         self.job.check_token()
         self.job.raise_if_ended()
         self.keepalive()
         raw = self.store.get(self.keys.round)
         round_ = None if raw is None else Round.from_json(raw)
-        action = decisions.next_join_action(round_, self.host_id, after)
+        action = decisions.next_join_action(round_, self.host_id, after, self.max_workers)
         if action is JoinAction.TAKE:
-            return round_, False
-        if action is JoinAction.WAIT:
-            return None, False
+            return action, round_, False
+        if action is JoinAction.STANDBY:
+            return action, None, False
         if action is JoinAction.CREATE_FIRST:
             first = Round(0, Phase.JOINING.value, "start", 0, time.time(), {}, [])
             self.store.compare_and_set(self.keys.round, None, first.to_json())
@@ -125,12 +152,27 @@ class Rendezvous:
             self.open_next(round_, reason=f"join {self.host_id}", failure=False)
         elif action is JoinAction.ADD_SELF:
             round_.participants[self.host_id] = {
-                "nproc": self.nproc, "addr": self.addr, "ports": free_ports(self.addr, self.nproc, self.port_range),
+                "nproc": self.nproc, "addr": self.addr, "ports": self._ports(round_),
                 "joined": time.time(), "previous_rank": min(previous_ranks) if previous_ranks else None}
             self.store.compare_and_set(self.keys.round, raw, round_.to_json())
-        elif decisions.ready_to_freeze(round_, self.min_workers, self.max_workers, set(self.alive_hosts()),
-                                       time.time() - round_.opened, self.timeouts):
-            self.store.compare_and_set(self.keys.round, raw, decisions.freeze(round_, self.max_workers).to_json())
         else:
-            return None, False
-        return None, True
+            alive = set(self.alive_hosts())
+            if not decisions.ready_to_freeze(round_, self.min_workers, self.max_workers, alive,
+                                             time.time() - round_.opened, self.timeouts):
+                return action, None, False
+            frozen = decisions.freeze(round_, self.max_workers, alive, self.world_size_divides)
+            self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
+        return action, None, True
+
+    def _ports(self, round_: Round) -> List[int]:
+        """Free ports on this host, none that another agent of this address already claimed in the round:
+        two agents on one host probe the same free ports, and TF servers listen on every interface."""
+        taken = {p for info in round_.participants.values() if info["addr"] == self.addr for p in info["ports"]}
+        return free_ports(self.nproc, self.port_range, exclude=taken)
+
+
+def _incarnation(raw: Optional[str]) -> Optional[str]:
+    try:
+        return json.loads(raw).get("incarnation") if raw else None
+    except (ValueError, AttributeError):
+        return None

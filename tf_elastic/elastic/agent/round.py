@@ -46,14 +46,45 @@ class Round:
 
     @classmethod
     def from_json(cls, text: str) -> "Round":
+        """Parses and type-checks a record: anything off is a `StoreError` naming the field, never a
+        TypeError deep in the agent (the store is shared; a bad write must not crash every agent)."""
         try:
             record = json.loads(text)
-            if record.get("version") != SCHEMA_VERSION:
-                raise ValueError(f"schema version {record.get('version')!r}, expected {SCHEMA_VERSION}")
+            if not isinstance(record, dict) or record.get("version") != SCHEMA_VERSION:
+                version = record.get("version") if isinstance(record, dict) else None
+                raise ValueError(f"schema version {version!r}, expected {SCHEMA_VERSION}")
             record.pop("version")
             round_ = cls(**record)
-            if round_.phase not in tuple(Phase) or not isinstance(round_.participants, dict):
-                raise ValueError("bad phase or participants")
+            _check_types(round_)
             return round_
         except (ValueError, TypeError, AttributeError) as error:
             raise StoreError(f"malformed rendezvous round record ({error}): {text[:200]!r}") from None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check(ok: bool, field: str) -> None:
+    if not ok:
+        raise ValueError(f"bad {field}")
+
+
+def _check_types(round_: Round) -> None:
+    _check(_is_int(round_.number) and round_.number >= 0, "number")
+    _check(round_.phase in tuple(Phase), "phase")
+    _check(isinstance(round_.reason, str), "reason")
+    _check(_is_int(round_.restarts) and round_.restarts >= 0, "restarts")
+    _check(isinstance(round_.opened, (int, float)), "opened")
+    _check(isinstance(round_.expected, list) and all(isinstance(h, str) for h in round_.expected), "expected")
+    _check(isinstance(round_.participants, dict), "participants")
+    for host, info in round_.participants.items():
+        _check(isinstance(info, dict) and _is_int(info.get("nproc")) and info["nproc"] > 0
+               and isinstance(info.get("addr"), str) and isinstance(info.get("joined"), (int, float))
+               and isinstance(info.get("ports"), list) and all(_is_int(p) for p in info["ports"])
+               and (info.get("previous_rank") is None or _is_int(info["previous_rank"])), f"participant {host!r}")
+    if round_.assignment is not None:
+        _check(isinstance(round_.assignment, dict) and all(
+            isinstance(r, list) and all(_is_int(i) for i in r) for r in round_.assignment.values()), "assignment")
+    if round_.cluster is not None:
+        _check(isinstance(round_.cluster, list) and all(isinstance(a, str) for a in round_.cluster), "cluster")

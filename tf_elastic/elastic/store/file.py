@@ -1,12 +1,24 @@
-"""`file:///DIR`: a store in a directory, for one host or a filesystem all hosts share."""
+"""`file:///DIR`: a store in a directory, for one host or a filesystem all hosts share.
+
+Private to the job's user: the directory is created 0700 and its files 0600, and a directory that
+another user owns or that group or others may write is refused (whoever can write it controls the
+job). Every filesystem error is a `StoreError`, so the agents train on through a full or flaky
+shared disk as they do through an etcd outage.
+
+Leases never compare clocks across hosts: each write carries a fresh version, and a reader counts a
+key with a TTL as expired once it has seen the same version for longer than the TTL on its own
+monotonic clock.
+"""
 import fcntl
 import json
 import os
+import stat
 import time
 import urllib.parse
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, Optional
+from typing import Dict, Iterator, Optional, Tuple
 
 from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 
@@ -14,13 +26,23 @@ from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 class FileStore(Store):
     """A directory: one JSON file a key, atomic renames, one lock file for compare-and-set."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, lock_timeout: float = 2.0):
         self.root = Path(root)
+        self.lock_timeout = lock_timeout
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = self.root.stat()
         except OSError as error:
             raise StoreError(f"cannot create the file store at {root!r}: {error}") from None
+        if info.st_uid != os.getuid():
+            raise StoreError(f"the file store {root!r} belongs to another user (uid {info.st_uid}); "
+                             f"use a directory of your own")
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise StoreError(f"the file store {root!r} is writable by group or others (mode "
+                             f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it: whoever can write it controls the job")
         self._lock_path = self.root / ".lock"
+        # path -> (version, when this reader first saw it), on this process's monotonic clock
+        self._seen: Dict[Path, Tuple[str, float]] = {}
 
     def get(self, key: str) -> Optional[str]:
         return self._read(self._path(key))
@@ -40,61 +62,106 @@ class FileStore(Store):
     def list(self, prefix: str) -> Dict[str, str]:
         base = self._dir(prefix)
         found = {}
-        if base.is_dir():
-            for path in base.rglob("*.json"):
-                value = self._read(path)
-                if value is not None:
-                    key = "/" + path.relative_to(self.root).with_suffix("").as_posix()
-                    found[key] = value
+        try:
+            paths = list(base.rglob("*.json")) if base.is_dir() else []
+        except OSError as error:
+            raise StoreError(f"cannot list the file store under {base}: {error}") from None
+        for path in paths:
+            value = self._read(path)
+            if value is not None:
+                found["/" + path.relative_to(self.root).with_suffix("").as_posix()] = value
         return found
 
     def delete(self, key: str) -> None:
         with self._locked():
-            self._path(key).unlink(missing_ok=True)
+            try:
+                self._path(key).unlink(missing_ok=True)
+            except OSError as error:
+                raise StoreError(f"cannot delete {key} from the file store: {error}") from None
 
     def _path(self, key: str) -> Path:
         return self._dir(key).with_name(self._dir(key).name + ".json")
 
     def _dir(self, prefix: str) -> Path:
         parts = [p for p in prefix.split("/") if p]
-        if not parts or any(p in (".", "..") for p in parts):
+        if not parts or any(p in (".", "..") or "\0" in p for p in parts):
             raise ValueError(f"invalid store key {prefix!r}")
         return self.root.joinpath(*parts)
 
-    @staticmethod
-    def _read(path: Path) -> Optional[str]:
+    def _read(self, path: Path) -> Optional[str]:
         try:
-            record = json.loads(path.read_text(encoding="utf-8"))
+            text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
+            self._seen.pop(path, None)
             return None
-        except (OSError, ValueError) as error:
+        except OSError as error:
+            raise StoreError(f"cannot read the file store at {path}: {error}") from None
+        try:
+            record = json.loads(text)
+        except ValueError as error:
             raise StoreError(f"malformed store file {path}: {error}") from None
-        if not isinstance(record, dict) or not isinstance(record.get("value"), str):
-            raise StoreError(f"malformed store file {path}: expected {{'value': str, 'expires': float|null}}")
-        expires = record.get("expires")
-        if expires is not None and time.time() > expires:
+        ttl = record.get("ttl") if isinstance(record, dict) else None
+        if not (isinstance(record, dict) and isinstance(record.get("value"), str)
+                and isinstance(record.get("version"), str)
+                and (ttl is None or (isinstance(ttl, (int, float)) and ttl > 0))):
+            raise StoreError(f"malformed store file {path}: expected {{'value': str, 'version': str, "
+                             f"'ttl': positive number or null}}")
+        if ttl is not None and self._unchanged_for(path, record["version"]) > ttl:
             return None
         return record["value"]
 
+    def _unchanged_for(self, path: Path, version: str) -> float:
+        """Seconds this reader has seen `version` at `path` (0 the first time)."""
+        now = time.monotonic()
+        seen_version, since = self._seen.get(path, (None, now))
+        if seen_version != version:
+            self._seen[path] = (version, now)
+            return 0.0
+        return now - since
+
     @staticmethod
     def _write(path: Path, value: str, ttl: Optional[float]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temp.write_text(json.dumps({"value": value, "expires": None if ttl is None else time.time() + ttl}))
-        os.replace(temp, path)
+        record = json.dumps({"value": value, "version": uuid.uuid4().hex, "ttl": ttl})
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(record)
+                f.flush()
+                os.fsync(f.fileno())  # the rename must never publish a file whose content is not on disk
+            os.replace(temp, path)
+        except OSError as error:
+            raise StoreError(f"cannot write the file store at {path}: {error}") from None
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        with open(self._lock_path, "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        """The store's lock, waited for at most `lock_timeout`: a holder that is stopped (SIGSTOP) or
+        hung must not block every agent's keepalive forever."""
+        try:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as error:
+            raise StoreError(f"cannot open the file store's lock {self._lock_path}: {error}") from None
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise StoreError(f"the file store's lock {self._lock_path} is held by another process "
+                                         f"for over {self.lock_timeout:g}s") from None
+                    time.sleep(0.005)
             try:
                 yield
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
 
 def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
-    del options  # a directory needs no credentials
     if url.netloc not in ("", "localhost") or not url.path:
         raise ValueError(f"--rdzv=file://{url.netloc}{url.path}: expected file:///ABSOLUTE/DIR.")
-    return FileStore(url.path)
+    return FileStore(url.path, lock_timeout=options.request_timeout)

@@ -5,7 +5,7 @@ samples of that permutation consumed so far; after a restart at a new world size
 epoch is split into global batches again, each global batch into per-replica slices by rank. So every
 example is used exactly once per epoch, except a final remainder smaller than one global batch.
 """
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import numpy as np
 
@@ -30,11 +30,13 @@ def replica_batch_size(policy: str, replicas: int, per_replica: Optional[int], g
 
 
 class DataPlan:
-    def __init__(self, num_examples: int, seed: int):
-        self.num_examples, self.seed = num_examples, seed
+    def __init__(self, num_examples: int, seed: int, order: Optional[Callable[[int], Optional[np.ndarray]]] = None):
+        """`order(epoch)`: a source's own seeded order of the epoch (shard by shard for TFRecords), or None."""
+        self.num_examples, self.seed, self.order = num_examples, seed, order
 
     def permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+        own = self.order(epoch) if self.order else None
+        return own if own is not None else np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
 
     def replica_batches(self, epoch: int, start: int, world_size: int, rank: int, batch: int) -> List[np.ndarray]:
         """The index batches replica `rank` trains on for the rest of `epoch`, from sample `start` on."""

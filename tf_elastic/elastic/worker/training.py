@@ -88,7 +88,7 @@ class _ElasticTrainer:
         self.model, self.source, self.preprocess = model, source, preprocess
         self.world, self.strategy = world, strategy
         self.state, self.config, self.events = state, config, events
-        self.plan = DataPlan(source.num_examples, config.seed)
+        self.plan = DataPlan(source.num_examples, config.seed, lambda epoch: source.epoch_order(config.seed, epoch))
         self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
         self.global_batch = worker_batch * world.size
         self.step = state.step

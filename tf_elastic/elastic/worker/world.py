@@ -6,13 +6,14 @@ Without an agent, a worker is a world of one.
 import dataclasses
 import json
 import os
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Dict, Mapping, Optional
 
-from tf_elastic.elastic.protocol import Env, write_heartbeat
+from tf_elastic.elastic.protocol import Env, Heartbeat, write_heartbeat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class World:
     restarts: int = 0
     index_log: bool = False
     scratch_dir: Optional[str] = None
+    agent_pid: Optional[int] = None
 
     @property
     def is_chief(self) -> bool:
@@ -73,35 +75,60 @@ class World:
             restarts=int(env.get(Env.RESTARTS, 0)),
             index_log=env.get(Env.INDEX_LOG) == "1",
             scratch_dir=env.get(Env.SCRATCH_DIR),
+            agent_pid=int(env[Env.AGENT_PID]) if env.get(Env.AGENT_PID) else None,
         )
 
 
-_progress = {"step": 0}
+_progress = {"step": 0, "progress": 0}
 
 
 def report_progress(step: int) -> None:
-    """The training step the heartbeat reports; 0 means the worker is still starting up."""
+    """A training step finished: the step the heartbeat reports (0: still starting up), and progress."""
     _progress["step"] = step
+    report_activity()
+
+
+def report_activity() -> None:
+    """The main thread moved on (an evaluation batch, a commit): no training step, but no hang either."""
+    _progress["progress"] += 1
 
 
 def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
-    """Writes the current step to the agent's heartbeat file from a daemon thread.
+    """Writes step, progress and a beat counter to the agent's heartbeat file from a daemon thread.
 
-    A stopped or frozen process goes silent. Before the first step the agent allows `startup_timeout`:
-    bringing MultiWorkerMirroredStrategy up can hold the GIL while it waits for slow peers.
+    A stopped or frozen process goes silent; a live process whose main thread is stuck (a collective,
+    the input pipeline) keeps beating without progress, which the agent's progress watchdog sees. Before
+    the first step the agent allows `startup_timeout`. The thread also ends the worker once its agent is
+    gone: a SIGKILLed agent cannot stop its workers, and a wrapped command (`sh -c ...`) would outlive it.
     """
     if not world.heartbeat_file:
         return None
     path = Path(world.heartbeat_file)
+    if os.environ.get(Env.TEST_FAULTS) == "1":
+        signal.signal(signal.SIGUSR2, lambda *_: threading.Event().wait())  # test only: a stuck main thread
 
     def beat():
+        beats = 0
         while True:
-            write_heartbeat(path, _progress["step"])
+            beats += 1
+            write_heartbeat(path, Heartbeat(_progress["step"], _progress["progress"], beats))
+            if world.agent_pid and not _alive(world.agent_pid):
+                exit_now(1)
             time.sleep(interval)
 
     thread = threading.Thread(target=beat, name="tf_elastic-heartbeat", daemon=True)
     thread.start()
     return thread
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, under another user
 
 
 def exit_now(code: int) -> None:

@@ -23,7 +23,8 @@ class Source:
     """Random access to a labelled dataset by example index, inside the tf.data graph.
 
     A new source sets `num_examples` and `num_classes` and implements `read`; or `examples` instead,
-    to read several indices at once (a Python data source per batch, a file opened at an offset)."""
+    to read several indices at once (a Python data source per batch, a run of records at an offset),
+    and `epoch_order` to visit examples in an order its storage reads fast."""
 
     num_examples: int
     num_classes: int
@@ -32,9 +33,15 @@ class Source:
         """(features, label) of example `index` (a scalar int64 tensor); graph ops only."""
         raise NotImplementedError(f"{type(self).__name__} implements neither read nor examples")
 
-    def examples(self, indices: tf.data.Dataset) -> tf.data.Dataset:
-        """(features, label) for each index of `indices`, in their order."""
-        return indices.map(self.read, num_parallel_calls=AUTOTUNE, deterministic=True)
+    def examples(self, indices: np.ndarray) -> tf.data.Dataset:
+        """(features, label) for each of `indices`, in their order."""
+        return tf.data.Dataset.from_tensor_slices(indices).map(self.read, num_parallel_calls=AUTOTUNE,
+                                                               deterministic=True)
+
+    def epoch_order(self, seed: int, epoch: int) -> Optional[np.ndarray]:
+        """The order of an epoch's examples, a permutation of range(num_examples) that depends only on
+        (seed, epoch); None: a uniformly random one (`DataPlan`'s)."""
+        return None
 
 
 class ArraySource(Source):
@@ -57,7 +64,7 @@ class Head(Source):
     def __init__(self, source: Source, n: int):
         self.source, self.num_examples, self.num_classes = source, min(n, source.num_examples), source.num_classes
 
-    def examples(self, indices: tf.data.Dataset) -> tf.data.Dataset:
+    def examples(self, indices: np.ndarray) -> tf.data.Dataset:
         return self.source.examples(indices)
 
 
@@ -78,10 +85,15 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
              seed: int = 0, epoch: int = 0, drop_remainder: bool = True) -> tf.data.Dataset:
     """Batches of (features, label) for `indices` in their order: read, decode and preprocess in parallel."""
     preprocess = preprocess or to_float
-    index_ds = tf.data.Dataset.from_tensor_slices(np.asarray(indices, np.int64))
-    examples = tf.data.Dataset.zip(index_ds, source.examples(index_ds))
-    dataset = examples.map(lambda i, example: preprocess(*example, example_seed(seed, epoch, i)),
-                           num_parallel_calls=AUTOTUNE, deterministic=True)
+    indices = np.asarray(indices, np.int64)
+    index_ds = tf.data.Dataset.from_tensor_slices(indices)
+    if type(source).examples is Source.examples:  # read and preprocess in one parallel map
+        dataset = index_ds.map(lambda i: preprocess(*source.read(i), example_seed(seed, epoch, i)),
+                               num_parallel_calls=AUTOTUNE, deterministic=True)
+    else:
+        dataset = tf.data.Dataset.zip(index_ds, source.examples(indices)).map(
+            lambda i, example: preprocess(*example, example_seed(seed, epoch, i)), num_parallel_calls=AUTOTUNE,
+            deterministic=True)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, num_parallel_calls=AUTOTUNE,
                             deterministic=True)
     if drop_remainder:

@@ -34,7 +34,7 @@ class TFDSSource(Source):
         return (np.stack([r[self.image_key] for r in records]).astype(self.dtype.as_numpy_dtype),
                 np.asarray([r[self.label_key] for r in records], np.int32))
 
-    def examples(self, indices: tf.data.Dataset) -> tf.data.Dataset:
+    def examples(self, indices: np.ndarray) -> tf.data.Dataset:
         static = None not in self.shape
         fetch = FETCH if static else 1
 
@@ -42,4 +42,5 @@ class TFDSSource(Source):
             images, labels = tf.numpy_function(self._fetch, [batch], (self.dtype, tf.int32))
             return tf.ensure_shape(images, (None, *self.shape)), tf.ensure_shape(labels, (None,))
 
-        return indices.batch(fetch).map(read, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+        batches = tf.data.Dataset.from_tensor_slices(indices).batch(fetch)
+        return batches.map(read, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
