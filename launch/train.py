@@ -161,15 +161,15 @@ def main(argv: List[str]) -> None:
     if FLAGS.train_examples:
         train = data.Head(train, FLAGS.train_examples)
     train_preprocess = preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=True)
-    with tf.Graph().as_default():  # shapes only: MWMS must find TF's eager runtime still uninitialised
-        input_shape = data.pipeline(train, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
-    if not input_shape.is_fully_defined():
-        raise ValueError(f"--dataset={FLAGS.dataset} has images of different sizes: set --image_size.")
     # Everything above is independent of the world: a warm-started worker has done it before its round.
+    # Nothing above may touch TF's runtime (a tensor, a dataset): MWMS must configure it first.
     world = elastic.resolve_world(FLAGS.cluster_resolver, FLAGS.port_base, FLAGS.k8s_selector)
     start_heartbeat(world)
     run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
     strategy = elastic.make_strategy(world, FLAGS.strategy, FLAGS.collective, FLAGS.tpu)
+    input_shape = data.pipeline(train, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
+    if not input_shape.is_fully_defined():
+        raise ValueError(f"--dataset={FLAGS.dataset} has images of different sizes: set --image_size.")
     keras.utils.set_random_seed(FLAGS.seed)
     config = elastic.FitConfig(
         epochs=FLAGS.epochs, per_replica_batch_size=FLAGS.per_replica_batch_size,

@@ -22,9 +22,9 @@ AUTOTUNE = tf.data.AUTOTUNE
 class Source:
     """Random access to a labelled dataset by example index, inside the tf.data graph.
 
-    A new source sets `num_examples` and `num_classes` and implements `read`; or `examples` instead,
-    to read several indices at once (a Python data source per batch, a run of records at an offset),
-    and `epoch_order` to visit examples in an order its storage reads fast."""
+    A new source sets `num_examples` and `num_classes` and implements `read`; or `examples` and
+    `decode` instead, to read several indices at once (a Python data source per batch, a run of
+    records at an offset), and `epoch_order` to visit examples in an order its storage reads fast."""
 
     num_examples: int
     num_classes: int
@@ -34,9 +34,12 @@ class Source:
         raise NotImplementedError(f"{type(self).__name__} implements neither read nor examples")
 
     def examples(self, indices: np.ndarray) -> tf.data.Dataset:
-        """(features, label) for each of `indices`, in their order."""
-        return tf.data.Dataset.from_tensor_slices(indices).map(self.read, num_parallel_calls=AUTOTUNE,
-                                                               deterministic=True)
+        """(index, raw example) for each of `indices`, in their order; `decode` makes them (features, label)."""
+        return tf.data.Dataset.from_tensor_slices((indices, indices))
+
+    def decode(self, index: tf.Tensor, raw) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(features, label) from what `examples` read; by default `read(index)`."""
+        return self.read(index)
 
     def epoch_order(self, seed: int, epoch: int) -> Optional[np.ndarray]:
         """The order of an epoch's examples, a permutation of range(num_examples) that depends only on
@@ -50,12 +53,18 @@ class ArraySource(Source):
     def __init__(self, x: np.ndarray, y: np.ndarray, num_classes: Optional[int] = None):
         if len(x) != len(y) or not len(x):
             raise ConfigurationError(f"x and y need the same, non-zero length; got {len(x)} and {len(y)}.")
-        self.x, self.y = tf.constant(x), tf.constant(y)
+        self.x, self.y = x, y
         self.num_examples = len(x)
         self.num_classes = int(num_classes if num_classes is not None else np.max(y) + 1)
+        self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
 
     def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        return tf.gather(self.x, index), tf.gather(self.y, index)
+        # The arrays become tensors on first use, not at construction: a tensor made before the strategy
+        # initialises TF's runtime, after which MultiWorkerMirroredStrategy cannot configure collectives.
+        if self._tensors is None:
+            self._tensors = tf.constant(self.x), tf.constant(self.y)
+        x, y = self._tensors
+        return tf.gather(x, index), tf.gather(y, index)
 
 
 class Head(Source):
@@ -66,6 +75,9 @@ class Head(Source):
 
     def examples(self, indices: np.ndarray) -> tf.data.Dataset:
         return self.source.examples(indices)
+
+    def decode(self, index: tf.Tensor, raw) -> Tuple[tf.Tensor, tf.Tensor]:
+        return self.source.decode(index, raw)
 
 
 def to_float(features: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -85,15 +97,10 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
              seed: int = 0, epoch: int = 0, drop_remainder: bool = True) -> tf.data.Dataset:
     """Batches of (features, label) for `indices` in their order: read, decode and preprocess in parallel."""
     preprocess = preprocess or to_float
-    indices = np.asarray(indices, np.int64)
-    index_ds = tf.data.Dataset.from_tensor_slices(indices)
-    if type(source).examples is Source.examples:  # read and preprocess in one parallel map
-        dataset = index_ds.map(lambda i: preprocess(*source.read(i), example_seed(seed, epoch, i)),
-                               num_parallel_calls=AUTOTUNE, deterministic=True)
-    else:
-        dataset = tf.data.Dataset.zip(index_ds, source.examples(indices)).map(
-            lambda i, example: preprocess(*example, example_seed(seed, epoch, i)), num_parallel_calls=AUTOTUNE,
-            deterministic=True)
+    examples = source.examples(np.asarray(indices, np.int64))
+    # Decode and preprocess in one parallel map.
+    dataset = examples.map(lambda i, raw: preprocess(*source.decode(i, raw), example_seed(seed, epoch, i)),
+                           num_parallel_calls=AUTOTUNE, deterministic=True)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, num_parallel_calls=AUTOTUNE,
                             deterministic=True)
     if drop_remainder:
