@@ -42,7 +42,7 @@ def _train_source(kind, files):
 def _example_numbers(kind, source):
     """Which written example (its position in `digits`) each source index is."""
     if kind == "folder":
-        return np.array([int(Path(p.decode()).stem) for p in source.paths.numpy()])
+        return np.array([int(Path(p).stem) for p in source.paths])
     return np.arange(source.num_examples)  # shards and the TFDS split keep the written order
 
 
@@ -53,7 +53,8 @@ def test_pipeline_yields_the_planned_examples_in_order(kind, files, digits):
     (images, labels), _ = digits
     source = _train_source(kind, files)
     assert source.num_examples == len(labels)
-    batches = DataPlan(source.num_examples, seed=5).replica_batches(epoch=2, start=96, world_size=3, rank=1, batch=8)
+    plan = DataPlan(source.num_examples, 5, lambda epoch: source.epoch_order(5, epoch))  # as fit makes it
+    batches = plan.replica_batches(epoch=2, start=96, world_size=3, rank=1, batch=8)
     planned = np.concatenate(batches)
     keep = lambda x, y, seed: (x, y)  # noqa: E731 - raw pixels
     got = list(data.pipeline(source, planned, 8, preprocess=keep, seed=5, epoch=2).as_numpy_iterator())
@@ -62,6 +63,15 @@ def test_pipeline_yields_the_planned_examples_in_order(kind, files, digits):
     np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), images[numbers])
     offset = 1 if kind == "tfrecord" else 0  # the shards hold ImageNet-style 1-based labels
     np.testing.assert_array_equal(np.concatenate([y for _, y in got]), labels[numbers] + offset)
+
+
+def test_the_tfrecord_order_is_a_seeded_permutation_in_runs_of_records(files):
+    source = _train_source("tfrecord", files)
+    order = source.epoch_order(5, 2)
+    assert sorted(order) == list(range(source.num_examples))
+    np.testing.assert_array_equal(order, source.epoch_order(5, 2))
+    assert not np.array_equal(order, source.epoch_order(5, 3))
+    assert len(source._runs(order[96:96 + 8])[0]) <= 2  # one worker's share of a batch: one run, two across shards
 
 
 def test_tfrecord_labels_may_start_at_one_without_a_class_count(files):

@@ -30,7 +30,7 @@ def sources(name: str, data_dir: str = DEFAULT_DATA_DIR, channels: int = 3) -> T
     if kind == "tfrecord":
         train = data.TFRecordSource(str(Path(where) / "train-*"), channels=channels)
         return train, data.TFRecordSource(str(Path(where) / "validation-*"), channels=channels,
-                                          num_classes=train.num_classes)
+                                          num_classes=lambda: train.num_classes)
     if kind == "tfds":
         tfds_dir = None if data_dir == DEFAULT_DATA_DIR else data_dir
         train = data.TFDSSource(where, "train", tfds_dir)

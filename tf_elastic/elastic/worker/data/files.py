@@ -7,7 +7,7 @@ record), which `fit` raises as `ConfigurationError` (exit 78 from a worker).
 import os
 import struct
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
@@ -44,13 +44,17 @@ class ImageFolder(Source):
                 raise ConfigurationError(f"class folder {folder} is missing or has no files.")
             paths += [os.path.join(folder, f) for f in files]
             labels += [label] * len(files)
-        self.paths = tf.constant(paths)
-        self.labels = tf.constant(labels, tf.int32)
+        self.paths, self.labels = paths, np.asarray(labels, np.int32)
         self.channels, self.num_examples, self.num_classes = channels, len(paths), len(self.class_names)
+        self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
 
     def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        path = tf.gather(self.paths, index)
-        return _decode(tf.io.read_file(path), path, self.channels), tf.gather(self.labels, index)
+        # Tensors on first use: one made before the strategy would initialise TF's runtime too early for MWMS.
+        if self._tensors is None:
+            self._tensors = tf.constant(self.paths), tf.constant(self.labels)
+        paths, labels = self._tensors
+        path = tf.gather(paths, index)
+        return _decode(tf.io.read_file(path), path, self.channels), tf.gather(labels, index)
 
 
 def default_parse(record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -91,14 +95,15 @@ class TFRecordSource(Source):
     consecutive records, read with one file open at an offset (any other order works, only slower).
     `parse(record) -> (encoded image, label)`; labels may start at 0 or 1 (ImageNet's TFRecords
     reserve 0): without `num_classes` the class count is the largest label + 1, found by one pass
-    over the labels when the source is made."""
+    over the labels on first use (`num_classes` may also be a function, e.g. another source's count).
+    Nothing touches TF's runtime before first use (MWMS must configure it first)."""
 
     def __init__(self, pattern: str, parse: Callable = default_parse, channels: int = 3,
-                 num_classes: Optional[int] = None, decode: bool = True):
+                 num_classes: Union[int, Callable[[], int], None] = None, decode_images: bool = True):
         self.files = sorted(tf.io.gfile.glob(pattern))
         if not self.files:
             raise ConfigurationError(f"no TFRecord files match {pattern}.")
-        self.parse, self.channels, self.decode, self.pattern = parse, channels, decode, pattern
+        self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
         shard, offsets, footers, lengths = [], [], [], []
         for number, path in enumerate(self.files):
             found, sizes = _record_offsets(path)
@@ -113,9 +118,20 @@ class TFRecordSource(Source):
         self.shard, self.offsets = np.asarray(shard, np.int32), np.asarray(offsets, np.int64)
         self.lengths, self.footers = np.asarray(lengths, np.int64), np.asarray(footers, np.int64)
         self.first = np.searchsorted(self.shard, np.arange(len(self.files) + 1))  # each shard's first index
-        self.paths = tf.constant(self.files)
-        self._shard_t, self._offsets_t = tf.constant(self.shard), tf.constant(self.offsets)
-        self.num_classes = num_classes or self._largest_label() + 1
+        self._classes = num_classes
+        self._tensors: Optional[Tuple[tf.Tensor, ...]] = None
+
+    @property
+    def num_classes(self) -> int:
+        if not isinstance(self._classes, int):
+            self._classes = self._classes() if callable(self._classes) else self._largest_label() + 1
+        return self._classes
+
+    def tensors(self) -> Tuple[tf.Tensor, ...]:
+        """(paths, shard, offsets, lengths) as tensors, made on first use."""
+        if self._tensors is None:
+            self._tensors = tuple(tf.constant(a) for a in (self.files, self.shard, self.offsets, self.lengths))
+        return self._tensors
 
     def _largest_label(self) -> int:
         largest = -1
@@ -160,25 +176,31 @@ class TFRecordSource(Source):
         end = self.offsets[lasts] + self.lengths[lasts]
         runs = tf.data.Dataset.from_tensor_slices((firsts, counts, self.shard[firsts], begin, end - begin,
                                                    self.footers[lasts]))
-        offsets, lengths = tf.constant(self.offsets), tf.constant(self.lengths)
+        paths, _, offsets, lengths = self.tensors()
 
         def read_run(first, count, shard, header, size, footer):
-            data = tf.data.FixedLengthRecordDataset(tf.gather(self.paths, shard), record_bytes=size,
+            data = tf.data.FixedLengthRecordDataset(tf.gather(paths, shard), record_bytes=size,
                                                     header_bytes=header, footer_bytes=footer)
-            return data.map(lambda run: (first + tf.range(count), tf.strings.substr(
-                tf.fill([count], run), offsets[first:first + count] - header, lengths[first:first + count])))
+            return tf.data.Dataset.zip(tf.data.Dataset.from_tensors((first, count, header)), data)
 
+        def split(run, data):  # the run's bytes -> its records, by their known offsets (one string, broadcast)
+            first, count, header = run
+            return first + tf.range(count), tf.strings.substr(data, offsets[first:first + count] - header,
+                                                              lengths[first:first + count])
+
+        # Opening a run is cheap to interleave; splitting it runs in a parallel map outside.
         records = runs.interleave(lambda *run: read_run(*run), cycle_length=8, num_parallel_calls=AUTOTUNE,
-                                  deterministic=True)
-        return records.unbatch().map(self._parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+                                  deterministic=True).map(split, num_parallel_calls=AUTOTUNE, deterministic=True)
+        return records.unbatch()
 
-    def _parse(self, index: tf.Tensor, record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        path = tf.gather(self.paths, tf.gather(self._shard_t, index))
+    def decode(self, index: tf.Tensor, record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        paths, shards, offsets, _ = self.tensors()
+        path = tf.gather(paths, tf.gather(shards, index))
         encoded, label = self.parse(record)
         label = tf.cast(label, tf.int32)
         in_range = tf.logical_and(label >= 0, label < self.num_classes)
         where = ["label", label, f"outside [0, {self.num_classes}) in", path, "at byte",
-                 tf.gather(self._offsets_t, index)]
+                 tf.gather(offsets, index)]
         with tf.control_dependencies([tf.debugging.Assert(in_range, where)]):
             label = tf.identity(label)
-        return (_decode(encoded, path, self.channels) if self.decode else encoded), label
+        return (_decode(encoded, path, self.channels) if self.decode_images else encoded), label

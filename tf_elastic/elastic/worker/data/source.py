@@ -62,7 +62,8 @@ class ArraySource(Source):
         # The arrays become tensors on first use, not at construction: a tensor made before the strategy
         # initialises TF's runtime, after which MultiWorkerMirroredStrategy cannot configure collectives.
         if self._tensors is None:
-            self._tensors = tf.constant(self.x), tf.constant(self.y)
+            with tf.init_scope():  # eager tensors, also when first read inside a dataset's traced function
+                self._tensors = tf.constant(self.x), tf.constant(self.y)
         x, y = self._tensors
         return tf.gather(x, index), tf.gather(y, index)
 

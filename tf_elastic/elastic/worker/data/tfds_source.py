@@ -40,7 +40,10 @@ class TFDSSource(Source):
 
         def read(batch):
             images, labels = tf.numpy_function(self._fetch, [batch], (self.dtype, tf.int32))
-            return tf.ensure_shape(images, (None, *self.shape)), tf.ensure_shape(labels, (None,))
+            return batch, (tf.ensure_shape(images, (None, *self.shape)), tf.ensure_shape(labels, (None,)))
 
         batches = tf.data.Dataset.from_tensor_slices(indices).batch(fetch)
         return batches.map(read, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+
+    def decode(self, index: tf.Tensor, raw: Tuple[tf.Tensor, tf.Tensor]) -> Tuple[tf.Tensor, tf.Tensor]:
+        return raw

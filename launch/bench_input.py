@@ -1,0 +1,186 @@
+"""Input pipeline benchmark: the elastic data sources against plain tf.data, memory, and restart cost.
+
+    python -m launch.bench_input                        # the table below, data generated in a temp dir
+    python -m launch.bench_input --sizes=20000,200000   # worker peak RSS at two folder sizes
+
+1. examples/s of `data.pipeline` (plan indices -> read -> decode -> preprocess -> batch -> prefetch) against a
+   plain pipeline over the same files with the same decode (list_files / interleave / map / batch / prefetch);
+2. peak resident memory of a `launch.train` worker on generated image folders of two sizes (same steps);
+3. time from a restart to the first batch at a mid-epoch position, for each source kind.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, List
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+flags.DEFINE_integer("examples", 5000, "Images in the throughput folder and TFRecords.", lower_bound=100)
+flags.DEFINE_integer("image_size", 32, "Side of the generated JPEG images.", lower_bound=8)
+flags.DEFINE_integer("batch_size", 64, "Batch size of both pipelines.", lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "Passes per pipeline; the best counts.", lower_bound=1)
+flags.DEFINE_list("sizes", ["20000", "200000"], "Folder sizes for the worker's peak memory.")
+flags.DEFINE_string("work_dir", None, "Where to generate data (default: a temp dir, removed after).")
+FLAGS = flags.FLAGS
+
+
+def _images(count: int, size: int) -> List[bytes]:
+    """`count` distinct-enough JPEGs: 64 noise images, reused (decode cost is what matters)."""
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    encoded = [tf.io.encode_jpeg(rng.integers(0, 255, (size, size, 3), np.uint8)).numpy() for _ in range(64)]
+    return [encoded[n % 64] for n in range(count)]
+
+
+def write_folder(root: Path, count: int, size: int, classes: int = 10) -> None:
+    images = _images(count, size)
+    for c in range(classes):
+        (root / f"class_{c:03d}").mkdir(parents=True, exist_ok=True)
+    for n, image in enumerate(images):
+        (root / f"class_{n % classes:03d}" / f"{n:07d}.jpg").write_bytes(image)
+
+
+def write_tfrecords(directory: Path, count: int, size: int, shards: int = 8) -> None:
+    import tensorflow as tf
+
+    from tf_elastic.testing.data_files import example
+
+    directory.mkdir(parents=True, exist_ok=True)
+    images = _images(count, size)
+    per = -(-count // shards)
+    for shard in range(shards):
+        with tf.io.TFRecordWriter(str(directory / f"train-{shard:05d}-of-{shards:05d}")) as writer:
+            for n in range(shard * per, min(count, (shard + 1) * per)):
+                writer.write(example(images[n], n % 10 + 1))
+
+
+def _rate(make: Callable, count: int) -> float:
+    best = 0.0
+    for _ in range(FLAGS.repeats):
+        started = time.perf_counter()
+        seen = sum(int(x.shape[0]) for x, _ in make())
+        best = max(best, seen / (time.perf_counter() - started))
+    assert seen >= count - FLAGS.batch_size, (seen, count)
+    return best
+
+
+def throughput(root: Path) -> List[tuple]:
+    import tensorflow as tf
+
+    from tf_elastic.elastic.worker import data
+    from tf_elastic.elastic.worker.data import preprocess
+    from tf_elastic.elastic.worker.data_plan import DataPlan
+
+    size, batch, auto = FLAGS.image_size, FLAGS.batch_size, tf.data.AUTOTUNE
+    prep = preprocess.simple(size)
+    decode = lambda contents: tf.io.decode_image(contents, channels=3, expand_animations=False)  # noqa: E731
+
+    def plain_folder():
+        files = tf.data.Dataset.list_files(str(root / "folder" / "*" / "*"), shuffle=False)
+
+        def load(path):
+            label = tf.strings.to_number(tf.strings.substr(tf.strings.split(path, os.sep)[-2], 6, 3), tf.int32)
+            return prep(decode(tf.io.read_file(path)), label, None)
+
+        return files.map(load, num_parallel_calls=auto).batch(batch).prefetch(auto)
+
+    def plain_tfrecord():
+        files = tf.data.Dataset.list_files(str(root / "tfrecord" / "train-*"), shuffle=False)
+        records = files.interleave(tf.data.TFRecordDataset, cycle_length=8, num_parallel_calls=auto)
+
+        def load(record):
+            encoded, label = data.default_parse(record)
+            return prep(decode(encoded), label, None)
+
+        return records.map(load, num_parallel_calls=auto).batch(batch).prefetch(auto)
+
+    rows = []
+    for kind, source, plain in (
+            ("image folder", data.ImageFolder(str(root / "folder")), plain_folder),
+            ("TFRecord", data.TFRecordSource(str(root / "tfrecord" / "train-*")), plain_tfrecord)):
+        order = DataPlan(source.num_examples, 0, lambda e: source.epoch_order(0, e)).permutation(0)  # as fit
+        elastic = _rate(lambda: data.pipeline(source, order, batch, preprocess=prep), source.num_examples)
+        baseline = _rate(plain, source.num_examples)
+        rows.append((kind, elastic, baseline))
+    return rows
+
+
+def peak_rss(root: Path, count: int) -> float:
+    """Peak RSS (MiB) of one `launch.train` worker training 50 steps on a folder of `count` images."""
+    folder = root / f"rss{count}"
+    write_folder(folder / "train", count, 8)
+    write_folder(folder / "validation", 100, 8)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "launch.train", f"--dataset=folder:{folder}", "--image_size=8",
+                             "--train_examples=1600", "--epochs=1", "--optimizer=sgd", "--threads=2",
+                             f"--run_dir={folder / 'run'}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    if status:
+        raise RuntimeError(f"the worker on {count} images failed: {proc.stderr.read().decode()[-2000:]}")
+    return usage.ru_maxrss / 1024
+
+
+def restart_to_first_batch(root: Path, files: dict) -> List[tuple]:
+    """Seconds from making the source (as a restarted worker does) to its first batch, half an epoch in."""
+    import numpy as np
+
+    from tf_elastic.elastic.worker import data
+    from tf_elastic.elastic.worker.data import preprocess
+    from tf_elastic.elastic.worker.data_plan import DataPlan
+    from tf_elastic.testing import data_files
+
+    (x, y), _ = data_files.digits()
+    makers = {"arrays": lambda: data.ArraySource(x, y),
+              "image folder": lambda: data.ImageFolder(str(root / "folder")),
+              "TFRecord": lambda: data.TFRecordSource(str(root / "tfrecord" / "train-*")),
+              "TFDS": lambda: data.TFDSSource("digits_files", "train", str(files["tfds"]))}
+    rows = []
+    for kind, make in makers.items():
+        started = time.perf_counter()
+        source = make()
+        plan = DataPlan(source.num_examples, 0, lambda e: source.epoch_order(0, e))
+        batches = plan.replica_batches(0, source.num_examples // 2, 2, 1, FLAGS.batch_size)
+        dataset = data.pipeline(source, np.concatenate(batches), FLAGS.batch_size,
+                                preprocess=preprocess.simple(FLAGS.image_size))
+        next(iter(dataset))
+        rows.append((kind, source.num_examples, time.perf_counter() - started))
+    return rows
+
+
+def main(argv):
+    del argv
+    from tf_elastic.testing import data_files
+
+    with tempfile.TemporaryDirectory(dir=FLAGS.work_dir) as tmp:
+        root = Path(tmp)
+        write_folder(root / "folder", FLAGS.examples, FLAGS.image_size)
+        write_tfrecords(root / "tfrecord", FLAGS.examples, FLAGS.image_size)
+        files = data_files.write_all(root / "digits")
+        print(f"\nThroughput ({FLAGS.examples} JPEGs {FLAGS.image_size}x{FLAGS.image_size}, batch {FLAGS.batch_size}, "
+              f"best of {FLAGS.repeats})")
+        print("| source | elastic examples/s | plain tf.data examples/s | ratio |\n|---|---|---|---|")
+        for kind, elastic, plain in throughput(root):
+            print(f"| {kind} | {elastic:.0f} | {plain:.0f} | {elastic / plain:.2f}x |", flush=True)
+        print("\nRestart to first batch, half an epoch in (source made + plan + first batch)")
+        print("| source | examples | seconds |\n|---|---|---|")
+        for kind, count, seconds in restart_to_first_batch(root, files):
+            print(f"| {kind} | {count} | {seconds:.3f} |", flush=True)
+        print("\nPeak RSS of a launch.train worker (image folder, 50 steps)")
+        print("| images | peak RSS MiB |\n|---|---|")
+        peaks = []
+        for count in [int(s) for s in FLAGS.sizes]:
+            peaks.append(peak_rss(root, count))
+            print(f"| {count} | {peaks[-1]:.0f} |", flush=True)
+        print(f"\nlargest / smallest: {max(peaks) / min(peaks):.2f}x")
+
+
+if __name__ == "__main__":
+    app.run(main)
