@@ -112,8 +112,9 @@ def test_a_record_that_does_not_parse_is_named(tmp_path):
     with tf.io.TFRecordWriter(str(path)) as writer:
         writer.write(data_files.example(data_files.png(np.zeros((4, 4, 1), np.uint8)), 1))
         writer.write(b"not a tf.train.Example")
+    source = data.TFRecordSource(str(tmp_path / "train-*"))
     with pytest.raises(ConfigurationError, match=re.escape(f"TFRecord file {path} has a record that does not parse")):
-        data.TFRecordSource(str(tmp_path / "train-*"))
+        source.num_classes  # found on first use, by a pass over the labels
 
 
 def test_a_label_outside_the_class_range_is_named(tmp_path, digits):

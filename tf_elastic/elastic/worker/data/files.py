@@ -124,7 +124,8 @@ class TFRecordSource(Source):
     @property
     def num_classes(self) -> int:
         if not isinstance(self._classes, int):
-            self._classes = self._classes() if callable(self._classes) else self._largest_label() + 1
+            with tf.init_scope():  # eagerly, even when first asked while a tf.data function is traced
+                self._classes = self._classes() if callable(self._classes) else self._largest_label() + 1
         return self._classes
 
     def tensors(self) -> Tuple[tf.Tensor, ...]:
