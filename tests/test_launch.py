@@ -132,7 +132,8 @@ def test_without_the_agent_slurm_workers_train_at_a_fixed_size_and_resume_after_
 
 @pytest.mark.slow
 def test_train_on_a_prepared_tfds_dataset(tmp_path):
-    """`--dataset=tfds:NAME` reads a dataset prepared in TFDS's format in --data_dir; nothing is downloaded."""
+    """`--dataset=tfds:NAME` reads a dataset prepared in TFDS's format in --data_dir through its random-access
+    data source; nothing is downloaded."""
     import numpy as np
     import tensorflow as tf
     import tensorflow_datasets as tfds
@@ -145,7 +146,8 @@ def test_train_on_a_prepared_tfds_dataset(tmp_path):
     splits = {split: tf.data.Dataset.from_tensor_slices({"image": np.round(x * 255).astype(np.uint8), "label": y})
               for split, x, y in (("train", digits.x_train, digits.y_train), ("test", digits.x_test, digits.y_test))}
     tfds.dataset_builders.store_as_tfds_dataset(name="digits_local", version="1.0.0", features=features,
-                                                split_datasets=splits, data_dir=tmp_path / "tfds")
+                                                split_datasets=splits, data_dir=tmp_path / "tfds",
+                                                file_format="array_record")  # what tfds.data_source reads
     proc = run_python(f"import sys; sys.argv = ['t', '--dataset=tfds:digits_local', '--data_dir={tmp_path / 'tfds'}', "
                       f"'--epochs=2', '--optimizer=sgd', '--run_dir={tmp_path / 'run'}'];"
                       "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
