@@ -673,6 +673,35 @@ def test_resize_between_fits_reaches_whole_step_xla(name):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+class _ResizeAt(keras.callbacks.Callback):
+    def __init__(self, schedule, step, batch_size):
+        super().__init__()
+        self.schedule, self.step, self.batch_size = schedule, step, batch_size
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(ops.convert_to_numpy(self.model.optimizer.iterations))  # `self.model` syncs JAX's state
+        if step == self.step:
+            self.schedule.resize(step, self.batch_size)
+
+
+def test_resize_from_a_callback_inside_fit():
+    """A resize from a callback mid-epoch reaches the next step on both backends (on JAX, because reading
+    `self.model` makes Keras write back the state it holds and re-read it before the next step)."""
+    def weights(in_callback):
+        keras.utils.set_random_seed(0)
+        schedule = BatchResizeSchedule(0.5, 16, transition="none", history=None if in_callback else [(3, 32)])
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+        model.compile(optimizer=LARS(schedule, trust_coefficient=0.02), loss="mse")
+        rng = np.random.default_rng(0)
+        model.fit(rng.standard_normal((96, 6)).astype(np.float32), rng.standard_normal((96, 3)), batch_size=16,
+                  shuffle=False, verbose=0, callbacks=[_ResizeAt(schedule, 3, 32)] if in_callback else [])
+        assert schedule.history == [(0, 16), (3, 32)]
+        return [ops.convert_to_numpy(v) for v in model.trainable_variables]
+
+    for a, b in zip(weights(True), weights(False)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution is JAX-only here; runs in the JAX subprocess")
 def test_resize_between_fits_under_jax_data_parallel():
     import jax
@@ -723,6 +752,7 @@ def test_conformance_on_jax_backend():
              "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}, timeout=600)
     passed = set(re.findall(r"^PASSED \S+::(\w+)", proc.stdout, re.M))
     for name in ("test_resize_between_fits_under_jax_data_parallel", "test_resize_between_fits_reaches_whole_step_xla",
+                 "test_resize_from_a_callback_inside_fit",
                  "test_sparse_correctness", "test_weight_decay_exclusions_by_keras_method",
                  "test_sparse_gradients_use_optimizer_assign", "test_loss_scale_infinite_step_is_skipped"):
         assert name in passed, f"{name} did not pass on JAX:\n{proc.stdout[-3000:]}"

@@ -58,8 +58,8 @@ class BatchResizeSchedule(keras.optimizers.schedules.LearningRateSchedule):
     at run time. On JAX a compiled step sees only the model's and the optimizer's variables and bakes
     everything else in as a constant, so `state` must be one of the optimizer's variables: `LARS` adds
     it in `build()`; for another optimizer call `attach(optimizer)` before the first `fit`. On JAX,
-    resize between `fit` calls or from a callback (Keras syncs the state it holds before a callback
-    reads the model, and re-reads it after).
+    resize between `fit` calls, or in a callback after reading `self.model` (that makes Keras write
+    back the state it holds and re-read it before the next step; a resize without it is overwritten).
     Add `state` to a `tf.train.Checkpoint` to keep the history with the training state (an optimizer
     it is attached to saves it too); `get_config()` carries it as well, so `.keras` files and
     `from_config` rebuild the exact same schedule.
