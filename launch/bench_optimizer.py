@@ -54,7 +54,8 @@ def _keras_contenders(shapes) -> Dict[str, Callable[[], Tuple[float, float]]]:
 
     sgd = lambda: keras.optimizers.SGD(LEARNING_RATE, momentum=MOMENTUM)
     lars = lambda jit: (
-        lambda: LARS(LEARNING_RATE, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, trust_coefficient=ETA, jit_compile=jit)
+        lambda: LARS(LEARNING_RATE, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, trust_coefficient=ETA,
+                     jit_compile=jit)
     )
     return {
         "Keras SGD(momentum), tf.function": timed(sgd, False),

@@ -174,7 +174,8 @@ def test_under_mirrored_strategy(two_cpu_strategy, make_optimizer):
     history = model.fit(x, y, batch_size=64, epochs=1, verbose=0).history["loss"]
     iterations = int(model.optimizer.iterations.numpy())
     assert iterations == step + 2 and np.isfinite(history[-1])
-    assert float(model.optimizer.learning_rate) == pytest.approx(reference_lr(iterations, 0.1, 16, [(0, 16), (step, 64)]))
+    expected = reference_lr(iterations, 0.1, 16, [(0, 16), (step, 64)])
+    assert float(model.optimizer.learning_rate) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("kwargs,fragment", [

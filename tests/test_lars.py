@@ -205,8 +205,9 @@ def test_two_process_multi_worker_equals_one_process(tmp_path):
     run_python(f"import sys; sys.argv = ['w', {str(tmp_path / 'single.npz')!r}]; exec(open({str(script)!r}).read())")
     ports = [free_port(), free_port()]
     cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    configs = [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}) for i in range(2)]
     procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"worker{i}.npz")],
-                              env=dict(env, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})),
+                              env=dict(env, TF_CONFIG=configs[i]),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     try:
         outputs = [p.communicate(timeout=240)[0] for p in procs]

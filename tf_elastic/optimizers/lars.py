@@ -32,16 +32,29 @@ class LARS(keras.optimizers.Optimizer):
     `v = momentum * v + d`, `u = v` (nesterov: `momentum * v + d`),
     `trust = eta * |w| / (|u| + epsilon)`, `w = w - lr * trust * u`.
 
-    Weight decay lives inside the trust ratio, so it is never handed to the base class's decoupled
-    decay. Norms are taken per variable after the base class's gradient clipping; sparse gradients
-    (`tf.IndexedSlices`) are densified, since momentum and weight decay touch every row anyway.
+    Weight decay lives inside the trust ratio: `weight_decay` is the base class's attribute, so Keras's
+    `exclude_from_weight_decay(var_list=..., var_names=...)` works as for any Keras optimizer (on top of
+    this class's own `exclude_from_weight_decay` argument), but the base class's decoupled decay step is
+    skipped. Norms are taken per variable after the base class's gradient clipping. Sparse gradients
+    (`tf.IndexedSlices`, JAX `BCOO`) are densified before the update, since momentum and weight decay
+    touch every row anyway.
+
+    With `jit_compile=True` on TensorFlow, the XLA function writes the new weights and momentum into the
+    variables itself (in place, one launch per variable), not through `self.assign`: an override of
+    `assign`/`assign_add` does not see LARS's updates. Everything Keras does around `update_step` (EMA,
+    gradient accumulation, `LossScaleOptimizer`'s skipped steps, constraints) is unaffected; use
+    `jit_compile=False` to route every write through `self.assign`.
+
+    A learning-rate schedule with state of its own (`BatchResizeSchedule`) has its `variables` added to
+    the optimizer's in `build()`: on JAX only optimizer variables reach a compiled train step, anything
+    else is baked in as a constant when the step is traced.
 
     Args:
         learning_rate: float >= 0, a `keras.optimizers.schedules.LearningRateSchedule` or a callable;
             the global learning rate (gamma). Defaults to `1.0`.
         momentum: float in [0, 1). Defaults to `0.9`.
-        weight_decay: float >= 0, the L2 coefficient beta applied inside the trust ratio.
-            Defaults to `0.0`.
+        weight_decay: float >= 0, the L2 coefficient beta applied inside the trust ratio (also
+            `optimizer.weight_decay`). Defaults to `0.0`.
         trust_coefficient: float > 0, eta: how far a layer may move relative to its weight norm.
             Defaults to `0.001`.
         epsilon: float >= 0 added to the trust ratio's denominator. Defaults to `0.0`.
@@ -49,12 +62,13 @@ class LARS(keras.optimizers.Optimizer):
         classic_momentum: bool, the paper's form (True) or momentum-before-trust (False).
             Defaults to `True`.
         exclude_from_weight_decay: which variables get no weight decay: a regex string matched
-            against the variable path (`re.search`), a callable `variable -> bool`, or a list of
-            those. `None` excludes every variable of rank <= 1 (biases, normalisation scales and
-            offsets). Defaults to `None`.
+            against the variable path (`re.search`; the name for a plain `tf.Variable`), a callable
+            `variable -> bool`, or a list of those. `None` excludes every variable of rank <= 1
+            (biases, normalisation scales and offsets). Defaults to `None`.
         exclude_from_layer_adaptation: which variables get trust ratio 1, in the same forms. `None`
             means the same default set as weight decay's (rank <= 1). Defaults to `None`.
-        jit_compile: bool, XLA-compile the per-variable update (TensorFlow backend). Defaults to `True`.
+        jit_compile: bool, XLA-compile the per-variable update (TensorFlow backend; JAX compiles the
+            whole train step anyway). Defaults to `True`.
         {{base_optimizer_keyword_args}}
 
     References:
@@ -88,7 +102,7 @@ class LARS(keras.optimizers.Optimizer):
             learning_rate = float(_check_range("learning_rate", learning_rate, ">= 0", lambda x: x >= 0))
         super().__init__(
             learning_rate=learning_rate,
-            weight_decay=None,  # LARS decays inside the trust ratio, never through the base class.
+            weight_decay=_check_range("weight_decay", weight_decay, ">= 0", lambda x: x >= 0),
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
@@ -101,7 +115,6 @@ class LARS(keras.optimizers.Optimizer):
             **kwargs,
         )
         self.momentum = _check_range("momentum", momentum, "in [0, 1)", lambda x: 0 <= x < 1)
-        self.lars_weight_decay = _check_range("weight_decay", weight_decay, ">= 0", lambda x: x >= 0)
         self.trust_coefficient = _check_range("trust_coefficient", trust_coefficient, "> 0", lambda x: x > 0)
         self.epsilon = _check_range("epsilon", epsilon, ">= 0", lambda x: x >= 0)
         self.nesterov = bool(nesterov)
@@ -117,26 +130,43 @@ class LARS(keras.optimizers.Optimizer):
         """Creates the momentum slots and decides, once, which variables decay and adapt.
 
         Exclusions are decided here from the Keras variables (their paths): inside `update_step`
-        under a strategy the variable is a per-device `tf.Variable` with no path.
+        under a strategy the variable is a per-device `tf.Variable` with no path. A variable decays
+        unless this class's `exclude_from_weight_decay` or Keras's `exclude_from_weight_decay()` excludes
+        it. The learning-rate schedule's own variables are tracked last, so that slot indices (and
+        checkpoints written before schedules had state) stay where they were.
         """
         if self.built:
             return
         super().build(variables)
         self.momentums = self.add_optimizer_variables(variables, "momentum")
-        self._decays = [not _excluded(self.weight_decay_exclusions, v) for v in variables]
+        self._decays = [not _excluded(self.weight_decay_exclusions, v) and self._use_weight_decay(v)
+                        for v in variables]
         self._adapts = [not _excluded(self.adaptation_exclusions, v) for v in variables]
+        tracked = {id(v) for v in self.variables}
+        for variable in getattr(self._learning_rate, "variables", ()):
+            if id(variable) not in tracked:
+                self._track_variable(variable)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None) -> None:
+        """Keras's method; LARS decides exclusions in `build()`, so later calls would be silently lost."""
+        if self.built:
+            raise ValueError("`exclude_from_weight_decay()` can only be configured before the optimizer is built.")
+        super().exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def _apply_weight_decay(self, variables):
+        """LARS decays inside the trust ratio (`update_step`), never as the base class's decoupled step."""
 
     def update_step(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
         momentum = self.momentums[index]
-        gradient = ops.cast(ops.convert_to_tensor(gradient), variable.dtype)  # densifies IndexedSlices
+        gradient = ops.cast(_dense(gradient, variable), variable.dtype)
         learning_rate = ops.cast(learning_rate, variable.dtype)
         self._update(self.assign, (variable, momentum), (gradient, learning_rate),
                      (self._decays[index], self._adapts[index]))
 
     def _update_math(self, w, v, g, lr, decays: bool, adapts: bool):
         """Returns (new w, new v); `decays`/`adapts` are Python flags, so each combination traces once."""
-        beta = self.lars_weight_decay if decays else 0.0
+        beta = self.weight_decay if decays else 0.0
         d = g + beta * w if beta else g
         if self.classic_momentum:
             trust = self._trust_ratio(w, g, beta) if adapts else 1.0
@@ -161,7 +191,6 @@ class LARS(keras.optimizers.Optimizer):
         config.update(
             {
                 "momentum": self.momentum,
-                "weight_decay": self.lars_weight_decay,
                 "trust_coefficient": self.trust_coefficient,
                 "epsilon": self.epsilon,
                 "nesterov": self.nesterov,
@@ -183,6 +212,18 @@ class LARS(keras.optimizers.Optimizer):
 
 # Keras documents its shared keyword arguments in one text; reuse it as Keras' own optimizers do.
 LARS.__doc__ = LARS.__doc__.replace("{{base_optimizer_keyword_args}}", base_optimizer_keyword_args)
+
+
+def _dense(gradient, variable):
+    """The dense gradient. Sparse ones are summed into rows (duplicate indices add up, as in Keras's own
+    densification); on TensorFlow `ops.convert_to_tensor` would pass `tf.IndexedSlices` through."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if isinstance(gradient, tf.IndexedSlices):
+            return tf.math.unsorted_segment_sum(gradient.values, tf.convert_to_tensor(gradient.indices),
+                                                variable.shape[0])
+    return ops.convert_to_tensor(gradient, sparse=False)
 
 
 def _norm(x):
@@ -228,7 +269,8 @@ def _excluded(exclusions: Optional[list], variable) -> bool:
     if exclusions is None:
         return len(variable.shape) <= 1
     return any(
-        bool(entry.search(variable.path)) if isinstance(entry, re.Pattern) else bool(entry(variable))
+        bool(entry.search(getattr(variable, "path", variable.name))) if isinstance(entry, re.Pattern)
+        else bool(entry(variable))
         for entry in exclusions
     )
 

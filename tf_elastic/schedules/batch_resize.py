@@ -52,10 +52,17 @@ class BatchResizeSchedule(keras.optimizers.schedules.LearningRateSchedule):
     that are *less* noisy than the new ones, and a smaller step cannot overshoot, so there is nothing
     to protect against and waiting would only slow training.
 
-    `resize(step, batch_size)` takes effect inside an already-traced training function: the history
-    lives in one fixed-size variable (`state`), read by the traced graph and written by `resize`.
-    Add `state` to a `tf.train.Checkpoint` to keep the history with the training state; `get_config()`
-    carries it too, so `.keras` files and `from_config` rebuild the exact same schedule.
+    `resize(step, batch_size)` takes effect inside an already-compiled train step, without retracing:
+    the history lives in one fixed-size variable (`state`, also `variables`), read by the step and
+    written by `resize`. On TensorFlow (tf.function, XLA, tf.distribute) the step reads any variable
+    at run time. On JAX a compiled step sees only the model's and the optimizer's variables and bakes
+    everything else in as a constant, so `state` must be one of the optimizer's variables: `LARS` adds
+    it in `build()`; for another optimizer call `attach(optimizer)` before the first `fit`. On JAX,
+    resize between `fit` calls, or in a callback after reading `self.model` (that makes Keras write
+    back the state it holds and re-read it before the next step; a resize without it is overwritten).
+    Add `state` to a `tf.train.Checkpoint` to keep the history with the training state (an optimizer
+    it is attached to saves it too); `get_config()` carries it as well, so `.keras` files and
+    `from_config` rebuild the exact same schedule.
 
     Args:
         base: a float or a `LearningRateSchedule`, in reference-batch steps.
@@ -135,6 +142,20 @@ class BatchResizeSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return cls(base, reference_batch_size, batch_size=initial, history=resizes, **kwargs)
 
     @property
+    def variables(self) -> List[keras.Variable]:
+        """The schedule's state, for an optimizer to track (`LARS` does in `build()`)."""
+        return [self.state]
+
+    def attach(self, optimizer: keras.optimizers.Optimizer) -> None:
+        """Makes `state` one of `optimizer`'s variables, so that a JAX train step reads it at run time.
+
+        Needed on JAX for optimizers other than `LARS`; harmless on TensorFlow. Call it before the first
+        `fit` (before Keras compiles the train step); calling it twice adds nothing.
+        """
+        if all(variable is not self.state for variable in optimizer.variables):
+            optimizer._track_variable(self.state)
+
+    @property
     def history(self) -> List[Tuple[int, int]]:
         """`[(step, global_batch), ...]` from step 0 on."""
         return [(int(row[_START]), int(row[_BATCH])) for row in self._rows()]
@@ -145,14 +166,16 @@ class BatchResizeSchedule(keras.optimizers.schedules.LearningRateSchedule):
         rows = self._rows()
         last = rows[-1]
         if not _is_int(step) or step < last[_START]:
-            raise ValueError(f"`step` must be an int >= the last resize step {int(last[_START])}; received step={step!r}.")
+            raise ValueError(f"`step` must be an int >= the last resize step {int(last[_START])}; "
+                             f"received step={step!r}.")
         if int(batch_size) == int(last[_BATCH]):
             return
         index = len(rows) - 1 if step == last[_START] and len(rows) > 1 else len(rows)
         if step == last[_START] and len(rows) > 1:
             last = rows[-2]  # a second resize at the same step replaces the first
         if index > self.max_resizes:
-            raise ValueError(f"more than max_resizes={self.max_resizes} resizes; construct with a larger `max_resizes`.")
+            raise ValueError(f"more than max_resizes={self.max_resizes} resizes; "
+                             "construct with a larger `max_resizes`.")
         previous_batch = float(last[_BATCH])
         progress = float(last[_PROGRESS]) + (step - float(last[_START])) * previous_batch / self.reference_batch_size
         current = _scale_at(last, float(step), self.momentum)
@@ -161,7 +184,8 @@ class BatchResizeSchedule(keras.optimizers.schedules.LearningRateSchedule):
         ramp = 0.0
         if smooth and self.transition == "linear":
             factor = max(batch_size, previous_batch) / min(batch_size, previous_batch)
-            ramp = self.transition_steps if self.transition_steps is not None else round(self.ramp_steps_per_factor * factor)
+            ramp = (self.transition_steps if self.transition_steps is not None
+                    else round(self.ramp_steps_per_factor * factor))
         mode = (2.0 if self.transition == "momentum" else 1.0) if smooth else 0.0
         table = np.array(self.state.numpy())
         table[index] = (step, batch_size, progress, current, target, ramp, mode)
