@@ -51,7 +51,8 @@ class ImageFolder(Source):
     def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         # Tensors on first use: one made before the strategy would initialise TF's runtime too early for MWMS.
         if self._tensors is None:
-            self._tensors = tf.constant(self.paths), tf.constant(self.labels)
+            with tf.init_scope():  # eager tensors, captured by each traced function
+                self._tensors = tf.constant(self.paths), tf.constant(self.labels)
         paths, labels = self._tensors
         path = tf.gather(paths, index)
         return _decode(tf.io.read_file(path), path, self.channels), tf.gather(labels, index)
@@ -131,7 +132,8 @@ class TFRecordSource(Source):
     def tensors(self) -> Tuple[tf.Tensor, ...]:
         """(paths, shard, offsets, lengths) as tensors, made on first use."""
         if self._tensors is None:
-            self._tensors = tuple(tf.constant(a) for a in (self.files, self.shard, self.offsets, self.lengths))
+            with tf.init_scope():  # eager tensors, captured by each traced function
+                self._tensors = tuple(tf.constant(a) for a in (self.files, self.shard, self.offsets, self.lengths))
         return self._tensors
 
     def _largest_label(self) -> int:
