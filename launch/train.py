@@ -195,7 +195,7 @@ def main(argv: List[str]) -> None:
     # Every worker evaluates, streaming the whole split: under MWMS evaluation runs collectives.
     evaluation = data.evaluation(test, 256, preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=False))
     try:
-        _, accuracy = model.evaluate(evaluation, verbose=0)
+        _, accuracy = model.evaluate(evaluation, verbose=0, callbacks=[elastic.ProgressCallback()])
     except tf.errors.InvalidArgumentError as error:
         raise errors.ConfigurationError(f"bad evaluation input: {data.describe_error(error)}") from None
     if world.is_chief:

@@ -50,13 +50,27 @@ class LocalJob:
                 and all(e.get(k) == v for k, v in match.items())]
 
     def wait_for(self, predicate: Callable[[], object], timeout: float = 180, what: str = "") -> object:
+        """Polls `predicate` until it holds; gives up at `timeout`, or at once when every agent has exited
+        (nothing can change any more: their reasons say why)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             result = predicate()
             if result:
                 return result
+            if self.agents and all(proc.poll() is not None for proc in self.agents.values()):
+                result = predicate()  # a last look: the agents may have written it as they ended
+                if result:
+                    return result
+                raise AssertionError(f"every agent exited while waiting for {what}: {self.exit_reasons()}\n"
+                                     f"{self.describe()}")
             time.sleep(0.05)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.describe()}")
+
+    def exit_reasons(self) -> Dict[str, str]:
+        """Each agent's exit code and the reason it logged."""
+        reasons = {e["host"]: e["reason"] for e in self.events(Event.EXIT)}
+        return {host: f"{proc.poll()}: {reasons.get(host, 'no exit event (see its log)')}"
+                for host, proc in self.agents.items()}
 
     def wait_agents(self, timeout: float = 300) -> Dict[str, int]:
         deadline = time.time() + timeout

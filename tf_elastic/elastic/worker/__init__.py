@@ -8,7 +8,7 @@ _NAMES = {
     "resolve_world": "cluster", "RESOLVERS": "cluster",
     "make_strategy": "strategy", "STRATEGIES": "strategy", "COLLECTIVES": "strategy",
     "CommittedState": "commit",
-    "fit": "training", "FitConfig": "training",
+    "fit": "training", "FitConfig": "training", "ProgressCallback": "training",
     "install_fit_fix": "keras_compat",
     "BATCH_POLICIES": "data_plan",
 }

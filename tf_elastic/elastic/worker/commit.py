@@ -49,6 +49,8 @@ class CommittedState:
         kept = tf.train.get_checkpoint_state(self._write_dir)
         # (path, time) pairs: with the times, `tf.train.CheckpointManager` also lists these commits.
         self._kept = list(zip(kept.all_model_checkpoint_paths, kept.all_model_checkpoint_timestamps)) if kept else []
+        if world.is_chief:
+            self._sweep()
         # Traced on the first commit, once every variable (optimizer slots included) exists.
         self._write = tf.function(lambda prefix: self.checkpoint.write(prefix))
 
@@ -103,6 +105,16 @@ class CommittedState:
         for old, _ in expired:
             for path in Path(old).parent.glob(Path(old).name + ".*"):
                 path.unlink(missing_ok=True)
+
+    def _sweep(self) -> None:
+        """Removes what a killed commit left: a `*_temp` directory (SIGKILL mid-write) and files of commits
+        the state file no longer names (SIGKILL between its update and the deletion of the expired one).
+        The previous round's workers are gone before a round starts, so nothing here is being written."""
+        kept = {Path(path).name for path, _ in self._kept}
+        for entry in Path(self.directory).iterdir():
+            if entry.name == "checkpoint" or entry.name.split(".", 1)[0] in kept:
+                continue
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._temp_dir:

@@ -22,7 +22,7 @@ from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, describe_error, pipeline
 from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
-from tf_elastic.elastic.worker.world import World, report_progress
+from tf_elastic.elastic.worker.world import World, report_activity, report_progress
 from tf_elastic.schedules import BatchResizeSchedule
 
 # What a collective raises when a peer died or hung (PLATFORM.md).
@@ -60,6 +60,17 @@ class FitConfig:
         """The global batch of a world with `replicas` replicas in sync."""
         return replica_batch_size(self.batch_policy, replicas, self.per_replica_batch_size,
                                   self.global_batch_size) * replicas
+
+
+class ProgressCallback(keras.callbacks.Callback):
+    """Tells the agent's progress watchdog that evaluation (or prediction) moves on: pass it to
+    `model.evaluate` after `fit`, which reports training steps and commits itself."""
+
+    def on_test_batch_end(self, batch, logs=None):
+        report_activity()
+
+    def on_predict_batch_end(self, batch, logs=None):
+        report_activity()
 
 
 class _ElasticCallback(keras.callbacks.Callback):
@@ -171,6 +182,7 @@ class _ElasticTrainer:
     def commit(self, epoch: int, samples: int) -> None:
         started = time.time()
         self.state.commit(epoch, samples, self.step, self.global_batch)
+        report_activity()
         self.last_commit = time.time()
         if self.world.is_chief:
             loss = None if self.last_loss is None else float(self.last_loss)

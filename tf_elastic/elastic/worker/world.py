@@ -122,13 +122,20 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
 
 
 def _alive(pid: int) -> bool:
+    """Is `pid` running? A killed agent whose parent has not reaped it yet is a zombie: not running."""
     try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
         return False
-    except PermissionError:
-        return True  # exists, under another user
+    except OSError:  # no /proc (not Linux): ask the kernel whether the PID exists
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
 
 
 def exit_now(code: int) -> None:

@@ -1,0 +1,305 @@
+"""Regression tests for the defects a review of the agent, rendezvous and stores found (issue 14), in one
+process where they can be: each failed before its fix."""
+import errno
+import fcntl
+import http.server
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous
+from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.store import StoreError
+from tf_elastic.elastic.store.file import FileStore
+from tf_elastic.testing import audit
+from tf_elastic.testing.local_job import LocalJob, signal_pid
+from tf_elastic.testing.net import free_port
+
+FAST = Timeouts(rendezvous=10, last_call=0.2, survivor_wait=5, host_ttl=0.4, poll=0.05)
+
+
+def _rendezvous(store, host, **kwargs):
+    args = dict(nproc=1, addr="127.0.0.1", min_workers=1, max_workers=2, max_restarts=3, timeouts=FAST)
+    return Rendezvous(store, "job", host, **dict(args, **kwargs))
+
+
+# File store ----------------------------------------------------------------------------------------
+def test_file_store_is_private_and_refuses_a_root_others_can_write(tmp_path):
+    store = FileStore(str(tmp_path / "rdzv"))
+    store.set("/job/k", "v")
+    assert (tmp_path / "rdzv").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "rdzv" / "job" / "k.json").stat().st_mode & 0o777 == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(StoreError, match="writable by group or others"):
+        FileStore(str(shared))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)  # (the tests run as root, as CI does)
+    with pytest.raises(StoreError, match="belongs to another user"):
+        FileStore(str(foreign))
+
+
+def test_file_store_lock_held_by_a_stuck_process_is_an_error_not_a_hang(tmp_path):
+    store = FileStore(str(tmp_path / "rdzv"), lock_timeout=0.3)
+    store.set("/job/k", "v")
+    holder = os.open(tmp_path / "rdzv" / ".lock", os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file description: as another process would hold it
+    try:
+        with pytest.raises(StoreError, match="lock .* is held by another process"):
+            store.set("/job/k", "w")
+    finally:
+        os.close(holder)
+    store.set("/job/k", "w")
+    assert store.get("/job/k") == "w"
+
+
+def test_file_store_disk_errors_are_store_errors_and_files_are_synced_before_the_rename(tmp_path, monkeypatch):
+    store = FileStore(str(tmp_path / "rdzv"))
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), real_fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b)))
+    store.set("/job/k", "v")
+    assert calls == ["fsync", "replace"]
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.set("/job/k", "w")
+    assert store.get("/job/k") == "v"  # the committed value stays
+
+
+def test_a_lease_is_timed_on_the_readers_clock_not_the_writers(tmp_path, monkeypatch):
+    """A writer whose wall clock runs an hour behind (or a file server's) must not make its live lease
+    look expired; a lease nobody renews expires after its TTL on the reader's own clock."""
+    writer, reader = FileStore(str(tmp_path / "rdzv")), FileStore(str(tmp_path / "rdzv"))
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() - 3600)
+    writer.set("/job/hosts/a", "{}", ttl=0.5)
+    monkeypatch.setattr(time, "time", real_time)
+    for _ in range(8):  # renewed every 0.1 s for longer than the TTL
+        assert reader.get("/job/hosts/a") == "{}"
+        writer.set("/job/hosts/a", "{}", ttl=0.5)
+        time.sleep(0.1)
+    assert reader.get("/job/hosts/a") == "{}"  # the last renewal, first seen now
+    time.sleep(0.7)
+    assert reader.get("/job/hosts/a") is None
+
+
+@pytest.mark.parametrize("record", [{"value": "v", "version": "1", "ttl": "soon"}, {"value": "v", "expires": 3}])
+def test_file_store_malformed_records_are_named(tmp_path, record):
+    store = FileStore(str(tmp_path))
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "k.json").write_text(json.dumps(record))
+    with pytest.raises(StoreError, match="malformed store file"):
+        store.get("/job/k")
+
+
+# Rendezvous ----------------------------------------------------------------------------------------
+def _round_record(**change):
+    record = json.loads(Round(0, "joining", "start", 0, 1.0, {"a": {"nproc": 1, "addr": "x", "ports": [1],
+                                                                    "joined": 1.0, "previous_rank": None}},
+                              []).to_json())
+    record.update(change)
+    return json.dumps(record)
+
+
+@pytest.mark.parametrize("text", [
+    _round_record(number="3"), _round_record(participants={"a": {}}), _round_record(opened="soon"),
+    _round_record(expected=[1]), _round_record(assignment={"a": ["0"]}), "[]", "null",
+], ids=["number as text", "empty participant", "opened as text", "expected ints", "ranks as text", "a list",
+        "null"])
+def test_malformed_round_records_are_store_errors_naming_the_field(text):
+    with pytest.raises(StoreError, match="malformed rendezvous round record"):
+        Round.from_json(text)
+
+
+def test_a_second_live_agent_with_the_same_host_id_is_refused(tmp_path):
+    store = FileStore(str(tmp_path))
+    first = _rendezvous(store, "node1")
+    first.claim_host_id()
+    stop = threading.Event()
+
+    def renew():
+        while not stop.is_set():
+            first.keepalive()
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    try:
+        with pytest.raises(HostIdTaken, match="another live agent already uses --host_id='node1'"):
+            _rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()
+    finally:
+        stop.set()
+        thread.join()
+    _rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()  # once the first is gone, the id is free
+
+
+def test_two_agents_of_one_address_get_different_ports_from_a_port_range(tmp_path):
+    low = free_port()
+    store = FileStore(str(tmp_path))
+    rounds = {}
+    threads = [threading.Thread(target=lambda h=h: rounds.update({h: _rendezvous(
+        store, h, port_range=(low, low + 1), min_workers=2).join()})) for h in "ab"]
+    [t.start() for t in threads]
+    [t.join(timeout=20) for t in threads]
+    ports = [int(addr.rsplit(":", 1)[1]) for addr in rounds["a"].cluster]
+    assert sorted(ports) == [low, low + 1]
+
+
+def test_an_advertised_address_that_is_not_this_hosts_still_gets_ports(tmp_path):
+    """A NAT or public address (here TEST-NET-3) cannot be bound here; the probe used to loop forever."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(round=_rendezvous(
+        FileStore(str(tmp_path)), "a", addr="203.0.113.7", max_workers=1).join()), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and result["round"].cluster[0].startswith("203.0.113.7:")
+
+
+def test_losing_the_race_to_open_the_next_round_never_fails_the_job(tmp_path):
+    store = FileStore(str(tmp_path))
+    a, b = _rendezvous(store, "a", max_restarts=0, max_workers=1), _rendezvous(store, "b", max_restarts=0)
+    seen = a.join()
+    assert b.open_next(seen, reason="join b", failure=False)  # b moves on first, without a failure
+    assert not a.open_next(seen, reason="worker_exit", failure=True)
+    assert a.job.outcome() is None
+
+
+
+
+# With real agents and workers ------------------------------------------------------------------------
+# A worker that heartbeats like launch.train (and so watches its agent), wrapped in a shell that stays its
+# parent, as `sh -c ...` or `conda run ...` would. It writes its PID, then waits.
+WRAPPED = ["sh", "-c", f"{sys.executable} -c \"import os, sys, time; "
+           "from tf_elastic.elastic.worker.world import World, report_progress, start_heartbeat; "
+           "w = World.from_env(); start_heartbeat(w); report_progress(1); "
+           "open(os.path.join(os.environ['TF_ELASTIC_RUN_DIR'], f'pid{w.rank}'), 'w').write(str(os.getpid())); "
+           "time.sleep(600)\"; true"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def job(tmp_path):
+    made = LocalJob(tmp_path, [], ["--nowarm_start", "--min_workers=1", "--max_workers=2", "--last_call=0.5"])
+    yield made
+    made.cleanup()
+
+
+@pytest.mark.slow
+def test_a_wrapped_worker_is_stopped_with_its_group_and_dies_with_a_killed_agent(job):
+    """The agent signals the worker's whole process group, so a graceful stop reaches the real trainer
+    behind `sh -c`; and a trainer whose agent was SIGKILLed ends itself instead of training on alone."""
+    for host in "ab":
+        job.start_agent(host, command=WRAPPED)
+    pids = {}
+    for rank in (0, 1):
+        job.wait_for(lambda r=rank: (job.run_dir / f"pid{r}").exists(), timeout=60, what=f"rank {rank}'s PID")
+        pids[rank] = int((job.run_dir / f"pid{rank}").read_text())
+    hosts = {e["source"].split(":")[1]: e["rank"] for e in job.events(Event.WORKER_START)}
+    job.agents["a"].send_signal(signal.SIGTERM)  # a graceful leave: SIGTERM to a's group
+    job.wait_for(lambda: not _alive(pids[hosts["a"]]), timeout=30, what="a's trainer to stop")
+    job.agents["b"].kill()  # SIGKILL: b cannot stop its worker
+    deadline = time.time() + 30
+    while _alive(pids[hosts["b"]]) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids[hosts["b"]]), "b's trainer outlived its SIGKILLed agent"
+
+
+@pytest.mark.slow
+def test_a_third_host_waits_as_standby_and_takes_a_freed_place(job):
+    """Three hosts, two places: the third waits without opening round after round (it used to open 25 in
+    30 s), and takes the place of a host that is lost."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    for host in "abc":
+        job.start_agent(host, command=sleeper)
+    job.wait_for(lambda: len({e["source"] for e in job.events(Event.RENDEZVOUS)}) == 2, timeout=60,
+                 what="two hosts training")
+    time.sleep(4.0)  # time enough for the round-after-round churn this test guards against
+    rounds = {e["round"] for e in job.events(Event.RENDEZVOUS)}
+    assert len(rounds) <= 2, rounds  # the start, and at most one join before the standby saw a full round
+    training = {e["source"].split(":")[1] for e in job.events(Event.RENDEZVOUS) if e["round"] == max(rounds)}
+    (standby,) = set("abc") - training
+    lost = sorted(training)[0]
+    job.kill_host(lost)
+    job.wait_for(lambda: [e for e in job.events(Event.RENDEZVOUS, source=f"agent:{standby}")], timeout=60,
+                 what=f"the standby {standby} to take a place")
+    assert not job.events(Event.EXIT)  # nobody gave up waiting
+
+
+class _Notices(http.server.BaseHTTPRequestHandler):
+    """A metadata-server stand-in: 404 (no notice) until `notice` is set, as AWS's spot endpoint does."""
+    notice = None
+
+    def do_GET(self):  # noqa: N802 (the handler's API)
+        body = (self.notice or "").encode()
+        self.send_response(200 if self.notice else 404)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.slow
+def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
+    """One training job, three hosts. c gets a notice from its metadata URL, b Slurm's SIGUSR1: each commits
+    and leaves without a counted failure or a lost step. Then a's worker's main thread blocks (its heartbeat
+    goes on): the progress watchdog restarts it and the job finishes."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Notices)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/latest/meta-data/spot/instance-action"
+    train = ["--dataset=digits", "--epochs=40", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd",
+             "--learning_rate=0.02", "--commit_every_steps=10"]
+    job = LocalJob(tmp_path, train, ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1",
+                                     "--preemption_signals=SIGTERM,SIGUSR1", "--nowarm_start"])
+    try:
+        job.start_agent("a", env={"TF_ELASTIC_TEST_FAULTS": "1"}, progress_timeout=5)
+        job.start_agent("b")
+        job.start_agent("c", preemption_notice_url=url, preemption_poll_interval=0.2)
+        job.first_step_after(0, world_size=3, timeout=300)
+        noticed = time.time()
+        _Notices.notice = json.dumps({"action": "terminate", "time": "2099-01-01T00:00:00Z"})
+        job.first_step_after(noticed, world_size=2)
+        signalled = time.time()
+        job.agents["b"].send_signal(signal.SIGUSR1)
+        job.first_step_after(signalled, world_size=1)
+        stuck = time.time()
+        signal_pid(job.worker_pid("a"), signal.SIGUSR2)
+        job.first_step_after(stuck, world_size=1)
+        assert job.wait_agents(timeout=600) == {"a": 0, "b": 0, "c": 0}
+    finally:
+        job.cleanup()
+        server.shutdown()
+    notices = job.events(Event.PREEMPTION_NOTICE)
+    assert {e["host"] for e in notices} == {"b", "c"} and "SIGUSR1" in str(notices)
+    assert [e["seconds_left"] > 0 for e in notices if e["host"] == "c"] == [True]
+    leaves = {e["host"]: e for e in job.events(Event.LEAVE)}
+    assert set(leaves) == {"b", "c"} and all(e["seconds_after_notice"] > 0 for e in leaves.values())
+    failures = job.events(Event.FAILURE)
+    assert [(f["kind"], f["host"]) for f in failures] == [("no_progress", "a")]
+    restores = audit.restores(job.run_dir)
+    leave_rounds = sorted(e["round"] for e in leaves.values())
+    # A graceful leave loses nothing: the next round restores exactly the step the group stopped at.
+    for round_ in leave_rounds:
+        reached = max(r["step"] for r in audit.index_records(job.run_dir) if r["round"] == round_)
+        assert restores[round_ + 1] == reached
+    assert not (job.run_dir / "heartbeats").exists()  # heartbeats live on the host, not in the run dir
