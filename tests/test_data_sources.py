@@ -165,11 +165,12 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
 
 
 @pytest.mark.slow
-def test_kill_and_join_mid_epoch_on_an_image_folder_keep_every_example_once(files, tmp_path):
+@pytest.mark.parametrize("kind", ["folder", "tfrecord"])  # per-file reads; runs of records in shard order
+def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
-    epoch exactly once, by the indices the workers logged while reading image files."""
-    epochs, commit_every = 3, 5
-    job = LocalJob(tmp_path, [f"--dataset=folder:{files['folder']}", "--image_size=16", "--per_replica_batch_size=16",
+    epoch exactly once, by the indices the workers logged while reading the files."""
+    epochs, commit_every = 10, 5  # long enough for c to join before the survivor alone finishes
+    job = LocalJob(tmp_path, [f"--dataset={kind}:{files[kind]}", "--image_size=16", "--per_replica_batch_size=16",
                               "--threads=1", f"--commit_every_steps={commit_every}", "--optimizer=sgd",
                               f"--epochs={epochs}"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
