@@ -153,6 +153,23 @@ def test_commits_keep_the_newest_three_in_a_state_file_tensorflow_reads(tmp_path
     assert sorted({p.name.split(".")[0] for p in directory.glob("ckpt-*")}) == names
 
 
+def test_the_chief_sweeps_what_killed_commits_left(tmp_path):
+    """A SIGKILL mid-write leaves TF's `_temp` directory; one between the state file's update and the
+    deletion of the expired commit leaves that commit's files. The next chief removes both, and keeps
+    every commit the state file names."""
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    for step in range(1, 4):
+        state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
+    directory = tmp_path / "checkpoints"
+    kept = sorted(p.name for p in directory.iterdir())
+    (directory / "ckpt-9-0-288_temp").mkdir()
+    (directory / "ckpt-9-0-288_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x")
+    (directory / "ckpt-0-0-0.index").write_bytes(b"expired")
+    CommittedState(World(), str(tmp_path), model, schedule)
+    assert sorted(p.name for p in directory.iterdir()) == kept
+
+
 def test_a_corrupted_newest_commit_is_skipped_for_the_previous_one(tmp_path):
     model, schedule = _training_setup()
     state = CommittedState(World(), str(tmp_path), model, schedule)

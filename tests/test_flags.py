@@ -35,6 +35,8 @@ TRAIN_BAD = [
     ("--batch_policy=half", "batch_policy"),
     ("--batch_policy=global", "global_batch_size"),
     ("--strategy=tpu", "--tpu"),
+    ("--learning_rate=nan", "--learning_rate must be a finite number"),
+    ("--commit_every_seconds=inf", "--commit_every_seconds must be a finite number"),
 ]
 
 
@@ -58,6 +60,13 @@ AGENT_BAD = [
     (["--max_restarts=-1"], "--max_restarts"),
     (["--job_id="], "--job_id is required"),
     (["--no_command"], "give the worker command after '--'"),
+    (["--host_ttl=nan"], "--host_ttl must be a finite number"),
+    (["--stop_grace=nan"], "--stop_grace must be a finite number"),
+    (["--host_id=../x"], "--host_id='../x': use 1-128 letters"),
+    (["--host_id=rack1/node3"], "--host_id='rack1/node3': use 1-128 letters"),
+    (["--host_id=" + "h" * 300], "use 1-128 letters"),
+    (["--preemption_signals=SIGFOO"], "--preemption_signals: unknown signal"),
+    (["--advertise_addr=no-such-host.invalid"], "--advertise_addr='no-such-host.invalid' does not resolve"),
 ]
 
 

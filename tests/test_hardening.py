@@ -6,6 +6,7 @@ import http.server
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ from tf_elastic.elastic.protocol import Event
 from tf_elastic.elastic.store import StoreError
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.testing import audit
-from tf_elastic.testing.local_job import LocalJob, signal_pid
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, signal_pid
 from tf_elastic.testing.net import free_port
 
 FAST = Timeouts(rendezvous=10, last_call=0.2, survivor_wait=5, host_ttl=0.4, poll=0.05)
@@ -202,6 +203,25 @@ def job(tmp_path):
     made = LocalJob(tmp_path, [], ["--nowarm_start", "--min_workers=1", "--max_workers=2", "--last_call=0.5"])
     yield made
     made.cleanup()
+
+
+@pytest.mark.slow
+def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
+    """A benchmark or test used to wait out its whole timeout after every agent had failed."""
+    job.start_agent("a", command=[sys.executable, "-c", "raise SystemExit(78)"])
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"every agent exited .*'a': .1: rank 0 stopped on a configuration"):
+        job.wait_for(lambda: job.events(Event.FIRST_STEP), timeout=600, what="a first step")
+    assert time.monotonic() - started < 300  # timing-ok: far below the timeout it used to wait out
+
+
+@pytest.mark.slow
+def test_an_etcd_password_without_tls_is_warned_about(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.elastic_run", f"--rdzv=file://{tmp_path / 'rdzv'}",
+                           "--job_id=j", f"--run_dir={tmp_path / 'run'}", "--rdzv_user=u", "--min_workers=2",
+                           "--max_workers=2", "--rendezvous_timeout=0.5", "--", "true"],
+                          cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=60)
+    assert "the password goes to etcd in clear text" in proc.stderr
 
 
 @pytest.mark.slow

@@ -191,7 +191,7 @@ class TFRecordSource(Source):
             return first + tf.range(count), tf.strings.substr(data, offsets[first:first + count] - header,
                                                               lengths[first:first + count])
 
-        # Opening a run is cheap to interleave; splitting it runs in a parallel map outside.
+        # Runs open in an interleave (no function per run there); splitting them is a parallel map outside.
         records = runs.interleave(lambda *run: read_run(*run), cycle_length=8, num_parallel_calls=AUTOTUNE,
                                   deterministic=True).map(split, num_parallel_calls=AUTOTUNE, deterministic=True)
         return records.unbatch()
