@@ -149,7 +149,7 @@ def test_train_on_a_prepared_tfds_dataset(tmp_path):
                                                 split_datasets=splits, data_dir=tmp_path / "tfds",
                                                 file_format="array_record")  # what tfds.data_source reads
     proc = run_python(f"import sys; sys.argv = ['t', '--dataset=tfds:digits_local', '--data_dir={tmp_path / 'tfds'}', "
-                      f"'--epochs=2', '--optimizer=sgd', '--run_dir={tmp_path / 'run'}'];"
+                      f"'--epochs=3', '--optimizer=sgd', '--run_dir={tmp_path / 'run'}'];"
                       "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
     accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.8, proc.stdout[-2000:]
