@@ -192,3 +192,15 @@ def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
         assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
     finally:
         job.cleanup()
+
+
+def test_mnist_without_a_local_file_falls_back_to_keras_and_says_so(tmp_path, monkeypatch, capsys):
+    import keras
+
+    from tf_elastic.elastic.worker import datasets
+
+    tiny = np.zeros((4, 28, 28), np.uint8), np.arange(4)
+    monkeypatch.setattr(keras.datasets.mnist, "load_data", lambda: (tiny, tiny))
+    loaded = datasets.load("mnist", str(tmp_path))
+    assert loaded.x_train.shape == (4, 28, 28, 1)
+    assert "falling back to keras.datasets.mnist.load_data()" in capsys.readouterr().out
