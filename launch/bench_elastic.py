@@ -23,7 +23,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.protocol import Env, Event
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
@@ -32,6 +32,7 @@ flags.DEFINE_list("rdzv", ["file", "etcd"], "Store backends to run the fault seq
 flags.DEFINE_list("round_agents", ["2", "4", "8"], "Agent counts for the rendezvous round time (trivial workers).")
 flags.DEFINE_string("rdzv_dir", None, "Parent directory for stores and run dirs (default: a temp dir).")
 flags.DEFINE_float("heartbeat_timeout", 3.0, "The agents' --heartbeat_timeout (the default).", lower_bound=0.5)
+flags.DEFINE_float("progress_timeout", 5.0, "The agents' --progress_timeout (a stuck main thread).", lower_bound=1.0)
 flags.DEFINE_integer("commit_every_steps", 100, "The workers' commit interval (launch.train's default).", lower_bound=0)
 flags.DEFINE_enum("mode", "bench", ["bench", "plain_worker"], "plain_worker: one plain-MWMS worker (internal).")
 flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings.")
@@ -45,6 +46,7 @@ def _job(root: Path, epochs: int, *agent_args: str, rdzv: str = None) -> LocalJo
     root.mkdir(parents=True)
     return LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--commit_every_steps={FLAGS.commit_every_steps}"],
                     ["--min_workers=1", "--max_workers=2", f"--heartbeat_timeout={FLAGS.heartbeat_timeout}",
+                     f"--progress_timeout={FLAGS.progress_timeout}", "--preemption_signals=SIGTERM,SIGUSR1",
                      *agent_args], rdzv=rdzv)
 
 
@@ -55,20 +57,24 @@ def _spares_ready(job: LocalJob, host: str, since: float) -> None:
 
 
 def _fault_sequence(root: Path, rdzv: str = None) -> Dict[str, float]:
-    job = _job(root, 50, rdzv=rdzv)
+    """In order: b's worker hangs (SIGSTOP), b's worker's main thread blocks (its heartbeat goes on), b's
+    host is lost (SIGKILL of agent and worker), c joins, c gets a preemption notice (SIGUSR1) and leaves."""
+    job = _job(root, 60, rdzv=rdzv)
     try:
-        job.start_agent("a")
-        job.start_agent("b")
+        job.start_agent("a", env={Env.TEST_FAULTS: "1"})
+        job.start_agent("b", env={Env.TEST_FAULTS: "1"})
         started = job.first_step_after(0, world_size=2)
         job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > started["time"]])
         _spares_ready(job, "a", started["time"])
         _spares_ready(job, "b", started["time"])
-        hung = job.worker_pid("b")
         t_hang = time.time()
-        os.kill(hung, signal.SIGSTOP)
+        os.kill(job.worker_pid("b"), signal.SIGSTOP)
         after_hang = job.first_step_after(t_hang, world_size=2)
-        job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > after_hang["time"]])
-        _spares_ready(job, "a", after_hang["time"])
+        _committed_and_ready(job, after_hang, "a", "b")
+        t_stall = time.time()
+        os.kill(job.worker_pid("b"), signal.SIGUSR2)
+        after_stall = job.first_step_after(t_stall, world_size=2)
+        _committed_and_ready(job, after_stall, "a")
         t_kill = time.time()
         worker = job.worker_pid("b")
         job.agents["b"].kill()
@@ -79,13 +85,32 @@ def _fault_sequence(root: Path, rdzv: str = None) -> Dict[str, float]:
         job.start_agent("c")
         after_join = job.first_step_after(t_join, world_size=2)
         announced = [e["time"] for e in job.events(Event.MEMBERSHIP_CHANGE, source="agent:a") if e["time"] > t_join][0]
-        reached = max(e["step"] for e in job.events(Event.WORKER_EXIT, rank=0) if e["round"] < after_join["round"])
-        restored = job.events(Event.RESTORE, rank=0, round=after_join["round"])[0]["step"]
-        return {"hang": after_hang["time"] - t_hang, "kill": after_kill["time"] - t_kill,
-                "join": after_join["time"] - announced, "join_from_agent_start": after_join["time"] - t_join,
-                "join_lost_steps": reached - restored}
+        _committed_and_ready(job, after_join, "a", "c")
+        t_notice = time.time()
+        job.agents["c"].send_signal(signal.SIGUSR1)
+        after_notice = job.first_step_after(t_notice, world_size=1)
+        left = job.wait_for(lambda: job.events(Event.LEAVE, host="c"))[0]
+        return {"hang": after_hang["time"] - t_hang, "stall": after_stall["time"] - t_stall,
+                "kill": after_kill["time"] - t_kill, "join": after_join["time"] - announced,
+                "join_from_agent_start": after_join["time"] - t_join, "join_lost_steps": _lost(job, after_join),
+                "notice_leave": left["time"] - t_notice, "notice_first_step": after_notice["time"] - t_notice,
+                "notice_lost_steps": _lost(job, after_notice)}
     finally:
         job.cleanup()
+
+
+def _committed_and_ready(job: LocalJob, after: Dict, *hosts: str) -> None:
+    """Waits for a commit of the new group and for warm spares on `hosts`, so the next fault meets a
+    recovered job."""
+    job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > after["time"]], what="a commit")
+    for host in hosts:
+        _spares_ready(job, host, after["time"])
+
+
+def _lost(job: LocalJob, first_step: Dict) -> int:
+    """Steps the previous round's chief reached but the round of `first_step` did not restore."""
+    reached = max(e["step"] for e in job.events(Event.WORKER_EXIT, rank=0) if e["round"] < first_step["round"])
+    return reached - job.events(Event.RESTORE, rank=0, round=first_step["round"])[0]["step"]
 
 
 def _round_times(root: Path, agents: int, rdzv: str = None, rounds: int = 3) -> List[float]:
@@ -221,6 +246,10 @@ def main(argv: List[str]) -> None:
     for name, key, unit, target in (
             ("kill -> first step of the new group", "kill", "s", "<= 5 s"),
             ("hang (SIGSTOP) -> first step", "hang", "s", "<= 8 s"),
+            (f"blocked main thread -> first step (progress_timeout={FLAGS.progress_timeout:g}s)", "stall", "s", ""),
+            ("preemption notice (SIGUSR1) -> graceful leave", "notice_leave", "s", ""),
+            ("preemption notice -> first step without the host", "notice_first_step", "s", ""),
+            ("steps lost by a preemption notice", "notice_lost_steps", "", "0"),
             ("join (round opened) -> first step at the new size", "join", "s", "<= 8 s"),
             ("new agent started -> first step at the new size (incl. its warm-up)", "join_from_agent_start", "s", ""),
             ("steps lost by a join", "join_lost_steps", "", "0")):

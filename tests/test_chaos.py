@@ -7,10 +7,11 @@ pytestmark = pytest.mark.slow
 
 
 def test_ten_random_faults_lose_nothing(tmp_path):
-    # Seed 133 draws all eight fault kinds (the soak's own RNG alone decides kinds and targets), so a broken
-    # injection fails here. 40 epochs: the tenth fault comes before epoch 25 (measured).
-    result = soak.run_soak(tmp_path, faults=10, seed=133, rdzv="etcd", epochs=40, max_gap=0.5, wait_for_spares=False)
+    # The soak draws every kind once before it repeats one (in a seeded order), so a broken injection of
+    # any kind fails here; failed_invariants also wants every fault recovered and every epoch checked.
+    result = soak.run_soak(tmp_path, faults=11, seed=133, rdzv="etcd", epochs=48, max_gap=0.5, wait_for_spares=False)
     print(soak.table(result))
-    assert len(result["faults"]) == 10, "the job ended before every fault was injected"
+    assert len(result["faults"]) == 11, "the job ended before every fault was injected"
+    assert {f["kind"] for f in result["faults"]} == set(soak.KINDS)
     assert soak.failed_invariants(result, tolerance=0.03) == []
     assert result["checks"]["samples_repeated"] == result["checks"]["samples_skipped"] == 0

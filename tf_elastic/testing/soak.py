@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from tf_elastic.elastic.events import read_events
-from tf_elastic.elastic.protocol import Event, RunDir
+from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing import audit
 from tf_elastic.testing.etcd_server import EtcdServer
@@ -28,10 +28,13 @@ from tf_elastic.testing.net import bindable
 
 TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--commit_every_steps=10",
          "--optimizer=sgd", "--learning_rate=0.02"]  # 0.05 diverges at world size 3 even without faults (measured)
+# SIGUSR1 is a preemption notice (Slurm's --signal=USR1@90); no progress for 8 s is a stuck worker.
 AGENT = ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1", "--blacklist_after=1000",
-         "--stop_grace=10"]
-KINDS = ("kill_worker", "kill_host", "stop_worker", "term_agent", "start_agent", "kill_chief_in_commit",
-         "corrupt_checkpoint", "restart_store")
+         "--stop_grace=10", "--preemption_signals=SIGTERM,SIGUSR1", "--progress_timeout=8"]
+KINDS = ("kill_worker", "kill_host", "stop_worker", "stall_worker", "term_agent", "preempt_agent", "start_agent",
+         "kill_chief_in_commit", "corrupt_checkpoint", "restart_store")
+# Kinds that end a host's part in the job, and need another host to carry on.
+_LEAVING = ("kill_host", "term_agent", "preempt_agent")
 
 
 @dataclasses.dataclass
@@ -55,11 +58,14 @@ class Soak:
         self.live: List[str] = []
         self.spawned = 0
         self.faults: List[Fault] = []
+        # Every kind once, in a seeded order, before any repeats: a short soak still draws them all.
+        self.plan = [k for k in KINDS if etcd or k != "restart_store"]
+        rng.shuffle(self.plan)
 
     def start_host(self) -> str:
         host = f"h{self.spawned}"
         self.spawned += 1
-        self.job.start_agent(host, env={"TMPDIR": str(self.tmp)})
+        self.job.start_agent(host, env={"TMPDIR": str(self.tmp), Env.TEST_FAULTS: "1"})
         self.live.append(host)
         return host
 
@@ -67,13 +73,18 @@ class Soak:
         return any(self.job.agents[h].poll() is None for h in self.live)
 
     def choose(self) -> str:
-        kinds = ["kill_worker", "stop_worker", "kill_chief_in_commit", "corrupt_checkpoint"]
+        """The next kind of the plan that fits the job now, else a random one that does."""
+        kinds = ["kill_worker", "stop_worker", "stall_worker", "kill_chief_in_commit", "corrupt_checkpoint"]
         if len(self.live) >= 2:
-            kinds += ["kill_host", "term_agent"]
+            kinds += list(_LEAVING)
         if len(self.live) < 3:
             kinds += ["start_agent", "start_agent"]
         if self.etcd:
             kinds.append("restart_store")
+        planned = next((k for k in self.plan if k in kinds), None)
+        if planned:
+            self.plan.remove(planned)
+            return planned
         return self.rng.choice(kinds)
 
     def chief_host(self) -> str:
@@ -94,8 +105,10 @@ class Soak:
             self.live.remove(host)
         elif kind == "stop_worker":
             signal_pid(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
-        elif kind == "term_agent":
-            job.agents[host].send_signal(signal.SIGTERM)
+        elif kind == "stall_worker":
+            signal_pid(job.worker_pid(host), signal.SIGUSR2)  # its main thread blocks; its heartbeat goes on
+        elif kind in ("term_agent", "preempt_agent"):
+            job.agents[host].send_signal(signal.SIGTERM if kind == "term_agent" else signal.SIGUSR1)
             self.live.remove(host)
         elif kind == "start_agent":
             fault.target = self.start_host()
@@ -123,7 +136,7 @@ class Soak:
             if self.running():
                 raise
             fault.note += " (the job had finished)"
-        if fault.kind == "term_agent":
+        if fault.kind in ("term_agent", "preempt_agent"):
             self.job.agents[fault.target].wait(timeout=60)
         if not self.wait_for_spares:
             return  # the next fault may meet a group whose workers start cold: harder, and quicker to run
@@ -268,6 +281,12 @@ def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
     for key in ("progress_backwards", "orphans", "leaked_temp_dirs", "ports_still_bound"):
         if c[key]:
             failed.append(f"{key}: {c[key]}")
+    if c["epochs_checked"] != result["epochs"]:
+        failed.append(f"the index logs cover {c['epochs_checked']} of the {result['epochs']} epochs trained")
+    unrecovered = [f"{f['kind']} at {f['time']:.1f}" for f in result["faults"] if f["recovered"] is None
+                   and f["kind"] != "restart_store" and "job had finished" not in f["note"]]
+    if unrecovered:
+        failed.append(f"faults without a recovery: {unrecovered}")
     return failed
 
 
