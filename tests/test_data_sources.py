@@ -169,8 +169,9 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
 def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
     epoch exactly once, by the indices the workers logged while reading the files."""
-    epochs, commit_every = 10, 5  # long enough for c to join before the survivor alone finishes
-    job = LocalJob(tmp_path, [f"--dataset={kind}:{files[kind]}", "--image_size=16", "--per_replica_batch_size=16",
+    # Small batches, many steps: long enough for c to join before the survivor alone finishes.
+    epochs, commit_every, batch = 10, 5, 8
+    job = LocalJob(tmp_path, [f"--dataset={kind}:{files[kind]}", "--image_size=16", f"--per_replica_batch_size={batch}",
                               "--threads=1", f"--commit_every_steps={commit_every}", "--optimizer=sgd",
                               f"--epochs={epochs}"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
@@ -187,7 +188,7 @@ def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
                               and e["world_size"] == 2], what="c joining")
         codes = job.wait_agents()
         assert codes["a"] == 0 and codes["c"] == 0, job.describe()
-        counts = audit.exactly_once(job.run_dir, 1400, 32)
+        counts = audit.exactly_once(job.run_dir, 1400, 2 * batch)
         assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0}, counts
         assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
     finally:

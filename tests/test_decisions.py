@@ -141,3 +141,16 @@ def test_progress_timeout_is_the_flag_else_ten_longest_gaps_but_never_below_the_
     assert decisions.progress_timeout(5.0, floor=60.0, longest_gap=100.0) == 5.0
     assert decisions.progress_timeout(None, floor=60.0, longest_gap=2.0) == 60.0
     assert decisions.progress_timeout(None, floor=60.0, longest_gap=9.0) == 90.0
+
+
+@pytest.mark.parametrize("visible, nproc, devices", [
+    ([], 4, None), (["0", "1", "2", "3"], 4, ["0", "1", "2", "3"]), (["0", "1", "2", "3"], 2, ["0,1", "2,3"]),
+    (["0", "1", "2", "3"], 1, ["0,1,2,3"]), (["4", "6"], 2, ["4", "6"]), (["0", "1", "2"], 2, ["0", "1"]),
+])
+def test_each_local_worker_gets_its_own_share_of_the_gpus(visible, nproc, devices):
+    assert decisions.assign_devices(visible, nproc) == devices
+
+
+def test_more_workers_than_gpus_is_refused():
+    with pytest.raises(ValueError, match="--nproc=3 but only 2 GPUs are visible"):
+        decisions.assign_devices(["0", "1"], 3)

@@ -266,7 +266,9 @@ def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
     cluster here): it lists pods sorted by name, so worker w-10 comes before w-2. Each pod must find
     its own index from its node address."""
     monkeypatch.setenv("TF_CONFIG", "")  # restored (unset) afterwards: resolve_world writes it
-    mine = socket.gethostbyname(socket.gethostname())
+    mine = "10.0.0.2"  # pinned: computing it the way the code does would hide a wrong lookup
+    monkeypatch.setattr(socket, "gethostname", lambda: "w-2")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: {"w-2": mine}[name])
     addresses = {"w-0": "10.0.0.1", "w-2": mine, "w-10": "10.0.0.3"}
 
     class PodsApi:
@@ -284,6 +286,6 @@ def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
     assert (world.rank, world.size) == (2, 3)
     with pytest.raises(ValueError, match='--cluster_resolver=kubernetes: Pod "w-0" is not running; phase: "Pending"'):
         resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi("Pending"))
-    addresses["w-2"] = "10.0.0.2"
+    addresses["w-2"] = "10.0.0.9"
     with pytest.raises(ValueError, match="should hold this pod's node address"):
         resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())

@@ -245,6 +245,17 @@ def test_a_wrapped_worker_is_stopped_with_its_group_and_dies_with_a_killed_agent
 
 
 @pytest.mark.slow
+def test_nproc_gpu_starts_one_worker_per_visible_gpu_each_seeing_only_its_own(job):
+    """Tested by the environment each worker receives (this machine has no GPU)."""
+    report = [sys.executable, "-c", "import json, os; open(os.path.join(os.environ['TF_ELASTIC_RUN_DIR'], "
+              "'devices' + os.environ['TF_ELASTIC_LOCAL_RANK']), 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])"]
+    job.agent_args = ["--nowarm_start", "--min_workers=4", "--max_workers=4", "--nproc=gpu"]
+    assert job.start_agent("a", command=report, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).wait(timeout=120) == 0
+    assert {p.name: p.read_text() for p in job.run_dir.glob("devices*")} == {
+        "devices0": "0", "devices1": "1", "devices2": "2", "devices3": "3"}
+
+
+@pytest.mark.slow
 def test_a_third_host_waits_as_standby_and_takes_a_freed_place(job):
     """Three hosts, two places: the third waits without opening round after round (it used to open 25 in
     30 s), and takes the place of a host that is lost."""

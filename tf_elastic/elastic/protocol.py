@@ -20,6 +20,7 @@ class Env:
     RESTARTS = "TF_ELASTIC_RESTARTS"
     INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
     SCRATCH_DIR = "TF_ELASTIC_SCRATCH_DIR"  # a non-chief's checkpoint scratch space; the agent deletes it
+    LOCAL_RANK = "TF_ELASTIC_LOCAL_RANK"  # the worker's slot on its host (0..nproc-1); its devices follow it
     AGENT_PID = "TF_ELASTIC_AGENT_PID"  # a worker ends itself once its agent is gone (even when it was SIGKILLed)
     TEST_FAULTS = "TF_ELASTIC_TEST_FAULTS"  # test only: SIGUSR2 blocks the worker's main thread (a stuck step)
     # Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks

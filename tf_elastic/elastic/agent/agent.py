@@ -67,6 +67,7 @@ class AgentConfig:
     preemption_notice_url: Optional[str] = None  # polled; a notice there also makes it commit and leave
     preemption_poll_interval: float = 1.0
     world_size_divides: Optional[int] = None  # form only worlds whose size divides this (a global batch)
+    devices: Optional[List[str]] = None  # CUDA_VISIBLE_DEVICES of each local worker slot (None: leave it alone)
 
 
 class ElasticAgent:
@@ -82,7 +83,7 @@ class ElasticAgent:
         self.host_dir = workers.make_host_dir()
         self._leaving = False
         self._notice: Optional[Tuple[float, str]] = None  # (when, what) of a preemption notice
-        self._warm: List[Spare] = []
+        self._warm: Dict[int, Spare] = {}  # local slot -> its warm worker
         self._warm_spawned = 0
         self._own_failures = 0  # failures of this host's own workers, in a row
 
@@ -101,7 +102,7 @@ class ElasticAgent:
                 watcher.start()
             if self.config.warm_start:
                 # Join only once our workers are warm: the group trains on while a newcomer starts up.
-                self._spawn_warm(self.config.nproc)
+                self._spawn_warm(range(self.config.nproc))
                 self._wait_warm_ready()
             while True:
                 try:
@@ -136,7 +137,7 @@ class ElasticAgent:
                 signal.signal(sig, handler)
             if watcher:
                 watcher.stop()
-            for spare in self._warm:
+            for spare in self._warm.values():
                 workers.kill(spare.process)
             shutil.rmtree(self.host_dir.path, ignore_errors=True)
 
@@ -171,14 +172,14 @@ class ElasticAgent:
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> RoundResult:
-        started = [self._start(rank, round_) for rank in ranks]
+        started = [self._start(rank, slot, round_) for slot, rank in enumerate(sorted(ranks))]
         try:
             return self._monitor(round_, started)
         finally:
             for worker in started:
                 worker.close()
 
-    def _start(self, rank: int, round_: Round) -> Worker:
+    def _start(self, rank: int, slot: int, round_: Round) -> Worker:
         heartbeat = self.host_dir.heartbeat(round_.number, rank)
         heartbeat.unlink(missing_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=f"scratch-rank{rank}-", dir=self.host_dir.path))
@@ -193,45 +194,48 @@ class ElasticAgent:
         }
         if self.config.index_log:
             world[Env.INDEX_LOG] = "1"
-        process = self._take_warm(world) or workers.spawn(self.config.command, dict(self._base_env(), **world),
-                                                          warm=False)
+        process = self._take_warm(slot, world) or workers.spawn(
+            self.config.command, dict(self._slot_env(slot), **world), warm=False)
         self.events.write(Event.WORKER_START, round=round_.number, rank=rank, worker_pid=process.pid,
-                          warm=process.stdin is not None)
+                          warm=process.stdin is not None, local_rank=slot)
         return Worker(rank, process, heartbeat, scratch)
 
-    def _base_env(self) -> Dict[str, str]:
+    def _slot_env(self, slot: int) -> Dict[str, str]:
+        """What every worker of local slot `slot` starts with: this environment less the agent's secrets,
+        the slot's devices (set before the worker imports TensorFlow: a warm worker has done so already)."""
         env = {k: v for k, v in os.environ.items() if k not in Env.SECRETS}  # workers never need them
-        return dict(env, **(self.config.extra_env or {}), **{Env.AGENT_PID: str(os.getpid())})
+        env.update(self.config.extra_env or {})
+        env.update({Env.AGENT_PID: str(os.getpid()), Env.LOCAL_RANK: str(slot)})
+        if self.config.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
+        return env
 
-    def _spawn_warm(self, count: int) -> None:
-        for _ in range(count):
+    def _spawn_warm(self, slots) -> None:
+        for slot in slots:
             self._warm_spawned += 1
             ready = self.host_dir.warm_ready(self._warm_spawned)
-            env = dict(self._base_env(), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
-            self._warm.append(Spare(workers.spawn(self.config.command, env, warm=True), ready))
+            env = dict(self._slot_env(slot), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
+            self._warm[slot] = Spare(workers.spawn(self.config.command, env, warm=True), ready)
 
     def _wait_warm_ready(self) -> None:
         """Waits (up to startup_timeout) until every warm worker has done its imports."""
         deadline = time.monotonic() + self.config.startup_timeout
         while time.monotonic() < deadline and not self._leaving and any(
-                s.process.poll() is None and not s.ready.exists() for s in self._warm):
+                s.process.poll() is None and not s.ready.exists() for s in self._warm.values()):
             time.sleep(self.config.monitor_interval)
-        for spare in self._warm:
+        for spare in self._warm.values():
             spare.ready.unlink(missing_ok=True)
 
-    def _take_warm(self, world: Dict[str, str]):
-        """A warm worker's process, handed this round's world on its stdin; None if none is alive."""
-        while self._warm:
-            spare = self._warm.pop(0)
-            if spare.hand_world(world):
-                return spare.process
-        return None
+    def _take_warm(self, slot: int, world: Dict[str, str]):
+        """The slot's warm worker's process, handed this round's world on its stdin; None if it is gone."""
+        spare = self._warm.pop(slot, None)
+        return spare.process if spare is not None and spare.hand_world(world) else None
 
     def _tend_spares(self, round_: Round, running: List[Worker]) -> None:
         """Once this round trains, pays the next round's start-up (imports, data) ahead of time."""
-        if self.config.warm_start and len(self._warm) < len(running) and all(w.training for w in running):
-            self._spawn_warm(len(running) - len(self._warm))
-        for spare in self._warm:
+        if self.config.warm_start and all(w.training for w in running):
+            self._spawn_warm(slot for slot in range(len(running)) if slot not in self._warm)
+        for spare in self._warm.values():
             if not spare.announced and spare.ready.exists():
                 spare.announced = True
                 self.events.write(Event.SPARE_READY, round=round_.number, worker_pid=spare.process.pid)

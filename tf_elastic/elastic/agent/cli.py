@@ -7,18 +7,21 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from typing import List, Optional, Tuple
 
 from absl import app, flags, logging
 
+from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
-flags.DEFINE_integer("nproc", 1, "Workers on this host.", lower_bound=1)
+flags.DEFINE_string("nproc", "1", "Workers on this host: a number, or 'gpu' for one per visible GPU. The visible "
+                    "GPUs (CUDA_VISIBLE_DEVICES, else nvidia-smi) are split evenly among them.")
 flags.DEFINE_integer("min_workers", 1, "Fewest workers the job trains with.", lower_bound=1)
 flags.DEFINE_integer("max_workers", 1, "Most workers the job trains with.", lower_bound=1)
 flags.DEFINE_string("rdzv", None, "Rendezvous store URL: file:///SHARED/DIR or etcd://HOST:PORT[,HOST:PORT...] "
@@ -103,9 +106,32 @@ def _port_range() -> Optional[Tuple[int, int]]:
     low, _, high = FLAGS.port_range.partition("-")
     if not (low.isdigit() and high.isdigit() and 1024 <= int(low) <= int(high) <= 65535):
         raise app.UsageError(f"--port_range={FLAGS.port_range!r}: expected LOW-HIGH with 1024 <= LOW <= HIGH <= 65535.")
-    if int(high) - int(low) + 1 < FLAGS.nproc:
+    if int(high) - int(low) + 1 < _nproc():
         raise app.UsageError(f"--port_range={FLAGS.port_range} holds fewer ports than --nproc={FLAGS.nproc}.")
     return int(low), int(high)
+
+
+def visible_gpus() -> List[str]:
+    """This host's GPUs as CUDA numbers them: CUDA_VISIBLE_DEVICES if set, else what nvidia-smi lists."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
+def _nproc() -> int:
+    if FLAGS.nproc == "gpu":
+        count = len(visible_gpus())
+        if not count:
+            raise app.UsageError("--nproc=gpu: no GPU is visible (CUDA_VISIBLE_DEVICES, nvidia-smi).")
+        return count
+    if not FLAGS.nproc.isdigit() or int(FLAGS.nproc) < 1:
+        raise app.UsageError(f"--nproc={FLAGS.nproc!r}: a number >= 1, or gpu.")
+    return int(FLAGS.nproc)
 
 
 def _advertise_addr() -> str:
@@ -135,6 +161,11 @@ def main(argv: List[str]) -> int:
     if not command:
         raise app.UsageError("give the worker command after '--', e.g. -- python -m launch.train")
     _validate()
+    nproc = _nproc()
+    try:
+        devices = decisions.assign_devices(visible_gpus(), nproc)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from None
     if bool(FLAGS.rdzv_cert) != bool(FLAGS.rdzv_key):
         raise app.UsageError("--rdzv_cert and --rdzv_key go together.")
     if FLAGS.rdzv_user and not (FLAGS.rdzv_ca_cert or FLAGS.rdzv_cert):
@@ -148,7 +179,7 @@ def main(argv: List[str]) -> int:
     except (ValueError, StoreError) as error:
         raise app.UsageError(str(error))
     config = AgentConfig(
-        command=command, job_id=FLAGS.job_id, run_dir=FLAGS.run_dir, nproc=FLAGS.nproc,
+        command=command, job_id=FLAGS.job_id, run_dir=FLAGS.run_dir, nproc=nproc, devices=devices,
         min_workers=FLAGS.min_workers, max_workers=FLAGS.max_workers, max_restarts=FLAGS.max_restarts,
         heartbeat_timeout=FLAGS.heartbeat_timeout, startup_timeout=FLAGS.startup_timeout,
         monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=_advertise_addr(),

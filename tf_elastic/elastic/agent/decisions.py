@@ -168,3 +168,16 @@ def progress_timeout(configured: Optional[float], floor: float, longest_gap: flo
     if configured:
         return configured
     return max(floor, factor * longest_gap)
+
+
+def assign_devices(visible: List[str], nproc: int) -> Optional[List[str]]:
+    """Each local worker's CUDA_VISIBLE_DEVICES: the visible GPUs split evenly and in order among `nproc`
+    workers (one each with `--nproc=gpu`, all to one worker with `--nproc=1`). None without GPUs (leave
+    the environment alone). More workers than GPUs is an error: they would share devices silently."""
+    if not visible:
+        return None
+    if nproc > len(visible):
+        raise ValueError(f"--nproc={nproc} but only {len(visible)} GPUs are visible ({','.join(visible)}): "
+                         f"use --nproc=gpu for one worker per GPU, or hide the GPUs (CUDA_VISIBLE_DEVICES=)")
+    share = len(visible) // nproc
+    return [",".join(visible[slot * share:(slot + 1) * share]) for slot in range(nproc)]
