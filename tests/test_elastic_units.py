@@ -72,6 +72,9 @@ def test_world_reads_tf_config():
     world = World.from_env({"TF_CONFIG": json.dumps({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
                                                      "task": {"type": "worker", "index": 1}})})
     assert (world.rank, world.size, world.is_chief) == (1, 2, False)
+    tfjob_with_chief = {"cluster": {"chief": ["c:1"], "worker": ["w:1"]}, "task": {"type": "chief", "index": 0}}
+    with pytest.raises(ValueError, match="a chief task .*TFJob with a Chief replica.* is not supported"):
+        World.from_env({"TF_CONFIG": json.dumps(tfjob_with_chief)})
     with pytest.raises(ValueError, match="TF_CONFIG is not a valid worker cluster spec"):
         World.from_env({"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"index": 5}})})
 
@@ -271,12 +274,17 @@ def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
     monkeypatch.setattr(socket, "gethostbyname", lambda name: {"w-2": mine}[name])
     addresses = {"w-0": "10.0.0.1", "w-2": mine, "w-10": "10.0.0.3"}
 
+    monkeypatch.setenv("POD_NAMESPACE", "team-a")
+
     class PodsApi:
+        """Answers for namespace team-a only: listing every namespace (TF's default) would need a
+        ClusterRole and could match another namespace's pods with the same labels."""
+
         def __init__(self, phase="Running"):
             self.phase = phase
 
-        def list_pod_for_all_namespaces(self, label_selector):
-            assert label_selector == "job-name=w"
+        def list_namespaced_pod(self, namespace, label_selector):
+            assert (namespace, label_selector) == ("team-a", "job-name=w")
             return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=name),
                                                           status=SimpleNamespace(phase=self.phase, host_ip=ip))
                                           for name, ip in addresses.items()])

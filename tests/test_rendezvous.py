@@ -110,7 +110,7 @@ def test_an_agent_with_another_token_is_refused(store, job):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("round", "garbage", "malformed rendezvous round record"),
+    ("round", "garbage", "malformed rendezvous round record at /.*/round"),
     ("round", json.dumps({"version": 2, "number": 0}), "schema version 2, expected 1"),
     ("round", json.dumps({"version": 1, "number": 0}), "missing"),
     ("outcome", "[1, 2]", "malformed job outcome record"),

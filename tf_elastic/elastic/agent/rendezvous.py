@@ -75,7 +75,7 @@ class Rendezvous:
     # Rounds ---------------------------------------------------------------------------------------
     def current(self) -> Optional[Round]:
         raw = self.store.get(self.keys.round)
-        return None if raw is None else Round.from_json(raw)
+        return None if raw is None else Round.from_json(raw, self.keys.round)
 
     def open_next(self, seen: Round, reason: str, failure: bool, leaving: bool = False) -> bool:
         """Opens round `seen.number + 1` unless someone already moved past `seen`; True if we did.
@@ -139,7 +139,7 @@ class Rendezvous:
         self.job.raise_if_ended()
         self.keepalive()
         raw = self.store.get(self.keys.round)
-        round_ = None if raw is None else Round.from_json(raw)
+        round_ = None if raw is None else Round.from_json(raw, self.keys.round)
         action = decisions.next_join_action(round_, self.host_id, after, self.max_workers)
         if action is JoinAction.TAKE:
             return action, round_, False

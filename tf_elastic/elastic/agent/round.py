@@ -45,7 +45,7 @@ class Round:
         return json.dumps({"version": SCHEMA_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Round":
+    def from_json(cls, text: str, key: str = "the round key") -> "Round":
         """Parses and type-checks a record: anything off is a `StoreError` naming the field, never a
         TypeError deep in the agent (the store is shared; a bad write must not crash every agent)."""
         try:
@@ -58,7 +58,7 @@ class Round:
             _check_types(round_)
             return round_
         except (ValueError, TypeError, AttributeError) as error:
-            raise StoreError(f"malformed rendezvous round record ({error}): {text[:200]!r}") from None
+            raise StoreError(f"malformed rendezvous round record at {key} ({error}): {text[:200]!r}") from None
 
 
 def _is_int(value) -> bool:

@@ -48,7 +48,8 @@ def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_select
                              "for example job-name=my-job).")
         try:
             found = tf.distribute.cluster_resolver.KubernetesClusterResolver(
-                {"worker": [k8s_selector]}, tf_server_port=port_base, override_client=k8s_client or _kubernetes_api())
+                {"worker": [k8s_selector]}, tf_server_port=port_base,
+                override_client=_OwnNamespace(k8s_client or _kubernetes_api(), _pod_namespace()))
             cluster = found.cluster_spec().as_dict()
         except RuntimeError as error:  # a selected pod is not running (yet): the restart policy tries again
             raise ValueError(f"--cluster_resolver=kubernetes: {error}") from None
@@ -62,6 +63,31 @@ def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_select
         task = {"type": "worker", "index": workers.index(mine)}
     os.environ["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
     return World.from_env()
+
+
+_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def _pod_namespace() -> str:
+    """This pod's namespace: POD_NAMESPACE (the downward API), else its service account's, else `default`."""
+    if os.environ.get("POD_NAMESPACE"):
+        return os.environ["POD_NAMESPACE"]
+    try:
+        with open(_NAMESPACE_FILE, encoding="utf-8") as f:
+            return f.read().strip() or "default"
+    except OSError:
+        return "default"
+
+
+class _OwnNamespace:
+    """TF's resolver lists pods in every namespace (that needs a ClusterRole, and matches another
+    namespace's pods with the same labels); this client answers with this pod's namespace only."""
+
+    def __init__(self, api, namespace: str):
+        self.api, self.namespace = api, namespace
+
+    def list_pod_for_all_namespaces(self, label_selector: str):
+        return self.api.list_namespaced_pod(self.namespace, label_selector=label_selector)
 
 
 def _kubernetes_api():

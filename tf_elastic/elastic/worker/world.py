@@ -59,6 +59,9 @@ class World:
                 cluster = config["cluster"]
                 workers = cluster["worker"]
                 rank = int(config["task"]["index"])
+                if "chief" in cluster or config["task"].get("type") == "chief":
+                    raise ValueError("a chief task (a Kubeflow TFJob with a Chief replica) is not supported: "
+                                     "use Worker replicas only")
                 if config["task"].get("type", "worker") != "worker" or not 0 <= rank < len(workers):
                     raise ValueError("task must be a worker with an index inside cluster.worker")
                 size = len(workers)
