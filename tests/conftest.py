@@ -13,7 +13,6 @@ import tensorflow as tf  # noqa: E402
 from tf_elastic.testing.net import free_port  # noqa: E402,F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
 
 _cpus = tf.config.list_physical_devices("CPU")
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -54,11 +53,20 @@ def run_python(code: str, env: dict = None, timeout: float = 300, cwd: Path = RE
 
 
 @pytest.fixture(scope="session")
-def mnist():
-    """MNIST from ../shared/data, scaled to [0, 1]."""
+def mnist_dir(tmp_path_factory) -> Path:
+    """A directory holding an mnist.npz made at test time (`data_files.write_mnist_like`): the suite needs
+    neither ../shared/data nor a download."""
+    from tf_elastic.testing.data_files import write_mnist_like
+
+    return write_mnist_like(tmp_path_factory.mktemp("mnist"))
+
+
+@pytest.fixture(scope="session")
+def mnist(mnist_dir):
+    """That mnist.npz, scaled to [0, 1]."""
     import numpy as np
 
-    with np.load(SHARED_DATA / "mnist.npz") as data:
+    with np.load(mnist_dir / "mnist.npz") as data:
         return {k: (data[k].astype("float32") / 255.0 if k.startswith("x") else data[k].astype("int32"))
                 for k in data.files}
 

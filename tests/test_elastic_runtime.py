@@ -18,12 +18,13 @@ TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=1
 
 
 @pytest.fixture
-def job_factory(tmp_path, rdzv_url):
+def job_factory(tmp_path, rdzv_url, mnist_dir):
     """Jobs on the file store and on etcd (`rdzv_url` is parametrised in conftest)."""
     jobs = []
 
     def make(train_args, agent_args=(), name="job"):
         (tmp_path / name).mkdir()
+        train_args = [*train_args, f"--data_dir={mnist_dir}"] if train_args else []
         jobs.append(LocalJob(tmp_path / name, train_args, agent_args, rdzv=rdzv_url))
         return jobs[-1]
 

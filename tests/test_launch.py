@@ -13,8 +13,8 @@ from tf_elastic.testing.net import bindable, free_port
 
 
 @pytest.mark.slow
-def test_reproduce_dynamic_sgd_quick(tmp_path):
-    proc = run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}'];"
+def test_reproduce_dynamic_sgd_quick(tmp_path, mnist_dir):
+    proc = run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}', '--data_dir={mnist_dir}'];"
                       "from launch import reproduce_dynamic_sgd as r; from absl import app; app.run(r.main)")
     table = (tmp_path / "table.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and "configuration" not in line]
@@ -74,13 +74,14 @@ def test_main_job_runs_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_reproduce_lars_quick(tmp_path):
-    run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}'];"
+def test_reproduce_lars_quick(tmp_path, mnist_dir):
+    run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}', '--data_dir={mnist_dir}'];"
                "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
     table = (tmp_path / "table.md").read_text()
     assert table.count("| SGD,") == 2 and table.count("| LARS,") == 1 and "goal: within 1 point" in table
     assert (tmp_path / "lars.png").stat().st_size > 10_000
-    run_python(f"import sys; sys.argv = ['r', '--quick', '--lars_sweep=10/0.001,5/0.002', '--out_dir={tmp_path}'];"
+    run_python(f"import sys; sys.argv = ['r', '--quick', '--lars_sweep=10/0.001,5/0.002', '--out_dir={tmp_path}', "
+               f"'--data_dir={mnist_dir}'];"
                "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
     sweep = (tmp_path / "sweep.md").read_text()
     assert "| 10 | 0.001 | 0.01 |" in sweep and "| 5 | 0.002 | 0.01 |" in sweep, sweep

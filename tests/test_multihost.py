@@ -20,16 +20,18 @@ FINISHER = [sys.executable, "-c", "import json, os, pathlib, time; rank = json.l
 
 
 @pytest.fixture
-def jobs():
+def jobs(mnist_dir):
     made = []
-    yield made
+    yield made, mnist_dir
     for job in made:
         job.cleanup()
 
 
 def _job(jobs, tmp_path, rdzv, train=(), agent=()):
-    jobs.append(LocalJob(tmp_path, list(train), list(agent), rdzv=rdzv))
-    return jobs[-1]
+    made, mnist_dir = jobs
+    train = [*train, f"--data_dir={mnist_dir}"] if train else []
+    made.append(LocalJob(tmp_path, train, list(agent), rdzv=rdzv))
+    return made[-1]
 
 
 def test_an_agent_with_another_job_token_is_refused_and_the_job_goes_on(jobs, tmp_path, rdzv_url):
