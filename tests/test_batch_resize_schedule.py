@@ -98,18 +98,43 @@ def test_resize_takes_effect_in_traced_code_without_retracing():
 
 
 def test_resize_inside_fit_train_function_without_retracing():
-    """A Keras train function traced before the resize uses the new learning rate after it."""
+    """A Keras train function traced before the resize takes the new learning rate without a retrace: the
+    tracing count stays, and one more step moves the weights by exactly the new rate times the gradient."""
+    import tensorflow as tf
+
+    class CountsTraces(keras.layers.Layer):
+        traces = 0  # Python runs `call` only while tracing a graph
+
+        def call(self, inputs):
+            CountsTraces.traces += 1
+            return inputs
+
     keras.utils.set_random_seed(0)
     schedule = BatchResizeSchedule(0.05, 16, transition="none")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model = keras.Sequential([keras.Input((4,)), CountsTraces(), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
-    x, y = np.ones((64, 4), np.float32), np.zeros((64, 1), np.float32)
+    x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
+    y = np.zeros((16, 1), np.float32)
     model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    train_function = model.train_function
-    schedule.resize(int(model.optimizer.iterations.numpy()), 32)
-    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
-    assert model.train_function is train_function
-    assert float(model.optimizer.learning_rate) == pytest.approx(0.1)
+    schedule.resize(int(model.optimizer.iterations.numpy()), 32)  # the same batch shape: only the rate changes
+    before = [w.numpy() for w in model.trainable_weights]
+    with tf.GradientTape() as tape:
+        loss = keras.losses.MeanSquaredError()(y, model(x))  # (an eager call: counted once, here)
+    grads = [g.numpy() for g in tape.gradient(loss, model.trainable_weights)]
+    traces = CountsTraces.traces
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert CountsTraces.traces == traces
+    for w0, g, w1 in zip(before, grads, model.trainable_weights):
+        np.testing.assert_allclose(w1.numpy() - w0, -0.1 * g, rtol=1e-4, atol=1e-7)
+
+
+def test_the_default_ramp_is_8_steps_per_factor_of_growth():
+    """Batch 32 -> 128 (a factor of 4) at step 10: a 32-step linear ramp from 0.1 to 0.4, by hand."""
+    schedule = BatchResizeSchedule(0.1, 32, batch_size=32)
+    schedule.resize(10, 128)
+    assert float(schedule(10)) == pytest.approx(0.1)
+    assert float(schedule(26)) == pytest.approx(0.1 * (1 + 3 * 16 / 32))  # half way: 0.25
+    assert float(schedule(41)) < 0.4 and float(schedule(42)) == pytest.approx(0.4)
 
 
 def _configured():

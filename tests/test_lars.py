@@ -77,9 +77,10 @@ def test_exclusions_by_callable():
 
 def test_zero_norm_guard_lets_zero_initialised_bias_train():
     """With nothing excluded from adaptation, a zero bias (|w| = 0) still moves (trust 1), a zero
-    gradient leaves trust at 1 (only weight decay acts), and nothing becomes NaN."""
+    gradient leaves trust at 1 (only weight decay acts), and nothing becomes NaN. eta != beta: with them
+    equal, eta |w| / (0 + beta |w|) is 1 too, and a missing guard would go unseen."""
     variables, _ = check_optimizer_against_reference(
-        dict(learning_rate=0.5, weight_decay=1e-2, trust_coefficient=0.01,
+        dict(learning_rate=0.5, weight_decay=1e-2, trust_coefficient=0.03,
              exclude_from_weight_decay=[], exclude_from_layer_adaptation=[]),
         decays=[True] * 5, adapts=[True] * 5)
     bias = variables[1].numpy()
