@@ -80,11 +80,25 @@ def test_world_reads_tf_config():
 
 
 def test_keras_fit_fix_is_installed_only_where_the_bug_is():
+    """The detector reads the real Keras source; a copy patched the way an upstream fix would (the local
+    results for the build, axis=None for scalars) must switch each fix off, one at a time."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
     installed = keras_compat.install_fit_fix()
     assert installed == {"symbolic_build": True, "scalar_reduce": True}, keras.__version__
-    fixed_source = 'data_batch = self.distribute_strategy.experimental_local_results(batch)[0]'
-    assert not keras_compat._SYMBOLIC_BUILD_BUG.search(fixed_source)
-    assert not keras_compat._SCALAR_REDUCE_BUG.search('strategy.reduce("MEAN", v, axis=None)')
+    real = inspect.getsource(tf_trainer)
+    build_fixed = real.replace('data_batch = self.distribute_strategy.reduce(\n                        "MEAN",\n'
+                               '                        maybe_distributed_data_batch,',
+                               'data_batch = self.distribute_strategy.experimental_local_results(\n'
+                               '                        maybe_distributed_data_batch,')
+    reduce_fixed = real.replace('return strategy.reduce("MEAN", v, axis=0)',
+                                'return strategy.reduce("MEAN", v, axis=0 if v.shape.rank else None)')
+    assert build_fixed != real and reduce_fixed != real, "Keras's source moved: update the patched copies"
+    assert keras_compat.bugs_in(real) == {"symbolic_build": True, "scalar_reduce": True}
+    assert keras_compat.bugs_in(build_fixed) == {"symbolic_build": False, "scalar_reduce": True}
+    assert keras_compat.bugs_in(reduce_fixed) == {"symbolic_build": True, "scalar_reduce": False}
 
 
 def _training_setup():

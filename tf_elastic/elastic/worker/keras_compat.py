@@ -13,6 +13,12 @@ _SCALAR_REDUCE_BUG = re.compile(r'strategy\.reduce\("MEAN",\s*v,\s*axis=0\)')
 _installed: Dict[str, bool] = {}
 
 
+def bugs_in(trainer_source: str) -> Dict[str, bool]:
+    """Which of the two faults the source of Keras's TensorFlow trainer module still has."""
+    return {"symbolic_build": bool(_SYMBOLIC_BUILD_BUG.search(trainer_source)),
+            "scalar_reduce": bool(_SCALAR_REDUCE_BUG.search(trainer_source))}
+
+
 def install_fit_fix() -> Dict[str, bool]:
     """Patches what is broken in the installed Keras; returns {fix name: installed}. Idempotent."""
     if _installed:
@@ -22,8 +28,8 @@ def install_fit_fix() -> Dict[str, bool]:
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     trainer_cls = tf_trainer.TensorFlowTrainer
-    needs_build_fix = bool(_SYMBOLIC_BUILD_BUG.search(inspect.getsource(trainer_cls._maybe_symbolic_build)))
-    needs_reduce_fix = bool(_SCALAR_REDUCE_BUG.search(inspect.getsource(tf_trainer.reduce_per_replica)))
+    bugs = bugs_in(inspect.getsource(tf_trainer))  # the module's file: never a function we patched
+    needs_build_fix, needs_reduce_fix = bugs["symbolic_build"], bugs["scalar_reduce"]
 
     if needs_build_fix:
         original_build = trainer_cls._maybe_symbolic_build
