@@ -79,3 +79,11 @@ def test_agent_flag_errors_name_the_flag(tmp_path, arguments, fragment):
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_agent_help_lists_the_agents_flags():
+    """`--help` used to print only "Try --helpfull": absl lists the program file's key flags."""
+    proc = subprocess.run([sys.executable, "-m", "launch.elastic_run", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    for flag in ("--nproc", "--max_workers", "--progress_timeout", "--preemption_notice_url"):
+        assert flag in proc.stdout, proc.stdout[-2000:]

@@ -198,5 +198,8 @@ def main(argv: List[str]) -> int:
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """The entry point of `tf-elastic-run` and `python -m launch.elastic_run`."""
+    # absl's --help lists the key flags of the program file (sys.argv[0]): make ours its key flags.
+    for flag in FLAGS.get_key_flags_for_module(__name__):
+        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
     app.run(lambda argv: sys.exit(main(argv)))
