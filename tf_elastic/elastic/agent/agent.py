@@ -97,7 +97,6 @@ class ElasticAgent:
         ranks: Optional[List[int]] = None
         after = -1
         try:
-            self.rendezvous.claim_host_id()
             if watcher:
                 watcher.start()
             if self.config.warm_start:

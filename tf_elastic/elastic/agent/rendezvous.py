@@ -41,6 +41,7 @@ class Rendezvous:
         self.job = JobRecord(store, job_id, host_id, token)
         self.keys = self.job.keys
         self.incarnation = uuid.uuid4().hex  # tells this agent from another one with the same host id
+        self._claimed = False
 
     def wait_for_change(self, timeout: float) -> bool:
         """True when the job's keys may have changed within `timeout` (always, for a store that cannot tell)."""
@@ -56,6 +57,7 @@ class Rendezvous:
             raw = self.store.get(key)
             holder = _incarnation(raw)
             if raw is None or holder == self.incarnation:
+                self._claimed = True
                 return self.keepalive()
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
@@ -137,6 +139,8 @@ class Rendezvous:
         the round to train in (for `TAKE`) and whether the store was written (then look again at once)."""
         self.job.check_token()
         self.job.raise_if_ended()
+        if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
+            self.claim_host_id()
         self.keepalive()
         raw = self.store.get(self.keys.round)
         round_ = None if raw is None else Round.from_json(raw, self.keys.round)
