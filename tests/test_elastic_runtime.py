@@ -55,6 +55,9 @@ def _first_step(job, round_min, world_size=None):
             and (world_size is None or e["world_size"] == world_size)]
 
 
+# The long jobs run on one store each (the chaos soak and the multi-host tests run theirs on etcd); the
+# store's own behaviour is tested on both in test_rendezvous.py, and the short cases below run on both.
+@pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
 def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     """Host b is SIGKILLed, host c joins, host c leaves (SIGTERM): the job ends with every example of
     every epoch used exactly once among committed work; join and leave lose no step. 12 epochs: under load
@@ -91,6 +94,7 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     assert job.events("evaluation")[-1]["test_accuracy"] > 0.8
 
 
+@pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
 def test_worker_kill_restarts_at_same_size(job_factory):
     job = job_factory(TRAIN + ["--epochs=2"], ["--min_workers=2", "--max_workers=2", "--last_call=1"])
     job.start_agent("a")
@@ -105,6 +109,7 @@ def test_worker_kill_restarts_at_same_size(job_factory):
     assert job.events("rendezvous", source="agent:a")[-1]["restarts"] == 1
 
 
+@pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
 def test_hung_worker_is_detected_and_killed(job_factory):
     """One worker, so that nothing but the hang detection can notice it (a peer's collective failure
     would also restart a group of two)."""
