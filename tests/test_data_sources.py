@@ -34,8 +34,8 @@ def digits():
 
 
 def _train_source(kind, files):
-    return {"folder": lambda: data.ImageFolder(str(files["folder"] / "train"), channels=1),
-            "tfrecord": lambda: data.TFRecordSource(str(files["tfrecord"] / "train-*"), channels=1),
+    return {"folder": lambda: data.ImageFolder(f"{files['folder']}/train", channels=1),
+            "tfrecord": lambda: data.TFRecordSource(f"{files['tfrecord']}/train-*", channels=1),
             "tfds": lambda: data.TFDSSource("digits_files", "train", str(files["tfds"]))}[kind]()
 
 
@@ -63,6 +63,26 @@ def test_pipeline_yields_the_planned_examples_in_order(kind, files, digits):
     np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), images[numbers])
     offset = 1 if kind == "tfrecord" else 0  # the shards hold ImageNet-style 1-based labels
     np.testing.assert_array_equal(np.concatenate([y for _, y in got]), labels[numbers] + offset)
+
+
+@pytest.mark.parametrize("kind", ["folder", "tfrecord"])
+def test_file_sources_read_any_tensorflow_filesystem(kind, files):
+    """ram:// stands in for gs:// and s3://: the same files copied there list, index and read the same."""
+    local, remote = str(files[kind]), f"ram://sources-{kind}"
+    for directory, _, names in tf.io.gfile.walk(local):
+        for name in names:
+            target = remote + f"{directory}/{name}"[len(local):]
+            tf.io.gfile.makedirs(target.rsplit("/", 1)[0])
+            tf.io.gfile.copy(f"{directory}/{name}", target, overwrite=True)
+    files_there = dict(files, **{kind: remote})
+    here, there = _train_source(kind, files), _train_source(kind, files_there)
+    assert there.num_examples == here.num_examples and there.num_classes == here.num_classes
+    indices = np.arange(0, 64, 3)
+    keep = lambda x, y, seed: (x, y)  # noqa: E731 - raw pixels
+    read = [list(data.pipeline(s, indices, 8, preprocess=keep).as_numpy_iterator()) for s in (here, there)]
+    for (x_here, y_here), (x_there, y_there) in zip(*read):
+        np.testing.assert_array_equal(x_here, x_there)
+        np.testing.assert_array_equal(y_here, y_there)
 
 
 def test_the_tfrecord_order_is_a_seeded_permutation_in_runs_of_records(files):

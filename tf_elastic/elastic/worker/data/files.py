@@ -4,9 +4,8 @@ Only file names, offsets and labels are held in memory; bytes are read and decod
 tf.data graph. Bad data fails with an error that names the file (the corrupt image, the shard and
 record), which `fit` raises as `ConfigurationError` (exit 78 from a worker).
 """
-import os
+import posixpath
 import struct
-from pathlib import Path
 from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
@@ -30,19 +29,23 @@ class ImageFolder(Source):
     """`root/<class>/<image>`: class index = position of the class folder name in sorted order."""
 
     def __init__(self, root: str, channels: int = 3, class_names: Optional[List[str]] = None):
-        root_path = Path(root)
-        if not root_path.is_dir():
+        # tf.io.gfile throughout: the folder may be on gs:// or s3:// (it does not touch TF's runtime).
+        gfile = tf.io.gfile
+        if not gfile.isdir(root):
             raise ConfigurationError(f"image folder {root} does not exist or is not a directory.")
-        self.class_names = class_names or sorted(e.name for e in os.scandir(root) if e.is_dir())
+        self.class_names = class_names or sorted(
+            n.rstrip("/") for n in gfile.listdir(root) if gfile.isdir(posixpath.join(root, n)))
         if not self.class_names:
             raise ConfigurationError(f"image folder {root} has no class sub-directories.")
         paths, labels = [], []
         for label, name in enumerate(self.class_names):
-            folder = root_path / name
-            files = sorted(e.name for e in os.scandir(folder) if e.is_file()) if folder.is_dir() else []
+            folder = posixpath.join(root, name)
+            # (a listing marks sub-directories with "/" on object stores; a stray one elsewhere fails
+            # at decode time, naming its path: one stat per file would cost a request each on gs://)
+            files = sorted(f for f in gfile.listdir(folder) if not f.endswith("/")) if gfile.isdir(folder) else []
             if not files:
                 raise ConfigurationError(f"class folder {folder} is missing or has no files.")
-            paths += [os.path.join(folder, f) for f in files]
+            paths += [posixpath.join(folder, f) for f in files]
             labels += [label] * len(files)
         self.paths, self.labels = paths, np.asarray(labels, np.int32)
         self.channels, self.num_examples, self.num_classes = channels, len(paths), len(self.class_names)
@@ -68,8 +71,8 @@ def default_parse(record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
 def _record_offsets(path: str) -> Tuple[List[int], List[int]]:
     """(data offset, length) of every record of a TFRecord file, from its headers alone (seeks, no data read)."""
     offsets, lengths = [], []
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = tf.io.gfile.stat(path).length
+    with tf.io.gfile.GFile(path, "rb") as f:  # any TF filesystem; on gs:// each header is a ranged read
         position = 0
         while position < size:
             header = f.read(12)
@@ -108,7 +111,7 @@ class TFRecordSource(Source):
         shard, offsets, footers, lengths = [], [], [], []
         for number, path in enumerate(self.files):
             found, sizes = _record_offsets(path)
-            size = os.path.getsize(path)
+            size = tf.io.gfile.stat(path).length
             shard += [number] * len(found)
             offsets += found
             lengths += sizes
