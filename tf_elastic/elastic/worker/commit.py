@@ -19,6 +19,7 @@ from absl import logging
 
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, RunDir
+from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.durable import DurableCopies, commit_step
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World, test_pause
@@ -29,13 +30,13 @@ class CommittedState:
     """What survives a failure. A host's first worker (`World.keeps_commits`) keeps the host's commits:
     `RUN_DIR/commits/HOST` under an agent, `RUN_DIR/checkpoints` without one; other workers keep nothing.
 
-    A commit is a traced `Checkpoint.write` followed by the `checkpoint` state file that
-    `tf.train.CheckpointManager` and `tf.train.latest_checkpoint` read. The manager's own `save`
-    re-serialises the object graph in Python on every call (measured 20-35 ms against 4 ms traced for
-    mnist_cnn). The state file is replaced atomically once the files it names are complete, so a worker
-    killed mid-commit leaves the previous commit in force. With `background=True` what follows the write
-    (the state file, deleting the expired commit, the durable copy) runs on a thread of its own, off the
-    training path; `close` waits for it.
+    A commit is an asynchronous `Checkpoint.write` (TensorFlow's: it copies every variable to host memory,
+    0.7 ms for mnist_cnn against 4 ms for a traced synchronous write, and writes the files on a thread of
+    its own) followed by the `checkpoint` state file that `tf.train.CheckpointManager` and
+    `tf.train.latest_checkpoint` read. The state file is replaced atomically once the files it names are
+    complete, so a worker killed at any point of a commit leaves the previous commit in force. With
+    `background=True` what follows the copy (waiting for the files, the state file, deleting the expired
+    commit, the durable copy) runs on a thread of ours, off the training path; `close` waits for it.
     """
 
     def __init__(self, world: World, run_dir: str, model: keras.Model,
@@ -67,8 +68,9 @@ class CommittedState:
             self._sweep()
         if self.durable:
             self.durable.check_writable()
-        # Traced on the first commit, once every variable (optimizer slots included) exists.
-        self._write = tf.function(lambda prefix: self.checkpoint.write(prefix))
+        keras_compat.install_async_checkpoint_fix()
+        options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+        self._write = lambda prefix: self.checkpoint.write(prefix, options=options)
 
     @property
     def epoch(self) -> int:
@@ -130,7 +132,7 @@ class CommittedState:
         # Named by the whole position: a commit never overwrites the files the state file names.
         prefix = posixpath.join(self.directory, f"ckpt-{step}-{epoch}-{samples}")
         try:
-            self._write(tf.constant(prefix))
+            self._write(prefix)
         except tf.errors.OpError as error:
             self._report(Event.COMMIT_FAILED, step=step, path=prefix, error=_describe(error))
             return
@@ -140,9 +142,12 @@ class CommittedState:
             self._pool.submit(self._finish, prefix, time.time())
 
     def _finish(self, prefix: str, written: float) -> None:
-        """Names the new commit in the state file (atomically), deletes the expired one and, on the chief,
-        makes a durable copy when one is due."""
+        """Waits for the commit's files, names it in the state file (atomically), deletes the expired one
+        and, on the chief, makes a durable copy when one is due."""
         try:
+            self.checkpoint.sync()
+            if not tf.io.gfile.exists(prefix + ".index"):  # the index is written last
+                raise tf.errors.DataLossError(None, None, f"{prefix}.index was not written")
             self._kept.append((prefix, written))
             expired, self._kept = self._kept[:-self._max_to_keep], self._kept[-self._max_to_keep:]
             paths, times = zip(*self._kept)
