@@ -216,7 +216,7 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         joined = _first_step(job, survivor["round"], 2)
         assert _restored(job, joined["round"]) == _last_commit_before(job, joined["round"]), "a join lost steps"
         received = job.events(Event.STATE_TRANSFER, round=joined["round"])
-        assert [(e["rank"], e["source"]) for e in received] == [(1, 0)] and received[0]["bytes"] > 0, received
+        assert [(e["rank"], e["source_rank"]) for e in received] == [(1, 0)] and received[0]["bytes"] > 0, received
         assert _round_host(job, joined["round"], 1) == "c"
 
         job.wait_for(lambda: job.events(Event.COMMIT, round=joined["round"]), what="a commit with c")

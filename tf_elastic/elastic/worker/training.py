@@ -311,7 +311,7 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
             events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
             raise
         if agreement.received_bytes:
-            events.write(Event.STATE_TRANSFER, round=world.round, rank=world.rank, source=agreement.source,
+            events.write(Event.STATE_TRANSFER, round=world.round, rank=world.rank, source_rank=agreement.source,
                          step=agreement.step, bytes=agreement.received_bytes, seconds=round(agreement.seconds, 4))
             logging.info("received step %d from rank %d: %d bytes in %.3fs", agreement.step, agreement.source,
                          agreement.received_bytes, agreement.seconds)
@@ -319,5 +319,5 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
                 state.keep()
     held = agreement.step >= 0 if agreement else restored is not None
     events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=held, path=restored,
-                 source=agreement.source if agreement else world.rank, step=state.step, epoch=state.epoch,
+                 source_rank=agreement.source if agreement else world.rank, step=state.step, epoch=state.epoch,
                  samples=state.samples, world_size=world.size, state_digest=agreement.digest if agreement else None)
