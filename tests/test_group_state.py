@@ -172,6 +172,7 @@ def _restored(job, round_):
 
 
 def _last_commit_before(job, round_):
+    """The newest step committed (in force on the chief's host) in an earlier round."""
     return max(e["step"] for e in job.events(Event.COMMIT) if e["round"] < round_)
 
 
@@ -210,7 +211,7 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         chief = _round_host(job, pair["round"], 0)
         job.kill_host(chief)
         survivor = _first_step(job, pair["round"], 1)
-        assert _restored(job, survivor["round"]) == _last_commit_before(job, survivor["round"]), "lost a commit"
+        assert _restored(job, survivor["round"]) >= _last_commit_before(job, survivor["round"]), "lost a commit"
 
         job.start_agent("c", env=env)
         joined = _first_step(job, survivor["round"], 2)
@@ -222,7 +223,7 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         job.wait_for(lambda: job.events(Event.COMMIT, round=joined["round"]), what="a commit with c")
         _pause_and_kill(job, pause, "local", 1, joined["round"])  # c: files written, state file not yet
         after_local = _first_step(job, joined["round"], 2)
-        assert _restored(job, after_local["round"]) == _last_commit_before(job, after_local["round"])
+        assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
         assert job.events(Event.STATE_TRANSFER, round=after_local["round"], rank=1)
 
         job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local["round"]), what="a durable copy")
@@ -231,7 +232,7 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         assert partial, "the copy cut short is there, without its marker"
         assert DurableCopies(str(remote)).newest().step < partial[-1].step
         after_durable = _first_step(job, after_local["round"], 2)
-        assert _restored(job, after_durable["round"]) == _last_commit_before(job, after_durable["round"])
+        assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
 
         job.wait_for(lambda: [e for e in job.events(Event.DURABLE_COPY, round=after_durable["round"])
                               if "bytes" in e], what="a durable copy after the restart")

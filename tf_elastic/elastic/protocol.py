@@ -137,11 +137,6 @@ class RunDir:
         return self.path / "durable"
 
     @property
-    def checkpoint_state(self) -> Path:
-        """The state file naming the kept commits (`tf.train.CheckpointManager`'s `checkpoint`)."""
-        return self.checkpoints / "checkpoint"
-
-    @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 

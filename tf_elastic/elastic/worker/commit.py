@@ -10,7 +10,7 @@ every few commits (`durable.py`). File operations go through `tf.io.gfile`.
 import concurrent.futures
 import posixpath
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import keras
 import numpy as np
@@ -24,6 +24,8 @@ from tf_elastic.elastic.worker.durable import DurableCopies, commit_step
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World, test_pause
 from tf_elastic.schedules import BatchResizeSchedule
+
+OnKept = Callable[[float, float], None]
 
 
 class CommittedState:
@@ -117,17 +119,22 @@ class CommittedState:
             raise ConfigurationError(f"no readable commit in {self.directory}: " + "; ".join(e for _, e in skipped))
         return None, skipped
 
-    def commit(self, epoch: int, samples: int, step: int, global_batch: int) -> None:
-        """All workers call this at the same step; the host's first worker writes."""
+    def commit(self, epoch: int, samples: int, step: int, global_batch: int,
+               on_kept: Optional[OnKept] = None) -> None:
+        """All workers call this at the same step; the host's first worker writes. `on_kept(blocked,
+        in_force)` is called once the commit is in force on this host, with the seconds the caller was
+        blocked and the seconds until then."""
+        started = time.perf_counter()
         self.progress.assign(np.array([epoch, samples, step, global_batch], np.int64))
-        self.keep()
+        self.keep(on_kept, started)
 
-    def keep(self) -> None:
+    def keep(self, on_kept: Optional[OnKept] = None, started: Optional[float] = None) -> None:
         """Writes the state as it is now (a commit, or one this worker received) if this worker keeps its
         host's commits. A write that fails (a full disk) is reported and the previous commit stays in
         force: the group holds the state, and the next commit tries again."""
         if not self.world.keeps_commits:
             return
+        started = time.perf_counter() if started is None else started
         epoch, samples, step, _ = (int(v) for v in self.progress.numpy())
         # Named by the whole position: a commit never overwrites the files the state file names.
         prefix = posixpath.join(self.directory, f"ckpt-{step}-{epoch}-{samples}")
@@ -136,30 +143,35 @@ class CommittedState:
         except tf.errors.OpError as error:
             self._report(Event.COMMIT_FAILED, step=step, path=prefix, error=_describe(error))
             return
+        blocked = time.perf_counter() - started
         if self._pool is None:
-            self._finish(prefix, time.time())
+            self._finish(prefix, time.time(), started, blocked, on_kept)
         else:
-            self._pool.submit(self._finish, prefix, time.time())
+            self._pool.submit(self._finish, prefix, time.time(), started, blocked, on_kept)
 
-    def _finish(self, prefix: str, written: float) -> None:
+    def _finish(self, prefix: str, written: float, started: float, blocked: float,
+                on_kept: Optional[OnKept]) -> None:
         """Waits for the commit's files, names it in the state file (atomically), deletes the expired one
         and, on the chief, makes a durable copy when one is due."""
         try:
             self.checkpoint.sync()
             if not tf.io.gfile.exists(prefix + ".index"):  # the index is written last
                 raise tf.errors.DataLossError(None, None, f"{prefix}.index was not written")
-            self._kept.append((prefix, written))
-            expired, self._kept = self._kept[:-self._max_to_keep], self._kept[-self._max_to_keep:]
-            paths, times = zip(*self._kept)
+            kept = self._kept + [(prefix, written)]
+            expired, kept = kept[:-self._max_to_keep], kept[-self._max_to_keep:]
+            paths, times = zip(*kept)
             test_pause("local", self.world.rank)
             tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=paths,
                                                        all_model_checkpoint_timestamps=times)
+            self._kept = kept
             for old, _ in expired:
                 for path in tf.io.gfile.glob(old + ".*"):
                     tf.io.gfile.remove(path)
         except (tf.errors.OpError, OSError) as error:
             self._report(Event.COMMIT_FAILED, path=prefix, error=_describe(error))
             return
+        if on_kept is not None:
+            on_kept(blocked, time.perf_counter() - started)
         self._commits += 1
         if self.durable and self._commits % self._durable_every == 0:
             self._copy(prefix)

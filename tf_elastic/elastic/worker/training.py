@@ -189,16 +189,22 @@ class _ElasticTrainer:
 
     # Commit and agreement ------------------------------------------------------------------------
     def commit(self, epoch: int, samples: int) -> None:
-        started = time.time()
-        self.state.commit(epoch, samples, self.step, self.global_batch)
+        """Commits on every worker; the chief's `commit` event is written once the commit is in force on
+        its host (`seconds`: what the training step paid; `in_force_seconds`: until the state file named it)."""
+        on_kept = None
+        if self.world.is_chief:
+            fields = dict(round=self.world.round, step=self.step, epoch=epoch, samples=samples,
+                          loss=None if self.last_loss is None else float(self.last_loss),
+                          learning_rate=float(self.model.optimizer.learning_rate), world_size=self.world.size,
+                          global_batch=self.global_batch)
+
+            def on_kept(blocked: float, in_force: float) -> None:
+                self.events.write(Event.COMMIT, seconds=round(blocked, 4), in_force_seconds=round(in_force, 4),
+                                  **fields)
+
+        self.state.commit(epoch, samples, self.step, self.global_batch, on_kept=on_kept)
         report_activity()
         self.last_commit = time.time()
-        if self.world.is_chief:
-            loss = None if self.last_loss is None else float(self.last_loss)
-            self.events.write(Event.COMMIT, round=self.world.round, step=self.step, epoch=epoch, samples=samples,
-                              seconds=round(self.last_commit - started, 4), loss=loss,
-                              learning_rate=float(self.model.optimizer.learning_rate),
-                              world_size=self.world.size, global_batch=self.global_batch)
 
     def _commit_due(self) -> bool:
         every = self.config.commit_every_seconds
