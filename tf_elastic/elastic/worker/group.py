@@ -105,8 +105,7 @@ class GroupState:
         self.bytes = 4 * sum(_words(v) for v in self.variables)
         self._local_replicas = strategy.num_replicas_in_sync // world.size
         self._pack = tf.function(lambda: tf.concat([_to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
-        self._broadcast_fn = tf.function(self._broadcast_graph)
-        self._assign = tf.function(self._assign_graph)
+        self._broadcast = tf.function(self._broadcast_graph)  # one function: one trace at a round's start
 
     def digest(self) -> str:
         """SHA-256 (hex) of every variable's bits, as this worker holds them."""
@@ -125,31 +124,31 @@ class GroupState:
         if (steps == newest).all() and (digests == digests[source]).all():
             return Agreement(newest, source, 0, 0.0, digest)
         started = time.perf_counter()
-        bits = self._broadcast_fn(tf.constant(source * self._local_replicas, tf.int32))
-        self._assign(bits)
+        self._broadcast(tf.constant(source * self._local_replicas, tf.int32))
         digest = self.digest()
         self.verify(digest, f"after the transfer of step {newest} from rank {source}")
         received = steps[rank] != newest or digests[rank] != digests[source]
         return Agreement(newest, source, self.bytes if received else 0, time.perf_counter() - started, digest)
 
     def verify(self, digest: str, when: str) -> None:
-        """Raises `PeerFailure` unless every worker's digest equals this one."""
-        mine = np.zeros(self.world.size)
-        mine[self.world.rank] = _short(digest)
-        digests = np.rint(self._sum(mine)).astype(np.int64)
+        """Raises `PeerFailure` unless every worker's digest equals this one. (The vector has the length
+        `agree` sums, so the summing function is not traced again.)"""
+        size = self.world.size
+        mine = np.zeros(2 * size)
+        mine[size + self.world.rank] = _short(digest)
+        digests = np.rint(self._sum(mine)).astype(np.int64)[size:]
         if (digests != digests[0]).any():
             raise PeerFailure(-1, f"the workers hold different state {when}: digests {digests.tolist()}")
 
-    def _broadcast_graph(self, source_replica: tf.Tensor) -> tf.Tensor:
+    def _broadcast_graph(self, source_replica: tf.Tensor) -> None:
+        """The source's values, all-reduced with zeros from every other replica, assigned everywhere."""
         def contribute():
             context = tf.distribute.get_replica_context()
             bits = tf.concat([_to_int32(v.read_value()) for v in self.variables], 0)
             is_source = tf.equal(context.replica_id_in_sync_group, source_replica)
             return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(is_source, bits, tf.zeros_like(bits)))
 
-        return self.strategy.experimental_local_results(self.strategy.run(contribute))[0]
-
-    def _assign_graph(self, bits: tf.Tensor) -> None:
+        bits = self.strategy.experimental_local_results(self.strategy.run(contribute))[0]
         offset = 0
         for variable in self.variables:
             words = _words(variable)
