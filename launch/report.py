@@ -88,6 +88,6 @@ def main(argv: List[str]) -> None:
 if __name__ == "__main__":
     flags.DEFINE_list("run_dir", None, "The run directory (holding events.jsonl), or several, comma-separated "
                       "(hosts with run dirs of their own).", required=True)
-    flags.DEFINE_integer("dataset_size", 0, "Training examples an epoch, to place commits on the samples axis.",
+    flags.DEFINE_integer("dataset_size", None, "Training examples an epoch, to place commits on the samples axis.",
                          lower_bound=1, required=True)
     app.run(main)

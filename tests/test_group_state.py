@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from launch import report
 from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import group
 from tf_elastic.elastic.worker.commit import CommittedState
@@ -251,6 +252,9 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
             counts = by_epoch[epoch]
             assert max(counts.values()) == 1 and len(counts) > 3000 - 32, epoch
         assert partial[-1].step not in [c.step for c in DurableCopies(str(remote)).copies()], "not collected"
+        # launch.report reads every host's run dir: a table row for each round that trained.
+        table = [line for line in report.summary(job.run_dirs).splitlines() if line.startswith("| ")][1:]
+        assert len(table) == len({e["round"] for e in job.events(Event.RESTORE, rank=0)}), table
     finally:
         job.cleanup()
 
