@@ -169,7 +169,9 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
 def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
     epoch exactly once, by the indices the workers logged while reading the files."""
-    epochs, commit_every = 10, 5  # long enough for c to join before the survivor alone finishes
+    # Long enough for c to join before the survivor alone finishes (async commits made the survivor faster:
+    # with 10 epochs it finished before a cold c was warm on a loaded machine).
+    epochs, commit_every = 16, 5
     job = LocalJob(tmp_path, [f"--dataset={kind}:{files[kind]}", "--image_size=16", "--per_replica_batch_size=16",
                               "--threads=1", f"--commit_every_steps={commit_every}", "--optimizer=sgd",
                               f"--epochs={epochs}"],
