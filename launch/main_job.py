@@ -72,8 +72,8 @@ def main(argv: List[str]) -> int:
     root = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="tf_elastic-main-"))
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
-    print("\n" + report.summary(job.run_dir))
-    report.plot(job.run_dir, job.run_dir / "run.png", dataset_size=len(datasets.load("digits").y_train))
+    print("\n" + report.summary(job.run_dirs))
+    report.plot(job.run_dirs, job.run_dir / "run.png", dataset_size=len(datasets.load("digits").y_train))
     print(f"\nplot: {job.run_dir / 'run.png'}\nevents: {job.run_dir / 'events.jsonl'}")
     return 0 if all(code == 0 for host, code in job.wait_agents().items() if host != "host-b") else 1
 

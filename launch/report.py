@@ -1,13 +1,14 @@
 """A run's story from `RUN_DIR/events.jsonl`: a summary table and `run.png`.
 
     python -m launch.report --run_dir=RUN_DIR --dataset_size=1437
+    python -m launch.report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR --dataset_size=1437   # host-local run dirs
 """
 from pathlib import Path
 from typing import Dict, List
 
 from absl import app, flags
 
-from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.testing import audit
 
@@ -16,7 +17,7 @@ def _by_round(events: List[Dict], name: str) -> Dict[int, Dict]:
     return {e["round"]: e for e in events if e["event"] == name and e.get("rank", 0) == 0}
 
 
-def summary(run_dir: Path) -> str:
+def summary(run_dir: RunDirs) -> str:
     """Rounds that trained (world size, why, restarts, restore point, first step), then the outcome."""
     events = read_events(run_dir)
     restores, firsts = _by_round(events, Event.RESTORE), _by_round(events, Event.FIRST_STEP)
@@ -36,12 +37,12 @@ def summary(run_dir: Path) -> str:
     lines += ["", f"- failures detected: {len(failures)} ({kinds})",
               f"- final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" if commits else "- no commit",
               f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a"]
-    if RunDir(run_dir).indices.is_dir():
+    if any(RunDir(d).indices.is_dir() for d in run_dirs(run_dir)):
         lines.append(f"- examples used more than once in an epoch (committed work): {audit.repeats(run_dir)}")
     return "\n".join(lines)
 
 
-def plot(run_dir: Path, path: Path, dataset_size: int) -> None:
+def plot(run_dir: RunDirs, path: Path, dataset_size: int) -> None:
     """Loss and learning rate at each commit against samples seen; failures red, membership changes grey."""
     import matplotlib
 
@@ -78,14 +79,15 @@ def plot(run_dir: Path, path: Path, dataset_size: int) -> None:
 
 def main(argv: List[str]) -> None:
     del argv
-    run_dir = Path(flags.FLAGS.run_dir)
-    print(summary(run_dir))
-    plot(run_dir, run_dir / "run.png", flags.FLAGS.dataset_size)
-    print(f"\nplot: {run_dir / 'run.png'}")
+    dirs = [Path(d) for d in flags.FLAGS.run_dir]
+    print(summary(dirs))
+    plot(dirs, dirs[0] / "run.png", flags.FLAGS.dataset_size)
+    print(f"\nplot: {dirs[0] / 'run.png'}")
 
 
 if __name__ == "__main__":
-    flags.DEFINE_string("run_dir", None, "The run directory (holding events.jsonl).", required=True)
-    flags.DEFINE_integer("dataset_size", 0, "Training examples an epoch, to place commits on the samples axis.",
+    flags.DEFINE_list("run_dir", None, "The run directory (holding events.jsonl), or several, comma-separated "
+                      "(hosts with run dirs of their own).", required=True)
+    flags.DEFINE_integer("dataset_size", None, "Training examples an epoch, to place commits on the samples axis.",
                          lower_bound=1, required=True)
     app.run(main)

@@ -76,6 +76,10 @@ flags.DEFINE_string("run_dir", None,
                     "Where checkpoints, events and TensorBoard go (default: the agent's, else runs/train).")
 flags.DEFINE_integer("commit_every_steps", 100, "Commit state every N steps (0: only at epoch ends).", lower_bound=0)
 flags.DEFINE_float("commit_every_seconds", None, "Also commit when this many seconds passed.", lower_bound=0.1)
+flags.DEFINE_string("checkpoint_dir", None, "Durable copies of commits, on any tf.io.gfile filesystem (a local path, "
+                    "gs://, s3:// with tensorflow-io, ram://); default RUN_DIR/durable.")
+flags.DEFINE_integer("durable_every_commits", 10, "The chief copies every N-th commit (and the last) to "
+                     "--checkpoint_dir (0: no durable copies).", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "Seed for weights and the data order.")
 FLAGS = flags.FLAGS
 require_finite_floats(__name__)
@@ -174,7 +178,8 @@ def main(argv: List[str]) -> None:
     config = elastic.FitConfig(
         epochs=FLAGS.epochs, per_replica_batch_size=FLAGS.per_replica_batch_size,
         global_batch_size=FLAGS.global_batch_size, batch_policy=FLAGS.batch_policy,
-        commit_every_steps=FLAGS.commit_every_steps, commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed)
+        commit_every_steps=FLAGS.commit_every_steps, commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed,
+        checkpoint_dir=FLAGS.checkpoint_dir, durable_every_commits=FLAGS.durable_every_commits)
     global_batch = config.global_batch(strategy.num_replicas_in_sync)
     peak = FLAGS.learning_rate if FLAGS.learning_rate is not None else {
         "lars": 0.1, "sgd": 0.05, "adam": 0.001, "lamb": 0.001}[FLAGS.optimizer]

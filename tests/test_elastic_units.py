@@ -311,3 +311,24 @@ def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
     addresses["w-2"] = "10.0.0.9"
     with pytest.raises(ValueError, match="should hold this pod's node address"):
         resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())
+
+
+def test_the_async_checkpoint_fix_is_installed_only_where_keras_creates_a_variable_per_copy(tmp_path):
+    """Keras 3.15's `Variable._copy_trackable_to_cpu` makes a new tf.Variable on every call, which TF's
+    async checkpoint (a tf.function) refuses after its first trace; with the fix, repeated async writes
+    work and read back bit-exact."""
+    installed = keras_compat.install_async_checkpoint_fix()
+    assert installed, keras.__version__
+    assert not keras_compat._ASYNC_COPY_BUG.search("object_map[self] = object_map[self.value]")
+    model, schedule = _training_setup()
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer, history=schedule.state)
+    options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+    for step in range(3):
+        model.weights[0].assign(model.weights[0] + 1.0)
+        checkpoint.write(str(tmp_path / f"ckpt-{step}"), options=options)
+    checkpoint.sync()
+    fresh, fresh_schedule = _training_setup()
+    tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer, history=fresh_schedule.state).read(
+        str(tmp_path / "ckpt-2")).assert_existing_objects_matched()
+    for a, b in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

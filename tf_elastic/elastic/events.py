@@ -4,7 +4,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Union
+from typing import Any, Dict, Iterator, List, Sequence, Union
 
 from tf_elastic.elastic.protocol import Event, RunDir
 
@@ -27,9 +27,21 @@ class EventLog:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def read_events(run_dir: Union[str, Path]) -> List[Dict[str, Any]]:
-    """All events of a run, in file order; a torn last line (a process killed mid-write) is skipped."""
-    return list(_parse(RunDir(run_dir).events))
+RunDirs = Union[str, Path, Sequence[Union[str, Path]]]
+
+
+def run_dirs(run_dir: RunDirs) -> List[Path]:
+    """One run dir, or several (host-local run dirs: each host keeps its own events), as a list."""
+    return [Path(run_dir)] if isinstance(run_dir, (str, Path)) else [Path(d) for d in run_dir]
+
+
+def read_events(run_dir: RunDirs) -> List[Dict[str, Any]]:
+    """All events of a run, in file order (of several run dirs: merged by time); a torn last line (a
+    process killed mid-write) is skipped."""
+    dirs = run_dirs(run_dir)
+    if len(dirs) == 1:
+        return list(_parse(RunDir(dirs[0]).events))
+    return sorted((e for d in dirs for e in _parse(RunDir(d).events)), key=lambda e: e["time"])
 
 
 def _parse(path: Path) -> Iterator[Dict[str, Any]]:

@@ -19,10 +19,14 @@ class Env:
     HEARTBEAT_TIMEOUT = "TF_ELASTIC_HEARTBEAT_TIMEOUT"
     RESTARTS = "TF_ELASTIC_RESTARTS"
     INDEX_LOG = "TF_ELASTIC_INDEX_LOG"  # test mode: workers log the example indices they train on
-    SCRATCH_DIR = "TF_ELASTIC_SCRATCH_DIR"  # a non-chief's checkpoint scratch space; the agent deletes it
-    LOCAL_RANK = "TF_ELASTIC_LOCAL_RANK"  # the worker's slot on its host (0..nproc-1); its devices follow it
+    # The worker's slot on its host (0..nproc-1): its devices follow it, and slot 0 keeps the host's commits.
+    LOCAL_RANK = "TF_ELASTIC_LOCAL_RANK"
+    HOST_ID = "TF_ELASTIC_HOST_ID"  # names the host's commit directory: hosts may share a run dir, or not
     AGENT_PID = "TF_ELASTIC_AGENT_PID"  # a worker ends itself once its agent is gone (even when it was SIGKILLed)
     TEST_FAULTS = "TF_ELASTIC_TEST_FAULTS"  # test only: SIGUSR2 blocks the worker's main thread (a stuck step)
+    # Test only: a directory; while it holds a file named after a point of a commit ("local": files written,
+    # state file not yet; "durable": a copy's files written, marker not yet), commits wait there.
+    TEST_PAUSE_DIR = "TF_ELASTIC_TEST_PAUSE_DIR"
     # Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks
     # until the agent writes the round's variables to its stdin as one JSON line.
     WARM = "TF_ELASTIC_WARM"
@@ -87,6 +91,9 @@ class Event(str, enum.Enum):
     RESTORE_MISMATCH = "restore_mismatch"
     FIRST_STEP = "first_step"
     COMMIT = "commit"
+    COMMIT_FAILED = "commit_failed"  # a host's local write failed (a full disk): the group still holds it
+    STATE_TRANSFER = "state_transfer"  # a worker received the agreed commit from a peer
+    DURABLE_COPY = "durable_copy"
     EPOCH_END = "epoch_end"
     REMAINDER_SKIPPED = "remainder_skipped"
     COLLECTIVE_FAILURE = "collective_failure"
@@ -120,10 +127,15 @@ class RunDir:
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
+    def host_commits(self, host_id: str) -> Path:
+        """Under an agent, each host's own commits (written by its first worker): the run dir need not be
+        shared, and hosts that do share one never write the same files."""
+        return self.path / "commits" / host_id
+
     @property
-    def checkpoint_state(self) -> Path:
-        """The state file naming the kept commits (`tf.train.CheckpointManager`'s `checkpoint`)."""
-        return self.checkpoints / "checkpoint"
+    def durable(self) -> Path:
+        """The default `--checkpoint_dir`: durable copies of commits, for a restart of the whole job."""
+        return self.path / "durable"
 
     @property
     def tensorboard(self) -> Path:
@@ -140,9 +152,9 @@ class RunDir:
 
 
 class HostDir:
-    """An agent's host-local directory (never shared): its workers' heartbeats, warm-start markers and
-    checkpoint scratch space. Its name carries the agent's PID so that a later agent on the host can
-    remove what a SIGKILLed one left (`HostDir.PREFIX` + pid + "-")."""
+    """An agent's host-local directory (never shared): its workers' heartbeats and warm-start markers. Its
+    name carries the agent's PID so that a later agent on the host can remove what a SIGKILLed one left
+    (`HostDir.PREFIX` + pid + "-")."""
 
     PREFIX = "tf_elastic-agent"
 

@@ -25,10 +25,12 @@ def repo_env(**extra: str) -> Dict[str, str]:
 
 class LocalJob:
     def __init__(self, tmp: Path, train_args: List[str], agent_args: List[str] = (), job_id: Optional[str] = None,
-                 rdzv: Optional[str] = None):
+                 rdzv: Optional[str] = None, host_run_dirs: bool = False):
         """`rdzv`: the store URL (default: a file store in `tmp`); `job_id`: default unique, so that jobs
-        can share one etcd."""
+        can share one etcd; `host_run_dirs`: each agent gets a run dir of its own (`tmp/hosts/HOST`), as
+        hosts that share no filesystem would, instead of all sharing `tmp/run`."""
         self.tmp, self.run_dir = tmp, tmp / "run"
+        self.host_run_dirs = host_run_dirs
         self.rdzv = rdzv or f"file://{tmp / 'rdzv'}"
         self.train_args, self.agent_args = list(train_args), list(agent_args)
         self.job_id = job_id or f"job-{uuid.uuid4().hex[:8]}"
@@ -37,7 +39,7 @@ class LocalJob:
     def start_agent(self, host: str, command: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None,
                     **flags) -> subprocess.Popen:
         args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
-                f"--run_dir={self.run_dir}", f"--host_id={host}", *self.agent_args,
+                f"--run_dir={self.run_dir_of(host)}", f"--host_id={host}", *self.agent_args,
                 *[f"--{k}={v}" for k, v in flags.items()], "--",
                 *(command or [sys.executable, "-m", "launch.train", *self.train_args])]
         log = open(self.tmp / f"agent-{host}.log", "ab")
@@ -45,8 +47,16 @@ class LocalJob:
         self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.agents[host]
 
+    def run_dir_of(self, host: str) -> Path:
+        return self.tmp / "hosts" / host if self.host_run_dirs else self.run_dir
+
+    @property
+    def run_dirs(self) -> List[Path]:
+        """Every run dir of the job: one, or one per agent started."""
+        return [self.run_dir_of(host) for host in self.agents] if self.host_run_dirs else [self.run_dir]
+
     def events(self, name: Optional[Event] = None, **match) -> List[Dict]:
-        return [e for e in read_events(self.run_dir) if (name is None or e["event"] == name)
+        return [e for e in read_events(self.run_dirs) if (name is None or e["event"] == name)
                 and all(e.get(k) == v for k, v in match.items())]
 
     def wait_for(self, predicate: Callable[[], object], timeout: float = 180, what: str = "") -> object:
@@ -93,6 +103,10 @@ class LocalJob:
             starts = [e for e in starts if e["round"] == round_]
         return starts[-1]["worker_pid"]
 
+    def kill_worker(self, host: str, round_: Optional[int] = None) -> None:
+        """SIGKILL the host's worker (of `round_`); its agent goes on."""
+        signal_pid(self.worker_pid(host, round_), signal.SIGKILL)
+
     def kill_host(self, host: str) -> None:
         """SIGKILL the agent and its worker: the whole host is gone."""
         worker = self.worker_pid(host)
@@ -102,7 +116,7 @@ class LocalJob:
     def describe(self) -> str:
         hidden = ("time", "event", "source", "pid")
         lines = [f"{e['event']} {e['source']} " + str({k: v for k, v in e.items() if k not in hidden})
-                 for e in read_events(self.run_dir)]
+                 for e in read_events(self.run_dirs)]
         logs = "".join(f"\n--- {p.name} (tail)\n" + p.read_text(errors="replace")[-3000:]
                        for p in self.tmp.glob("agent-*.log"))
         return "\n".join(lines[-60:]) + logs

@@ -149,9 +149,9 @@ class Soak:
 
 
 def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
-    """Polls for TF's temporary shard directory of a checkpoint being written."""
+    """Polls for TF's temporary shard directory of a checkpoint being written (on any host)."""
     deadline = time.time() + timeout
-    pattern = str(RunDir(run_dir).checkpoints / "*_temp*")
+    pattern = str(RunDir(run_dir).host_commits("*") / "*_temp*")
     while time.time() < deadline:
         if glob.glob(pattern):
             return True
@@ -160,15 +160,20 @@ def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
 
 
 def _corrupt_newest(run_dir: Path) -> str:
-    state = RunDir(run_dir).checkpoint_state
-    if not state.exists():
+    """Truncates the newest commit of every host (each keeps its own copy), so that the group goes back
+    to the previous one."""
+    states = [Path(p) for p in glob.glob(str(RunDir(run_dir).host_commits("*") / "checkpoint"))]
+    if not states:
         return "no commit yet"
-    newest = _newest_commit(state)
-    for data in glob.glob(glob.escape(newest) + ".data-*"):
-        size = os.path.getsize(data)
-        with open(data, "r+b") as f:
-            f.truncate(size // 2)
-    return f"truncated {Path(newest).name}"
+    names = set()
+    for state in states:
+        newest = _newest_commit(state)
+        names.add(Path(newest).name)
+        for data in glob.glob(glob.escape(newest) + ".data-*"):
+            size = os.path.getsize(data)
+            with open(data, "r+b") as f:
+                f.truncate(size // 2)
+    return f"truncated {', '.join(sorted(names))}"
 
 
 def _newest_commit(state: Path) -> str:

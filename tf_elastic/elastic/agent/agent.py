@@ -11,9 +11,7 @@ import os
 import shutil
 import signal
 import socket
-import tempfile
 import time
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from absl import logging
@@ -181,7 +179,6 @@ class ElasticAgent:
     def _start(self, rank: int, slot: int, round_: Round) -> Worker:
         heartbeat = self.host_dir.heartbeat(round_.number, rank)
         heartbeat.unlink(missing_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f"scratch-rank{rank}-", dir=self.host_dir.path))
         world = {
             "TF_CONFIG": json.dumps({"cluster": {"worker": round_.cluster}, "task": {"type": "worker", "index": rank}}),
             Env.RUN_DIR: self.config.run_dir,
@@ -189,7 +186,7 @@ class ElasticAgent:
             Env.HEARTBEAT_FILE: str(heartbeat),
             Env.HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
             Env.RESTARTS: str(round_.restarts),
-            Env.SCRATCH_DIR: str(scratch),
+            Env.HOST_ID: self.host_id,
         }
         if self.config.index_log:
             world[Env.INDEX_LOG] = "1"
@@ -197,7 +194,7 @@ class ElasticAgent:
             self.config.command, dict(self._slot_env(slot), **world), warm=False)
         self.events.write(Event.WORKER_START, round=round_.number, rank=rank, worker_pid=process.pid,
                           warm=process.stdin is not None, local_rank=slot)
-        return Worker(rank, process, heartbeat, scratch)
+        return Worker(rank, process, heartbeat)
 
     def _slot_env(self, slot: int) -> Dict[str, str]:
         """What every worker of local slot `slot` starts with: this environment less the agent's secrets,

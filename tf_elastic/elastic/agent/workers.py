@@ -80,7 +80,6 @@ class Worker:
     rank: int
     process: subprocess.Popen
     heartbeat: Path
-    scratch: Path  # deleted once the process is gone
     started: float = dataclasses.field(default_factory=time.monotonic)
     last: Optional[Heartbeat] = None
     beat_at: float = 0.0  # when the beat counter last changed (monotonic)
@@ -113,9 +112,8 @@ class Worker:
         return time.monotonic() - self.progress_at if self.training else 0.0
 
     def close(self) -> None:
-        """Kills the group if it still runs; removes the scratch space and the heartbeat."""
+        """Kills the group if it still runs; removes the heartbeat."""
         if self.process.poll() is None:
             signal_group(self.process, signal.SIGKILL)
         self.process.wait()
-        shutil.rmtree(self.scratch, ignore_errors=True)
         self.heartbeat.unlink(missing_ok=True)

@@ -1,8 +1,12 @@
-"""A version-guarded fix for stock Keras 3 `model.fit` under MultiWorkerMirroredStrategy (keras#20585).
+"""Version-guarded fixes for stock Keras 3: `model.fit` under MultiWorkerMirroredStrategy (keras#20585),
+and TensorFlow's asynchronous checkpoint of Keras variables.
 
-Two failure points (see PLATFORM.md): the symbolic build MEAN-reduces a tuple of PerReplica input
-batches, and scalar logs are reduced with `axis=0`. Each patch is installed only when the installed
-Keras still has the faulty code, detected in its source, so the fix turns itself off once Keras is fixed.
+`fit`: two failure points (see PLATFORM.md): the symbolic build MEAN-reduces a tuple of PerReplica input
+batches, and scalar logs are reduced with `axis=0`. Async checkpoint: TF copies every variable to the
+host in a `tf.function` on each write; Keras's `Variable._copy_trackable_to_cpu` creates a new
+`tf.Variable` on every call, which a `tf.function` refuses after its first trace ("only supports singleton
+tf.Variables"). Each patch is installed only when the installed Keras still has the faulty code, detected
+in its source, so the fix turns itself off once Keras is fixed.
 """
 import inspect
 import re
@@ -10,7 +14,28 @@ from typing import Dict
 
 _SYMBOLIC_BUILD_BUG = re.compile(r'distribute_strategy\.reduce\(\s*"MEAN",\s*maybe_distributed_data_batch')
 _SCALAR_REDUCE_BUG = re.compile(r'strategy\.reduce\("MEAN",\s*v,\s*axis=0\)')
+_ASYNC_COPY_BUG = re.compile(r'object_map\[self\]\s*=\s*tf\.Variable\(object_map\[self\.value\]\)')
 _installed: Dict[str, bool] = {}
+_async_fix: Dict[str, bool] = {}
+
+
+def install_async_checkpoint_fix() -> bool:
+    """Lets `CheckpointOptions(experimental_enable_async_checkpoint=True)` write Keras variables: a Keras
+    variable's host copy is its TensorFlow variable's host copy (which TF creates once, then assigns).
+    Returns whether the patch was needed. Idempotent."""
+    if _async_fix:
+        return _async_fix["installed"]
+    from keras.src.backend.tensorflow import core
+
+    needed = bool(_ASYNC_COPY_BUG.search(inspect.getsource(core.Variable._copy_trackable_to_cpu)))
+    if needed:
+        def _copy_trackable_to_cpu(self, object_map):
+            self.value._copy_trackable_to_cpu(object_map)
+            object_map[self] = object_map[self.value]
+
+        core.Variable._copy_trackable_to_cpu = _copy_trackable_to_cpu
+    _async_fix["installed"] = needed
+    return needed
 
 
 def bugs_in(trainer_source: str) -> Dict[str, bool]:

@@ -19,9 +19,11 @@ from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, ExitCode, RunDir
 from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
+from tf_elastic.elastic.worker.durable import DurableCopies
 from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, describe_error, pipeline
 from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
+from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
 from tf_elastic.elastic.worker.world import World, report_activity, report_progress
 from tf_elastic.schedules import BatchResizeSchedule
 
@@ -37,7 +39,9 @@ class FitConfig:
     `batch_policy`: `per_replica` (the global batch follows the world, the paper's Dynamic SGD) or
     `global` (a constant global batch, which the world size must divide). Commits happen every
     `commit_every_steps` (0: only at epoch ends) and, if set, once `commit_every_seconds` passed;
-    workers agree on stops and time-based commits every `sync_every_steps`.
+    workers agree on stops and time-based commits every `sync_every_steps`. The chief copies every
+    `durable_every_commits`-th commit (0: none) and the last one to `checkpoint_dir` (any `tf.io.gfile`
+    filesystem; default `RUN_DIR/durable`), for a restart of the whole job.
     """
     epochs: int
     per_replica_batch_size: Optional[int] = None
@@ -47,14 +51,19 @@ class FitConfig:
     commit_every_seconds: Optional[float] = None
     sync_every_steps: int = 5
     seed: int = 0
+    checkpoint_dir: Optional[str] = None
+    durable_every_commits: int = 10
 
     def __post_init__(self):
         if self.batch_policy not in BATCH_POLICIES:
             raise ConfigurationError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}; "
                                      f"got {self.batch_policy!r}.")
-        if self.epochs < 1 or self.commit_every_steps < 0 or self.sync_every_steps < 1:
-            raise ConfigurationError(f"epochs >= 1, commit_every_steps >= 0 and sync_every_steps >= 1 are needed; "
-                                     f"got {self.epochs}, {self.commit_every_steps}, {self.sync_every_steps}.")
+        if (self.epochs < 1 or self.commit_every_steps < 0 or self.sync_every_steps < 1
+                or self.durable_every_commits < 0):
+            raise ConfigurationError(f"epochs >= 1, commit_every_steps >= 0, sync_every_steps >= 1 and "
+                                     f"durable_every_commits >= 0 are needed; got {self.epochs}, "
+                                     f"{self.commit_every_steps}, {self.sync_every_steps}, "
+                                     f"{self.durable_every_commits}.")
 
     def global_batch(self, replicas: int) -> int:
         """The global batch of a world with `replicas` replicas in sync."""
@@ -95,10 +104,11 @@ class _ElasticTrainer:
 
     def __init__(self, *, model: keras.Model, source: Source, preprocess: Optional[Preprocess], world: World,
                  strategy: tf.distribute.Strategy, state: CommittedState, config: FitConfig, worker_batch: int,
-                 events: EventLog):
+                 events: EventLog, sum_fn: SumOverWorkers):
         self.model, self.source, self.preprocess = model, source, preprocess
         self.world, self.strategy = world, strategy
         self.state, self.config, self.events = state, config, events
+        self.sum_over_workers = sum_fn
         self.plan = DataPlan(source.num_examples, config.seed, lambda epoch: source.epoch_order(config.seed, epoch))
         self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
         self.global_batch = worker_batch * world.size
@@ -111,7 +121,6 @@ class _ElasticTrainer:
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
         self.last_loss = None
-        self._sum = None
         self._index_log: Optional[TextIO] = None
         if world.index_log and world.run_dir:
             path = RunDir(world.run_dir).index_log(world.round, world.rank)
@@ -180,16 +189,22 @@ class _ElasticTrainer:
 
     # Commit and agreement ------------------------------------------------------------------------
     def commit(self, epoch: int, samples: int) -> None:
-        started = time.time()
-        self.state.commit(epoch, samples, self.step, self.global_batch)
+        """Commits on every worker; the chief's `commit` event is written once the commit is in force on
+        its host (`seconds`: what the training step paid; `in_force_seconds`: until the state file named it)."""
+        on_kept = None
+        if self.world.is_chief:
+            fields = dict(round=self.world.round, step=self.step, epoch=epoch, samples=samples,
+                          loss=None if self.last_loss is None else float(self.last_loss),
+                          learning_rate=float(self.model.optimizer.learning_rate), world_size=self.world.size,
+                          global_batch=self.global_batch)
+
+            def on_kept(blocked: float, in_force: float) -> None:
+                self.events.write(Event.COMMIT, seconds=round(blocked, 4), in_force_seconds=round(in_force, 4),
+                                  **fields)
+
+        self.state.commit(epoch, samples, self.step, self.global_batch, on_kept=on_kept)
         report_activity()
         self.last_commit = time.time()
-        if self.world.is_chief:
-            loss = None if self.last_loss is None else float(self.last_loss)
-            self.events.write(Event.COMMIT, round=self.world.round, step=self.step, epoch=epoch, samples=samples,
-                              seconds=round(self.last_commit - started, 4), loss=loss,
-                              learning_rate=float(self.model.optimizer.learning_rate),
-                              world_size=self.world.size, global_batch=self.global_batch)
 
     def _commit_due(self) -> bool:
         every = self.config.commit_every_seconds
@@ -199,20 +214,6 @@ class _ElasticTrainer:
         """If any worker wants to stop or commit, all do, at this same step."""
         stops, commits = self.sum_over_workers([float(stop), float(commit)])
         return stops > 0, commits > 0
-
-    def sum_over_workers(self, values: List[float]) -> np.ndarray:
-        if self.world.size == 1:
-            return np.asarray(values, np.float64)
-        if self._sum is None:
-            strategy = self.strategy
-
-            @tf.function
-            def total(local):
-                per_replica = strategy.run(lambda: tf.identity(local))
-                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
-
-            self._sum = total
-        return self._sum(tf.constant(values, tf.float64)).numpy()
 
     def epoch_spans(self, epochs: int) -> List[Tuple[int, int]]:
         """The `model.fit` calls still to make, as (initial_epoch, epochs) pairs.
@@ -254,47 +255,75 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
     replicas = strategy.num_replicas_in_sync
     # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
     worker_batch = config.global_batch(replicas) // world.size
-    state = CommittedState(world, run_dir, model, schedule)
-    restored, skipped = state.restore()
-    for path, error in skipped:
-        events.write(Event.CHECKPOINT_SKIPPED, round=world.round, rank=world.rank, path=path, error=error)
-        logging.warning("skipped the unreadable commit %s: %s", path, error)
-    events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=restored is not None, path=restored,
-                 step=state.step, epoch=state.epoch, samples=state.samples, world_size=world.size)
+    durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
+        else None
+    state = CommittedState(world, run_dir, model, schedule, durable=durable,
+                           durable_every_commits=config.durable_every_commits, events=events, background=True)
+    sum_fn = sum_over_workers(strategy, world)
+    group = GroupState(strategy, world, state.variables, sum_fn) if world.size > 1 else None
     source = x if isinstance(x, Source) else ArraySource(x, y)
-    trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
-                              state=state, config=config,
-                              worker_batch=worker_batch, events=events)
-    if schedule is not None:
-        schedule.resize(state.step, trainer.global_batch)
-    previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
+    trainer, previous = None, None
     try:
-        if trainer.sum_over_workers([state.step])[0] != state.step * world.size:
-            # A worker of the previous round was still committing while we restored: start the round again.
-            events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
-            raise PeerFailure(state.step, "the workers restored different steps")
+        _start_from_group(state, group, world, events)
+        trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
+                                  state=state, config=config, worker_batch=worker_batch, events=events, sum_fn=sum_fn)
+        previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
+        if schedule is not None:
+            schedule.resize(state.step, trainer.global_batch)
         for begin, end in trainer.epoch_spans(config.epochs):
             if trainer.stopped:
                 break
             model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, verbose=verbose, shuffle=False,
                       callbacks=[_ElasticCallback(trainer), *callbacks])
     except COLLECTIVE_FAILURES as error:
+        step = trainer.step if trainer else state.step
         events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
-                     step=trainer.step)
+                     step=step)
         first_line = str(error).splitlines()[0] if str(error) else ""
-        logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__, first_line)
-        raise PeerFailure(trainer.step, f"{type(error).__name__}: {first_line}") from None
+        logging.error("collective failure at step %d (%s): %s", step, type(error).__name__, first_line)
+        raise PeerFailure(step, f"{type(error).__name__}: {first_line}") from None
     except tf.errors.InvalidArgumentError as error:
         # Bad data (a corrupt image, a record that does not parse, a label out of range): the error
         # names the file; a restart would only meet it again.
-        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(error)}") from None
+        raise ConfigurationError(f"bad input at step {trainer.step if trainer else state.step}: "
+                                 f"{describe_error(error)}") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
-        trainer.close()
+        if trainer:
+            signal.signal(signal.SIGTERM, previous)
+            trainer.close()
         state.close()
+    digest = group.digest() if group else None
     if trainer.stopped:
         events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.STOPPED),
-                     step=trainer.step)
+                     step=trainer.step, state_digest=digest)
         raise StopRequested(trainer.step)
-    events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.DONE), step=trainer.step)
+    state.close(final=True)
+    events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.DONE), step=trainer.step,
+                 state_digest=digest)
 
+
+def _start_from_group(state: CommittedState, group: Optional[GroupState], world: World, events: EventLog) -> None:
+    """Restores this host's newest commit, then agrees with the group on the newest any worker holds and
+    receives it if this worker lacks it (a host that keeps commits then writes it: it holds it now)."""
+    restored, skipped = state.restore()
+    for path, error in skipped:
+        events.write(Event.CHECKPOINT_SKIPPED, round=world.round, rank=world.rank, path=path, error=error)
+        logging.warning("skipped the unreadable commit %s: %s", path, error)
+    agreement = None
+    if group is not None:
+        try:
+            agreement = group.agree(state.held_step)
+        except PeerFailure:
+            events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
+            raise
+        if agreement.received_bytes:
+            events.write(Event.STATE_TRANSFER, round=world.round, rank=world.rank, source_rank=agreement.source,
+                         step=agreement.step, bytes=agreement.received_bytes, seconds=round(agreement.seconds, 4))
+            logging.info("received step %d from rank %d: %d bytes in %.3fs", agreement.step, agreement.source,
+                         agreement.received_bytes, agreement.seconds)
+            if agreement.step >= 0:
+                state.keep()
+    held = agreement.step >= 0 if agreement else restored is not None
+    events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=held, path=restored,
+                 source_rank=agreement.source if agreement else world.rank, step=state.step, epoch=state.epoch,
+                 samples=state.samples, world_size=world.size, state_digest=agreement.digest if agreement else None)

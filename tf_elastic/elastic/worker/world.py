@@ -27,8 +27,14 @@ class World:
     heartbeat_timeout: float = 10.0
     restarts: int = 0
     index_log: bool = False
-    scratch_dir: Optional[str] = None
     agent_pid: Optional[int] = None
+    local_rank: int = 0
+    host_id: Optional[str] = None
+
+    @property
+    def keeps_commits(self) -> bool:
+        """Under an agent, each host's first worker keeps the host's commits; without one, the chief."""
+        return self.local_rank == 0 if self.host_id else self.rank == 0
 
     @property
     def is_chief(self) -> bool:
@@ -77,8 +83,9 @@ class World:
             heartbeat_timeout=float(env.get(Env.HEARTBEAT_TIMEOUT, 10.0)),
             restarts=int(env.get(Env.RESTARTS, 0)),
             index_log=env.get(Env.INDEX_LOG) == "1",
-            scratch_dir=env.get(Env.SCRATCH_DIR),
             agent_pid=int(env[Env.AGENT_PID]) if env.get(Env.AGENT_PID) else None,
+            local_rank=int(env.get(Env.LOCAL_RANK, 0)),
+            host_id=env.get(Env.HOST_ID) or None,
         )
 
 
@@ -122,6 +129,17 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     thread = threading.Thread(target=beat, name="tf_elastic-heartbeat", daemon=True)
     thread.start()
     return thread
+
+
+def test_pause(point: str, rank: int) -> None:
+    """Test only (`Env.TEST_PAUSE_DIR`): waits while the file `point` exists there, after creating
+    `point.reached-rankN`, so that a test can SIGKILL a worker at a known point of a commit."""
+    directory = os.environ.get(Env.TEST_PAUSE_DIR)
+    if not directory or not (Path(directory) / point).exists():
+        return
+    (Path(directory) / f"{point}.reached-rank{rank}").touch()
+    while (Path(directory) / point).exists():
+        time.sleep(0.05)
 
 
 def _alive(pid: int) -> bool:

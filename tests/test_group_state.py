@@ -1,0 +1,273 @@
+"""Committed state without a shared filesystem: each host keeps its own commits, the group hands the
+newest to workers that lack it, durable copies go to any tf.io.gfile filesystem, off the training path."""
+import json
+import posixpath
+import uuid
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from launch import report
+from tf_elastic.elastic.protocol import Env, Event, RunDir
+from tf_elastic.elastic.worker import group
+from tf_elastic.elastic.worker.commit import CommittedState
+from tf_elastic.elastic.worker.durable import DurableCopies
+from tf_elastic.elastic.worker.errors import ConfigurationError
+from tf_elastic.elastic.worker.world import World
+from tf_elastic.optimizers import LARS
+from tf_elastic.schedules import BatchResizeSchedule
+from tf_elastic.testing import audit
+from tf_elastic.testing.local_job import LocalJob
+
+
+def _setup(width: int = 8):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(width), keras.layers.Dense(2)])
+    schedule = BatchResizeSchedule(0.1, 16, batch_size=32, transition="momentum", momentum=0.9)
+    model.compile(optimizer=LARS(schedule, trust_coefficient=0.02), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    return model, schedule
+
+
+def _trained():
+    model, schedule = _setup()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    model.fit(x, x[:, :2], batch_size=16, epochs=1, verbose=0)
+    return model, schedule
+
+
+def _events(run_dir: Path):
+    path = RunDir(run_dir).events
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_bits_survive_the_integer_packing_of_the_broadcast():
+    """-0.0, NaN payloads, half floats, 64-bit and boolean values come back bit for bit."""
+    values = [np.array([-0.0, np.nan, 1e-45, -3.5], np.float32), np.array([[-0.0, 65504.0]], np.float16),
+              tf.constant([-0.0, 1.5], tf.bfloat16), np.array([-(2 ** 62), 7], np.int64),
+              np.array([np.pi, -0.0], np.float64), np.array([True, False]), np.array([-128, 127], np.int8)]
+    for value in values:
+        variable = tf.Variable(value)
+        bits = group._to_int32(tf.convert_to_tensor(variable))
+        assert bits.dtype == tf.int32 and bits.shape[0] == group._words(variable)
+        back = group._from_int32(bits + tf.zeros_like(bits), variable)
+        raw = lambda t: tf.io.serialize_tensor(tf.convert_to_tensor(t)).numpy()  # noqa: E731
+        assert raw(back) == raw(variable), value
+
+
+def test_group_variables_are_deduplicated():
+    """LARS lists the schedule's state among its own variables: it must travel once."""
+    model, schedule = _setup()
+    listed = [*model.weights, *model.optimizer.variables, schedule.state]
+    assert sum(v is schedule.state for v in listed) == 2
+    assert len(group._unique(listed)) == len(listed) - 1
+
+
+def test_durable_copies_on_ram_filesystem_restore_a_whole_job_bit_exact(tmp_path):
+    """The tf.io.gfile path end to end on ram://: every 2nd commit and the last are copied, old copies
+    are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
+    remote = f"ram://durable-{uuid.uuid4().hex}"
+    model, schedule = _trained()
+    state = CommittedState(World(), str(tmp_path / "host"), model, schedule, durable=DurableCopies(remote, keep=2),
+                           durable_every_commits=2, background=True)
+    for step in range(1, 6):
+        state.commit(epoch=0, samples=16 * step, step=step, global_batch=16)
+    state.close(final=True)
+    copies = DurableCopies(remote).copies()
+    assert [(c.step, c.complete) for c in copies] == [(4, True), (5, True)]
+    # A copy cut short (no marker), newer than any complete one: never taken.
+    partial = posixpath.join(remote, "ckpt-9-0-144")
+    tf.io.gfile.makedirs(partial)
+    for path in tf.io.gfile.glob(posixpath.join(remote, "ckpt-5-0-80", "ckpt-5-0-80.*")):
+        tf.io.gfile.copy(path, posixpath.join(partial, posixpath.basename(path).replace("ckpt-5-0-80", "ckpt-9-0-144")))
+    assert DurableCopies(remote).newest().step == 5
+
+    fresh, fresh_schedule = _setup()
+    restored = CommittedState(World(), str(tmp_path / "new-host"), fresh, fresh_schedule,
+                              durable=DurableCopies(remote), durable_every_commits=2)
+    path, skipped = restored.restore()
+    assert path == posixpath.join(remote, "ckpt-5-0-80", "ckpt-5-0-80") and skipped == []
+    assert (restored.step, restored.samples) == (5, 80)
+    for a, b in zip([*model.weights, *model.optimizer.variables], [*fresh.weights, *fresh.optimizer.variables]):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # The next copy collects the partial one (older than the newest complete) and the oldest complete.
+    restored.commit(epoch=0, samples=16 * 12, step=12, global_batch=16)
+    restored.commit(epoch=0, samples=16 * 13, step=13, global_batch=16)
+    assert [(c.step, c.complete) for c in DurableCopies(remote).copies()] == [(5, True), (13, True)]
+
+
+def test_a_local_commit_is_preferred_to_an_older_durable_copy(tmp_path):
+    remote = str(tmp_path / "remote")
+    model, schedule = _trained()
+    state = CommittedState(World(), str(tmp_path / "run"), model, schedule, durable=DurableCopies(remote),
+                           durable_every_commits=3)
+    for step in range(1, 5):
+        state.commit(epoch=0, samples=step, step=step, global_batch=16)
+    assert DurableCopies(remote).newest().step == 3
+    path, _ = CommittedState(World(), str(tmp_path / "run"), *_setup(), durable=DurableCopies(remote),
+                             durable_every_commits=3).restore()
+    assert path.endswith("checkpoints/ckpt-4-0-4")
+
+
+@pytest.mark.parametrize("where", ["file", "scheme"])
+def test_a_checkpoint_dir_that_cannot_be_written_is_a_clear_error(tmp_path, where):
+    (tmp_path / "a-file").write_text("x")
+    directory = str(tmp_path / "a-file" / "durable") if where == "file" else "nope://bucket/durable"
+    model, schedule = _setup()
+    with pytest.raises(ConfigurationError, match=r"--checkpoint_dir=.* cannot be written .*--durable_every_commits=0"):
+        CommittedState(World(), str(tmp_path / "run"), model, schedule, durable=DurableCopies(directory),
+                       durable_every_commits=1)
+
+
+def test_a_durable_copy_of_another_model_is_a_clear_error_and_stays(tmp_path):
+    remote = str(tmp_path / "remote")
+    model, schedule = _trained()
+    CommittedState(World(), str(tmp_path / "run"), model, schedule, durable=DurableCopies(remote),
+                   durable_every_commits=1).commit(epoch=0, samples=1, step=1, global_batch=16)
+    other, other_schedule = _setup(width=3)
+    with pytest.raises(ConfigurationError, match=r"ckpt-1-0-1 does not fit this model .*--checkpoint_dir"):
+        CommittedState(World(), str(tmp_path / "empty"), other, other_schedule, durable=DurableCopies(remote),
+                       durable_every_commits=1).restore()
+    assert DurableCopies(remote).newest().step == 1
+
+
+def test_a_full_local_disk_keeps_the_previous_commit_in_force(tmp_path, monkeypatch):
+    """The write of a commit fails (ENOSPC reaches TF as ResourceExhausted): reported, training goes on,
+    the state file still names the previous commit, and the next commit works again."""
+    from tf_elastic.elastic.events import EventLog
+
+    model, schedule = _trained()
+    state = CommittedState(World(), str(tmp_path), model, schedule, events=EventLog(tmp_path, "worker:0"))
+    state.commit(epoch=0, samples=16, step=1, global_batch=16)
+    write = state._write
+
+    def full(prefix):
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+
+    monkeypatch.setattr(state, "_write", full)
+    state.commit(epoch=0, samples=32, step=2, global_batch=16)
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-1-0-16")
+    failed = [e for e in _events(tmp_path) if e["event"] == Event.COMMIT_FAILED]
+    assert len(failed) == 1 and "No space left on device" in failed[0]["error"] and failed[0]["step"] == 2
+    monkeypatch.setattr(state, "_write", write)
+    state.commit(epoch=0, samples=48, step=3, global_batch=16)
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-3-0-48")
+
+
+# Real processes: hosts with run dirs of their own, a separate local directory as the "remote" -----------
+COMMIT_EVERY = 10
+TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=16", "--threads=1",
+         f"--commit_every_steps={COMMIT_EVERY}", "--optimizer=sgd", "--durable_every_commits=2"]
+AGENT = ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"]
+
+
+def _round_host(job, round_, rank):
+    return [e for e in job.events(Event.WORKER_START, round=round_, rank=rank)][-1]["source"].split(":", 1)[1]
+
+
+def _restored(job, round_):
+    return [e for e in job.events(Event.RESTORE, round=round_, rank=0)][0]["step"]
+
+
+def _last_commit_before(job, round_):
+    """The newest step committed (in force on the chief's host) in an earlier round."""
+    return max(e["step"] for e in job.events(Event.COMMIT) if e["round"] < round_)
+
+
+def _first_step(job, after_round, world_size):
+    return job.wait_for(lambda: [e for e in job.events(Event.FIRST_STEP, rank=0)
+                                 if e["round"] > after_round and e["world_size"] == world_size],
+                        what=f"a first step after round {after_round} at world size {world_size}")[0]
+
+
+def _pause_and_kill(job, pause: Path, point: str, rank: int, round_: int) -> None:
+    """Holds every commit at `point`, SIGKILLs the worker of `rank` once it is there, then lets go."""
+    (pause / point).touch()
+    job.wait_for(lambda: (pause / f"{point}.reached-rank{rank}").exists(), what=f"rank {rank} at {point}")
+    job.kill_worker(_round_host(job, round_, rank), round_)
+    (pause / point).unlink()
+
+
+@pytest.mark.slow
+def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_with_an_empty_disk(tmp_path):
+    """Hosts a and b (own run dirs; durable copies in a separate directory): the chief's host is killed;
+    c joins with an empty disk and receives the state; a worker is SIGKILLed in the middle of its local
+    commit, the chief in the middle of a durable copy; then every host is lost and a fresh host resumes
+    from the newest complete durable copy. No committed step is lost, replicas hold the same bits after
+    every recovery, and committed work used every example once per epoch."""
+    remote, pause = tmp_path / "remote", tmp_path / "pause"
+    pause.mkdir()
+    env = {Env.TEST_PAUSE_DIR: str(pause)}
+    job = LocalJob(tmp_path / "job", TRAIN + ["--epochs=200", f"--checkpoint_dir={remote}"], AGENT,
+                   host_run_dirs=True)
+    (tmp_path / "job").mkdir()
+    try:
+        job.start_agent("a", env=env)
+        job.start_agent("b", env=env)
+        pair = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2
+                                     and e["step"] >= COMMIT_EVERY], what="a commit at world size 2")[0]
+        chief = _round_host(job, pair["round"], 0)
+        job.kill_host(chief)
+        survivor = _first_step(job, pair["round"], 1)
+        assert _restored(job, survivor["round"]) >= _last_commit_before(job, survivor["round"]), "lost a commit"
+
+        job.start_agent("c", env=env)
+        joined = _first_step(job, survivor["round"], 2)
+        assert _restored(job, joined["round"]) == _last_commit_before(job, joined["round"]), "a join lost steps"
+        received = job.events(Event.STATE_TRANSFER, round=joined["round"])
+        assert [(e["rank"], e["source_rank"]) for e in received] == [(1, 0)] and received[0]["bytes"] > 0, received
+        assert _round_host(job, joined["round"], 1) == "c"
+
+        job.wait_for(lambda: job.events(Event.COMMIT, round=joined["round"]), what="a commit with c")
+        _pause_and_kill(job, pause, "local", 1, joined["round"])  # c: files written, state file not yet
+        after_local = _first_step(job, joined["round"], 2)
+        assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
+        assert job.events(Event.STATE_TRANSFER, round=after_local["round"], rank=1)
+
+        job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local["round"]), what="a durable copy")
+        _pause_and_kill(job, pause, "durable", 0, after_local["round"])  # the chief: marker not yet written
+        partial = [c for c in DurableCopies(str(remote)).copies() if not c.complete]
+        assert partial, "the copy cut short is there, without its marker"
+        assert DurableCopies(str(remote)).newest().step < partial[-1].step
+        after_durable = _first_step(job, after_local["round"], 2)
+        assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
+
+        job.wait_for(lambda: [e for e in job.events(Event.DURABLE_COPY, round=after_durable["round"])
+                              if "bytes" in e], what="a durable copy after the restart")
+        for host in ("a", "b", "c"):
+            if job.agents[host].poll() is None:
+                job.kill_host(host)
+        # Replicas agreed bit for bit in every round of two.
+        for round_ in {e["round"] for e in job.events(Event.RESTORE) if e["world_size"] == 2}:
+            digests = {e["rank"]: e["state_digest"] for e in job.events(Event.RESTORE, round=round_)}
+            assert len(digests) == 2 and len(set(digests.values())) == 1, (round_, digests)
+        # Every example once in every epoch that committed work completed (the last is cut by the kills).
+        by_epoch = audit.uses_by_epoch(job.run_dirs)
+        done = [e for e in sorted(by_epoch) if e < max(c["epoch"] for c in job.events(Event.COMMIT))]
+        assert len(done) >= 2
+        for epoch in done:
+            counts = by_epoch[epoch]
+            assert max(counts.values()) == 1 and len(counts) > 3000 - 32, epoch
+        assert partial[-1].step not in [c.step for c in DurableCopies(str(remote)).copies()], "not collected"
+        # launch.report reads every host's run dir: a table row for each round that trained.
+        table = [line for line in report.summary(job.run_dirs).splitlines() if line.startswith("| ")][1:]
+        assert len(table) == len({e["round"] for e in job.events(Event.RESTORE, rank=0)}), table
+    finally:
+        job.cleanup()
+
+    # The whole job is lost: a fresh host with an empty run dir resumes from the newest complete copy.
+    newest = DurableCopies(str(remote)).newest()
+    epoch = int(posixpath.basename(newest.prefix).split("-")[2])
+    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 1}", f"--checkpoint_dir={remote}"], AGENT,
+                     host_run_dirs=True)
+    (tmp_path / "again").mkdir()
+    try:
+        again.start_agent("d")
+        assert again.wait_agents() == {"d": 0}, again.describe()
+        restore = again.events(Event.RESTORE, rank=0)[0]
+        assert (restore["step"], restore["path"]) == (newest.step, newest.prefix)
+    finally:
+        again.cleanup()

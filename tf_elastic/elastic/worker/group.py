@@ -1,0 +1,161 @@
+"""The group's committed state: which commit a new round starts from, and its transfer between workers.
+
+Hosts keep their own commits (no shared filesystem), so after a round forms the workers agree on the
+newest commit any of them holds; those that lack it (a joiner with an empty disk, a host that was behind)
+receive it from the lowest rank that holds it, over the strategy's collectives, and every worker then
+checks that it holds the same bits as the source. Storage is only for durability (`durable.py`).
+"""
+import dataclasses
+import hashlib
+import time
+from typing import Callable, List, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_elastic.elastic.worker.errors import PeerFailure
+from tf_elastic.elastic.worker.world import World
+
+SumOverWorkers = Callable[[Sequence[float]], np.ndarray]
+
+
+def sum_over_workers(strategy: tf.distribute.Strategy, world: World) -> SumOverWorkers:
+    """A function summing a small float64 vector over the workers (each worker's values counted once)."""
+    if world.size == 1:
+        return lambda values: np.asarray(values, np.float64)
+
+    @tf.function
+    def total(local):
+        per_replica = strategy.run(lambda: tf.identity(local))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    # Every local replica contributes: divide by their number (exact for the small integers we sum).
+    local_replicas = strategy.num_replicas_in_sync // world.size
+    return lambda values: total(tf.constant(values, tf.float64)).numpy() / local_replicas
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    """What the group agreed on: the step (-1: nothing committed anywhere), its source rank, and what this
+    worker received (0 bytes when it held the commit already)."""
+    step: int
+    source: int
+    received_bytes: int
+    seconds: float
+    digest: str
+
+
+def _unique(variables: Sequence) -> List[tf.Variable]:
+    """The TensorFlow variables behind Keras ones, each once: LARS also lists the schedule's state among
+    the optimizer's variables."""
+    seen, unique = set(), []
+    for variable in variables:
+        variable = variable.value if isinstance(variable, keras.Variable) else variable
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            unique.append(variable)
+    return unique
+
+
+def _to_int32(value: tf.Tensor) -> tf.Tensor:
+    """The bits of `value` as a flat int32 vector: floats are bit-cast, never converted, so that the
+    all-reduce's `x + 0` keeps every bit (-0.0 and NaN payloads included)."""
+    width = value.dtype.size
+    if value.dtype == tf.bool:
+        return tf.reshape(tf.cast(value, tf.int32), [-1])
+    if width == 1:
+        return tf.reshape(tf.cast(tf.bitcast(value, tf.uint8), tf.int32), [-1])
+    if width == 2:
+        return tf.reshape(tf.cast(tf.bitcast(value, tf.uint16), tf.int32), [-1])
+    return tf.reshape(tf.bitcast(value, tf.int32), [-1])  # 4 bytes: as is; 8 bytes: two int32 each
+
+
+def _from_int32(bits: tf.Tensor, like: tf.Variable) -> tf.Tensor:
+    dtype, shape = like.dtype, like.shape
+    width = dtype.size
+    if dtype == tf.bool:
+        return tf.reshape(tf.cast(bits, tf.bool), shape)
+    if width in (1, 2):
+        return tf.reshape(tf.bitcast(tf.cast(bits, tf.uint8 if width == 1 else tf.uint16), dtype), shape)
+    if width == 8:
+        return tf.reshape(tf.bitcast(tf.reshape(bits, [-1, 2]), dtype), shape)
+    return tf.reshape(tf.bitcast(bits, dtype), shape)
+
+
+def _words(variable: tf.Variable) -> int:
+    """int32 words `_to_int32` makes of this variable."""
+    return variable.shape.num_elements() * max(1, variable.dtype.size // 4)
+
+
+class GroupState:
+    """Agreement, broadcast and verification of the committed state's variables across the workers.
+
+    MultiWorkerMirroredStrategy has no public broadcast, so it is built from the all-reduce (SUM) it has:
+    the source's first replica contributes its values, every other replica zeros. All variables travel
+    as one int32 vector (their bits, see `_to_int32`), so a transfer is a single collective. Afterwards a
+    SHA-256 of every variable's bits, summed into a vector with one slot per rank, shows every worker
+    what each one holds; any difference from the source is a `PeerFailure` and the round starts again.
+    """
+
+    def __init__(self, strategy: tf.distribute.Strategy, world: World, variables: Sequence,
+                 sum_fn: SumOverWorkers):
+        self.strategy, self.world, self._sum = strategy, world, sum_fn
+        self.variables = _unique(variables)
+        self.bytes = 4 * sum(_words(v) for v in self.variables)
+        self._local_replicas = strategy.num_replicas_in_sync // world.size
+        self._pack = tf.function(lambda: tf.concat([_to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
+        self._broadcast = tf.function(self._broadcast_graph)  # one function: one trace at a round's start
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of every variable's bits, as this worker holds them."""
+        return hashlib.sha256(self._pack().numpy().tobytes()).hexdigest()
+
+    def agree(self, held_step: int) -> Agreement:
+        """Finds the newest step any worker holds (`held_step`: -1 for none) and gives it to all."""
+        size, rank = self.world.size, self.world.rank
+        digest = self.digest()
+        mine = np.zeros(2 * size)
+        mine[rank], mine[size + rank] = held_step + 1, _short(digest)
+        total = np.rint(self._sum(mine)).astype(np.int64)
+        steps, digests = total[:size] - 1, total[size:]
+        newest = int(steps.max())
+        source = int(np.flatnonzero(steps == newest)[0])
+        if (steps == newest).all() and (digests == digests[source]).all():
+            return Agreement(newest, source, 0, 0.0, digest)
+        started = time.perf_counter()
+        self._broadcast(tf.constant(source * self._local_replicas, tf.int32))
+        digest = self.digest()
+        self.verify(digest, f"after the transfer of step {newest} from rank {source}")
+        received = steps[rank] != newest or digests[rank] != digests[source]
+        return Agreement(newest, source, self.bytes if received else 0, time.perf_counter() - started, digest)
+
+    def verify(self, digest: str, when: str) -> None:
+        """Raises `PeerFailure` unless every worker's digest equals this one. (The vector has the length
+        `agree` sums, so the summing function is not traced again.)"""
+        size = self.world.size
+        mine = np.zeros(2 * size)
+        mine[size + self.world.rank] = _short(digest)
+        digests = np.rint(self._sum(mine)).astype(np.int64)[size:]
+        if (digests != digests[0]).any():
+            raise PeerFailure(-1, f"the workers hold different state {when}: digests {digests.tolist()}")
+
+    def _broadcast_graph(self, source_replica: tf.Tensor) -> None:
+        """The source's values, all-reduced with zeros from every other replica, assigned everywhere."""
+        def contribute():
+            context = tf.distribute.get_replica_context()
+            bits = tf.concat([_to_int32(v.read_value()) for v in self.variables], 0)
+            is_source = tf.equal(context.replica_id_in_sync_group, source_replica)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(is_source, bits, tf.zeros_like(bits)))
+
+        bits = self.strategy.experimental_local_results(self.strategy.run(contribute))[0]
+        offset = 0
+        for variable in self.variables:
+            words = _words(variable)
+            variable.assign(_from_int32(bits[offset:offset + words], variable))
+            offset += words
+
+
+def _short(digest: str) -> float:
+    """48 bits of a digest: exact in the float64 all-reduce."""
+    return float(int(digest[:12], 16))
