@@ -335,7 +335,10 @@ class ElasticAgent:
             return RoundResult.FAILED
         if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
             workers.kill(next(w for w in running if w.rank == verdict.rank).process)
-            own = True
+            # A silent heartbeat is this worker's own; no progress is not always: one blocked main thread
+            # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
+            # the host keeps healthy peers out of the blacklist; the restart still counts.
+            own = verdict.failure is Failure.HANG
         self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own)
         return RoundResult.RESTART
 
