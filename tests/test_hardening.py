@@ -19,7 +19,7 @@ from tf_elastic.elastic.protocol import Event
 from tf_elastic.elastic.store import StoreError
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.testing import audit
-from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, signal_pid
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
 from tf_elastic.testing.net import free_port
 
 FAST = Timeouts(rendezvous=10, last_call=0.2, survivor_wait=5, host_ttl=0.4, poll=0.05)
@@ -190,14 +190,6 @@ WRAPPED = ["sh", "-c", f"{sys.executable} -c \"import os, sys, time; "
            "time.sleep(600)\"; true"]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return "zombie" not in status.read()
-    except FileNotFoundError:
-        return False
-
-
 @pytest.fixture
 def job(tmp_path):
     made = LocalJob(tmp_path, [], ["--nowarm_start", "--min_workers=1", "--max_workers=2", "--last_call=0.5"])
@@ -209,10 +201,9 @@ def job(tmp_path):
 def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
     """A benchmark or test used to wait out its whole timeout after every agent had failed."""
     job.start_agent("a", command=[sys.executable, "-c", "raise SystemExit(78)"])
-    started = time.monotonic()
     with pytest.raises(AssertionError, match=r"every agent exited .*'a': .1: rank 0 stopped on a configuration"):
         job.wait_for(lambda: job.events(Event.FIRST_STEP), timeout=600, what="a first step")
-    assert time.monotonic() - started < 300  # timing-ok: far below the timeout it used to wait out
+    # (the message is the early exit's: waiting out the timeout would have said "timed out after 600s")
 
 
 @pytest.mark.slow
@@ -236,12 +227,12 @@ def test_a_wrapped_worker_is_stopped_with_its_group_and_dies_with_a_killed_agent
         pids[rank] = int((job.run_dir / f"pid{rank}").read_text())
     hosts = {e["source"].split(":")[1]: e["rank"] for e in job.events(Event.WORKER_START)}
     job.agents["a"].send_signal(signal.SIGTERM)  # a graceful leave: SIGTERM to a's group
-    job.wait_for(lambda: not _alive(pids[hosts["a"]]), timeout=30, what="a's trainer to stop")
+    job.wait_for(lambda: not running(pids[hosts["a"]]), timeout=30, what="a's trainer to stop")
     job.agents["b"].kill()  # SIGKILL: b cannot stop its worker
     deadline = time.time() + 30
-    while _alive(pids[hosts["b"]]) and time.time() < deadline:
+    while running(pids[hosts["b"]]) and time.time() < deadline:
         time.sleep(0.1)
-    assert not _alive(pids[hosts["b"]]), "b's trainer outlived its SIGKILLed agent"
+    assert not running(pids[hosts["b"]]), "b's trainer outlived its SIGKILLed agent"
 
 
 @pytest.mark.slow
@@ -322,9 +313,11 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
         server.shutdown()
     notices = job.events(Event.PREEMPTION_NOTICE)
     assert {e["host"] for e in notices} == {"b", "c"} and "SIGUSR1" in str(notices)
-    assert [e["seconds_left"] > 0 for e in notices if e["host"] == "c"] == [True]
+    announced = [e["seconds_left"] for e in notices if e["host"] == "c"]  # the notice's own time field
+    assert len(announced) == 1 and announced[0] > 0
     leaves = {e["host"]: e for e in job.events(Event.LEAVE)}
-    assert set(leaves) == {"b", "c"} and all(e["seconds_after_notice"] > 0 for e in leaves.values())
+    lead = [e["seconds_after_notice"] for e in leaves.values()]  # recorded from each notice to its leave
+    assert set(leaves) == {"b", "c"} and all(n is not None and n > 0 for n in lead)
     failures = job.events(Event.FAILURE)
     assert [(f["kind"], f["host"]) for f in failures] == [("no_progress", "a")]
     restores = audit.restores(job.run_dir)

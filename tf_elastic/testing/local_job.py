@@ -131,6 +131,15 @@ class LocalJob:
             signal_pid(pid, signal.SIGKILL)
 
 
+def running(pid: int) -> bool:
+    """Is `pid` running (not gone, not a zombie waiting to be reaped)?"""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "zombie" not in status.read()
+    except FileNotFoundError:
+        return False
+
+
 def signal_pid(pid: int, sig: int) -> None:
     """Sends `sig` to a process this job started, if it still exists."""
     try:

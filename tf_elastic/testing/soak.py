@@ -22,7 +22,7 @@ from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing import audit
 from tf_elastic.testing.etcd_server import EtcdServer
-from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, signal_pid
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
 from tf_elastic.testing.net import bindable
 
 
@@ -207,7 +207,7 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
             if not skipped:
                 backwards.append((e["round"], e["step"], max(commits)))
     pids = [e["worker_pid"] for e in events if "worker_pid" in e] + [p.pid for p in job.agents.values()]
-    orphans = [pid for pid in pids if _alive(pid)]
+    orphans = [pid for pid in pids if running(pid)]
     # The job's processes have a TMPDIR of their own. A SIGKILLed host cannot clean up (a real dead host
     # takes its /tmp with it); the next agent started on a host sweeps what dead agents left.
     killed = {soak.job.agents[f.target].pid for f in soak.faults if f.kind == "kill_host"}
@@ -233,14 +233,6 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
 def _host_port(addr: str):
     host, port = addr.rsplit(":", 1)
     return host, int(port)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return "zombie" not in status.read()
-    except FileNotFoundError:
-        return False
 
 
 def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None,
