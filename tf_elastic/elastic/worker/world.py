@@ -90,17 +90,32 @@ class World:
 
 
 _progress = {"step": 0, "progress": 0}
+_heart = {"path": None, "beats": 0}  # the heartbeat file, once started, and beats written
+_heart_lock = threading.Lock()  # the heartbeat thread and the first step's write share the file
 
 
 def report_progress(step: int) -> None:
-    """A training step finished: the step the heartbeat reports (0: still starting up), and progress."""
+    """A training step finished: the step the heartbeat reports (0: still starting up), and progress.
+
+    The first step is written at once, not at the next beat: the agent judges a worker that has not shown
+    a step by the long startup timeout, so a stop right after the first step must not fall into it."""
+    first = _progress["step"] == 0 and step > 0
     _progress["step"] = step
     report_activity()
+    if first:
+        _beat()
 
 
 def report_activity() -> None:
     """The main thread moved on (an evaluation batch, a commit): no training step, but no hang either."""
     _progress["progress"] += 1
+
+
+def _beat() -> None:
+    with _heart_lock:
+        if _heart["path"] is not None:
+            _heart["beats"] += 1
+            write_heartbeat(_heart["path"], Heartbeat(_progress["step"], _progress["progress"], _heart["beats"]))
 
 
 def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
@@ -113,15 +128,13 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     """
     if not world.heartbeat_file:
         return None
-    path = Path(world.heartbeat_file)
+    _heart["path"] = Path(world.heartbeat_file)
     if os.environ.get(Env.TEST_FAULTS) == "1":
         signal.signal(signal.SIGUSR2, lambda *_: threading.Event().wait())  # test only: a stuck main thread
 
     def beat():
-        beats = 0
         while True:
-            beats += 1
-            write_heartbeat(path, Heartbeat(_progress["step"], _progress["progress"], beats))
+            _beat()
             if world.agent_pid and not _alive(world.agent_pid):
                 exit_now(1)
             time.sleep(interval)
