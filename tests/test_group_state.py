@@ -192,7 +192,8 @@ def _pause_and_kill(job, pause: Path, point: str, rank: int, round_: int) -> Non
 
 
 @pytest.mark.slow
-def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_with_an_empty_disk(tmp_path):
+def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_with_an_empty_disk(tmp_path,
+                                                                                                  mnist_dir):
     """Hosts a and b (own run dirs; durable copies in a separate directory): the chief's host is killed;
     c joins with an empty disk and receives the state; a worker is SIGKILLed in the middle of its local
     commit, the chief in the middle of a durable copy; then every host is lost and a fresh host resumes
@@ -201,7 +202,8 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     remote, pause = tmp_path / "remote", tmp_path / "pause"
     pause.mkdir()
     env = {Env.TEST_PAUSE_DIR: str(pause)}
-    job = LocalJob(tmp_path / "job", TRAIN + ["--epochs=200", f"--checkpoint_dir={remote}"], AGENT,
+    job = LocalJob(tmp_path / "job", TRAIN + ["--epochs=200", f"--checkpoint_dir={remote}", f"--data_dir={mnist_dir}"],
+                   AGENT,
                    host_run_dirs=True)
     (tmp_path / "job").mkdir()
     try:
@@ -261,7 +263,8 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     # The whole job is lost: a fresh host with an empty run dir resumes from the newest complete copy.
     newest = DurableCopies(str(remote)).newest()
     epoch = int(posixpath.basename(newest.prefix).split("-")[2])
-    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 1}", f"--checkpoint_dir={remote}"], AGENT,
+    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 1}", f"--checkpoint_dir={remote}",
+                                                  f"--data_dir={mnist_dir}"], AGENT,
                      host_run_dirs=True)
     (tmp_path / "again").mkdir()
     try:
