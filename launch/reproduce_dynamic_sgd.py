@@ -1,46 +1,66 @@
 """Dynamic mini-batch SGD (Lin et al. 2019) in miniature: does a smooth LR transition beat a jump?
 
 One process simulates an elastic job whose global batch changes as if GPUs came and went (the paper
-switches between 1x and 16x its base batch every 5 epochs). The same CNN is trained on MNIST with the
-same seeds under: a static batch; linear scaling applied at once; Dynamic SGD's linear ramp (and a sweep
-of ramp lengths); the momentum-share transition; and LARS with the ramp. Prints a markdown table (final
-test accuracy mean ± std, final train loss, worst loss spike after a resize) and writes a plot.
+switches between 1x and 16x its base batch every few epochs). A ResNet-20 is trained on a harder 10-class
+32x32 task (`reproduction.colour_digits`: MNIST digits at random offsets, random colours on random
+backgrounds, Gaussian noise) under, with the same seeds (same initial weights, same data order):
 
-    python -m launch.reproduce_dynamic_sgd               # ~30 min on 2 CPU cores
+- static: the base batch all along (the reference accuracy);
+- immediate: linear scaling applied at once at every resize;
+- ramp: Dynamic SGD's linear ramp (`--ramp_per_factor` steps per factor of batch growth);
+- equal-LR control: jumps at once, like immediate, to the constant scale that gives each phase the ramp's
+  average learning rate: separates "the ramp is smooth" from "the ramp trains at a lower average rate";
+- momentum (optional, `--configs`): the parameter-free momentum-share transition.
+
+The phases must be long enough for every ramp to finish: the script checks and says so. Prints a table
+(test accuracy, final train loss, loss spikes after the plan's resizes, each with a 95 % interval over
+seeds) and paired comparisons per seed, and writes a plot.
+
+    python -m launch.reproduce_dynamic_sgd               # ~80 min on 2 CPU cores
     python -m launch.reproduce_dynamic_sgd --quick       # ~1 min, for the test suite
 """
 import json
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 from absl import app, flags, logging
 
-flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data).")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import keras  # noqa: E402  (after the log level)
+from keras import ops  # noqa: E402
+
+from launch import reproduction  # noqa: E402
+
+CONFIGS = ("static", "immediate", "ramp", "equal_lr", "momentum")
+
+flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data, else a download).")
 flags.DEFINE_string("out_dir", "runs/dynamic_sgd", "Where the table, raw results and plot are written.")
+flags.DEFINE_enum("task", "colour_digits", ["colour_digits", "mnist"],
+                  "colour_digits: the harder 32x32 RGB task built from MNIST; mnist: plain MNIST.")
+flags.DEFINE_string("model", "resnet20", "A name from models.NAMES.")
 flags.DEFINE_list("plan", ["1", "16", "1", "16"], "Global batch per phase, as multiples of --base_batch.")
-flags.DEFINE_float("phase_epochs", 0.5, "Epochs per phase of the plan.", lower_bound=0.01)
-flags.DEFINE_integer("base_batch", 32, "Reference (static) global batch.", lower_bound=1)
-flags.DEFINE_float("learning_rate", 0.05, "SGD learning rate at the base batch (momentum 0.9).", lower_bound=0.0)
-flags.DEFINE_float("lars_learning_rate", 0.1, "LARS global learning rate at the base batch.", lower_bound=0.0)
-flags.DEFINE_float("lars_trust_coefficient", 0.05, "LARS trust coefficient (eta).", lower_bound=0.0)
-flags.DEFINE_list("ramp_sweep", ["2", "32"], "Extra ramp lengths (steps per factor of batch growth) besides 8.")
-flags.DEFINE_integer("seeds", 3, "Seeds per configuration.", lower_bound=1)
-flags.DEFINE_integer("train_examples", 60000, "Training examples used (a prefix of the shuffled set).", lower_bound=100)
-flags.DEFINE_integer("spike_window", 20, "Steps before/after a resize compared for the loss spike.", lower_bound=1)
-flags.DEFINE_list("only", [], "Run only the configurations whose name contains one of these words.")
-flags.DEFINE_bool("quick", False, "A minute-long version: 3000 examples, 1 seed, short sweep.")
+flags.DEFINE_float("phase_epochs", 2.0, "Epochs per phase of the plan.", lower_bound=0.01)
+flags.DEFINE_integer("base_batch", 16, "Reference (static) global batch.", lower_bound=1)
+flags.DEFINE_float("learning_rate", 0.025, "SGD learning rate at the base batch (momentum 0.9, cosine decay over "
+                   "the run); 0.025 at 16 is 0.2 at 128.", lower_bound=0.0)
+flags.DEFINE_float("weight_decay", 5e-4, "SGD weight decay.", lower_bound=0.0)
+flags.DEFINE_float("ramp_per_factor", 1.0, "Ramp length in steps per factor of batch growth.", lower_bound=0.0)
+flags.DEFINE_list("configs", ["static", "immediate", "ramp", "equal_lr"], f"Which of {', '.join(CONFIGS)} to run.")
+flags.DEFINE_integer("seeds", 5, "Seeds per configuration.", lower_bound=1)
+flags.DEFINE_integer("train_examples", 4000, "Training examples used (a prefix of the training set).",
+                     lower_bound=100)
+flags.DEFINE_integer("test_examples", 2000, "Test examples evaluated (a prefix of the test set).", lower_bound=100)
+flags.DEFINE_integer("spike_window", 10, "Steps after (and before) a resize compared for the loss spike.",
+                     lower_bound=1)
+flags.DEFINE_integer("spike_smoothing", 5, "Steps in the running mean of the loss that spikes are read from.",
+                     lower_bound=1)
+flags.DEFINE_bool("quick", False, "A minute-long version (mnist_cnn on MNIST, 1000 examples, 2 seeds), for the "
+                  "test suite.")
 FLAGS = flags.FLAGS
 
 MOMENTUM = 0.9
-
-
-class Config(NamedTuple):
-    name: str
-    optimizer: str  # "sgd" or "lars"
-    transition: str  # BatchResizeSchedule transition; "static" keeps the base batch all along
-    ramp_per_factor: float = 8.0
 
 
 class Run(NamedTuple):
@@ -48,43 +68,80 @@ class Run(NamedTuple):
     losses: List[float]
     learning_rates: List[float]
     batches: List[int]
-    resize_steps: List[int]
     test_accuracy: float
 
 
-def configurations() -> List[Config]:
-    sweep = [Config(f"Dynamic SGD, ramp {r}k", "sgd", "linear", float(r)) for r in FLAGS.ramp_sweep]
-    return [
-        Config("static batch", "sgd", "static"),
-        Config("linear scaling, immediate", "sgd", "none"),
-        Config("Dynamic SGD, ramp 8k (default)", "sgd", "linear"),
-        *sweep,
-        Config("momentum transition", "sgd", "momentum"),
-        Config("LARS, immediate", "lars", "none"),
-        Config("LARS, ramp 8k", "lars", "linear"),
-    ]
+def phases(config: str = "resized") -> List[Tuple[int, int]]:
+    """(global batch, steps) per phase of the plan: whole batches only, each phase `--phase_epochs` long. The
+    static configuration sees the same samples in base-batch steps."""
+    out, seen, end = [], 0, 0
+    for multiple in FLAGS.plan:
+        batch = FLAGS.base_batch * int(multiple)
+        end += int(FLAGS.phase_epochs * FLAGS.train_examples)
+        steps = max(0, (end - seen) // batch)
+        seen += steps * batch
+        out.append((FLAGS.base_batch, steps * int(multiple)) if config == "static" else (batch, steps))
+    return out
 
 
-def train(config: Config, seed: int, data) -> Run:
+def schedule_for(config: str) -> keras.optimizers.schedules.LearningRateSchedule:
+    """The learning-rate schedule of `config`, its resizes already recorded (the plan is known in advance)."""
+    from tf_elastic import BatchResizeSchedule
+
+    if config == "equal_lr":
+        return _equal_lr()
+    plan = phases(config)
+    total = sum(batch * steps for batch, steps in plan) // FLAGS.base_batch
+    base = keras.optimizers.schedules.CosineDecay(FLAGS.learning_rate, total, alpha=0.01)
+    transition = {"static": "none", "immediate": "none", "ramp": "linear", "momentum": "momentum"}[config]
+    schedule = BatchResizeSchedule(base, FLAGS.base_batch, batch_size=plan[0][0], transition=transition,
+                                   momentum=MOMENTUM, ramp_steps_per_factor=FLAGS.ramp_per_factor)
+    step = 0
+    for batch, steps in plan:
+        schedule.resize(step, batch)
+        step += steps
+    return schedule
+
+
+def _equal_lr() -> "StepTable":
+    """Immediate jumps, each phase scaled so that its summed learning rate equals the ramp's in that phase."""
+    import numpy as np
+
+    steps = sum(n for _, n in phases())
+    ramp, immediate = (np.array([float(schedule_for(c)(step)) for step in range(steps)])
+                       for c in ("ramp", "immediate"))
+    start = 0
+    for _, n in phases():
+        part = slice(start, start + n)
+        immediate[part] *= ramp[part].sum() / immediate[part].sum()
+        start += n
+    return StepTable(immediate)
+
+
+def ramp_check(plan: List[Tuple[int, int]]) -> str:
+    """Whether every ramp finishes inside its phase, and how long the phase trains at the full scale after it."""
+    if FLAGS.ramp_per_factor == 0:
+        return "ramp: 0 steps (the ramp configuration jumps at once)"
+    lines, done = [], True
+    for (old, _), (new, steps) in zip(plan, plan[1:]):
+        if new > old:
+            ramp = round(FLAGS.ramp_per_factor * new / old)
+            done &= ramp <= steps
+            lines.append(f"{ramp} of {steps} steps" + ("" if ramp <= steps else " (UNFINISHED)"))
+    verdict = "every ramp finishes inside its phase" if done else "NOT every ramp finishes: lengthen the phases"
+    return f"ramp check: {verdict} (ramp per batch increase: {', '.join(lines) or 'none'})"
+
+
+def train(config: str, seed: int, train_data, test_data) -> Run:
     import numpy as np
     import tensorflow as tf
-    import keras
 
     import models
-    from tf_elastic import LARS, BatchResizeSchedule
 
     keras.utils.set_random_seed(seed)
-    x, y = data.x_train[: FLAGS.train_examples], data.y_train[: FLAGS.train_examples]
-    base = FLAGS.base_batch
-    plan = [base] * len(FLAGS.plan) if config.transition == "static" else [base * int(m) for m in FLAGS.plan]
-    model = models.get("mnist_cnn", x.shape[1:], data.num_classes)
-    schedule = BatchResizeSchedule(
-        FLAGS.lars_learning_rate if config.optimizer == "lars" else FLAGS.learning_rate, base,
-        batch_size=plan[0], transition="none" if config.transition == "static" else config.transition,
-        momentum=MOMENTUM, ramp_steps_per_factor=config.ramp_per_factor)
-    optimizer = (LARS(schedule, momentum=MOMENTUM, weight_decay=5e-4, trust_coefficient=FLAGS.lars_trust_coefficient)
-                 if config.optimizer == "lars"
-                 else keras.optimizers.SGD(schedule, momentum=MOMENTUM))
+    x, y = train_data
+    model = models.get(FLAGS.model, x.shape[1:], 10)
+    optimizer = keras.optimizers.SGD(schedule_for(config), momentum=MOMENTUM, weight_decay=FLAGS.weight_decay)
     optimizer.build(model.trainable_variables)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -92,58 +149,94 @@ def train(config: Config, seed: int, data) -> Run:
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
+        lr = optimizer.learning_rate
         optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss, optimizer.learning_rate
+        return loss, lr
 
-    rng = np.random.default_rng(seed)
-    samples, losses, lrs, batches, resizes = [], [], [], [], []
-    seen, iteration = 0, 0
-    phase_samples = int(FLAGS.phase_epochs * len(x))
-    order = rng.permutation(len(x))
-    cursor = 0
-    for phase, batch in enumerate(plan):
-        if phase and batch != plan[phase - 1]:
-            schedule.resize(iteration, batch)
-            resizes.append(iteration)
-        end = seen + phase_samples
-        while seen + batch <= end:
+    rng = np.random.default_rng(seed)  # the same example stream for every configuration of a seed
+    order, cursor, seen = rng.permutation(len(x)), 0, 0
+    samples, losses, lrs, seen_batches = [], [], [], []
+    for batch, steps in phases(config):
+        for _ in range(steps):
             if cursor + batch > len(x):
-                order, cursor = rng.permutation(len(x)), 0
+                order, cursor = np.concatenate([order[cursor:], rng.permutation(len(x))]), 0
             index = order[cursor: cursor + batch]
             cursor += batch
             loss, lr = step(x[index], y[index])
             seen += batch
-            iteration += 1
             samples.append(seen)
             losses.append(float(loss))
             lrs.append(float(lr))
-            batches.append(batch)
-    logits = model.predict(data.x_test, batch_size=1000, verbose=0)
-    accuracy = float(np.mean(np.argmax(logits, axis=1) == data.y_test))
-    return Run(samples, losses, lrs, batches, resizes, accuracy)
+            seen_batches.append(batch)
+    logits = model.predict(test_data[0], batch_size=500, verbose=0)
+    accuracy = float(np.mean(np.argmax(logits, axis=1) == test_data[1]))
+    return Run(samples, losses, lrs, seen_batches, accuracy)
 
 
-def worst_spike(run: Run, window: int) -> float:
-    """Largest (max loss in `window` steps after a resize) - (mean loss in `window` steps before)."""
-    before = [run.losses[max(0, s - window): s] for s in run.resize_steps if s > 0]
-    after = [run.losses[s: s + window] for s in run.resize_steps if s > 0]
-    spikes = [max(a) - sum(b) / len(b) for a, b in zip(after, before)]
-    return max(spikes) if spikes else 0.0
+def resize_samples() -> List[int]:
+    """Sample counts at which the plan resizes: where every configuration's spikes are read, static included."""
+    plan, out, seen = phases(), [], 0
+    for (old, steps), (new, _) in zip(plan, plan[1:]):
+        seen += old * steps
+        if new != old:
+            out.append(seen)
+    return out
+
+
+def spikes(run: Run) -> List[float]:
+    """Per resize: the highest running-mean loss in the `--spike_window` steps after it, less the mean of the
+    running mean over the window before it."""
+    import numpy as np
+
+    smooth = np.convolve(run.losses, np.ones(FLAGS.spike_smoothing) / FLAGS.spike_smoothing, mode="full")
+    smooth = smooth[: len(run.losses)]  # causal: step i averages steps i-k+1..i
+    out, window = [], FLAGS.spike_window
+    for boundary in resize_samples():
+        at = int(np.searchsorted(run.samples, boundary, side="right"))
+        if window <= at < len(smooth):
+            out.append(float(smooth[at: at + window].max() - smooth[at - window: at].mean()))
+    return out
+
+
+class StepTable(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning rate read from a per-step table (the equal-LR control's precomputed rates)."""
+
+    def __init__(self, table):
+        self.table = [float(v) for v in table]
+
+    def __call__(self, step):
+        index = ops.minimum(ops.cast(step, "int32"), len(self.table) - 1)
+        return ops.take(ops.convert_to_tensor(self.table, "float32"), index)
+
+    def get_config(self):
+        return {"table": self.table}
 
 
 def summarise(results: Dict[str, List[Run]]) -> str:
     import numpy as np
 
-    lines = ["| configuration | test accuracy % (mean ± std) | final train loss | worst spike after a resize |",
-             "|---|---:|---:|---:|"]
+    lines = ["| configuration | test accuracy % (mean ± 95 % CI) | final train loss | mean loss spike after a resize "
+             "| worst spike |", "|---|---:|---:|---:|---:|"]
     for name, runs in results.items():
-        acc = np.array([r.test_accuracy for r in runs]) * 100
-        tail = [np.mean(r.losses[-max(1, len(r.losses) // 20):]) for r in runs]
-        spikes = [worst_spike(r, FLAGS.spike_window) for r in runs]
-        lines.append(f"| {name} | {acc.mean():.2f} ± {acc.std():.2f} | {np.mean(tail):.4f} | "
-                     + (f"{np.mean(spikes):.3f} ± {np.std(spikes):.3f}" if runs[0].resize_steps
-                        else "n/a (no resize)")
-                     + " |")
+        acc = reproduction.interval([r.test_accuracy * 100 for r in runs])
+        tail = reproduction.interval([np.mean(r.losses[-max(1, len(r.losses) // 20):]) for r in runs])
+        mean_spike = reproduction.interval([np.mean(spikes(r)) for r in runs])
+        worst = reproduction.interval([max(spikes(r)) for r in runs])
+        lines.append(f"| {name} | {acc} | {tail.mean:.4f} | {mean_spike.mean:.3f} ± {mean_spike.half_width:.3f} | "
+                     f"{worst.mean:.3f} ± {worst.half_width:.3f} |")
+    pairs = [("ramp", "immediate"), ("ramp", "equal_lr"), ("equal_lr", "immediate"), ("ramp", "static"),
+             ("immediate", "static"), ("momentum", "immediate")]
+    lines += ["", reproduction.PAIRED_HEADER]
+    for a, b in pairs:
+        if a in results and b in results:
+            lines.append(reproduction.paired([r.test_accuracy * 100 for r in results[a]],
+                                             [r.test_accuracy * 100 for r in results[b]])
+                         .row(f"accuracy: {a} - {b} (points)"))
+    for a, b in [("immediate", "ramp"), ("immediate", "equal_lr"), ("equal_lr", "ramp")]:
+        if a in results and b in results:
+            lines.append(reproduction.paired([np.mean(spikes(r)) for r in results[a]],
+                                             [np.mean(spikes(r)) for r in results[b]])
+                         .row(f"mean spike: {a} - {b}"))
     return "\n".join(lines)
 
 
@@ -154,23 +247,26 @@ def plot(results: Dict[str, List[Run]], path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
-    for name, runs in results.items():
+    fig, axes = plt.subplots(4, 1, figsize=(10, 12))
+    for n, (name, runs) in enumerate(results.items()):
         run = runs[0]
-        smooth = np.convolve(run.losses, np.ones(10) / 10, mode="same")
+        smooth = np.convolve(run.losses, np.ones(20) / 20, mode="valid")
         axes[0].plot(run.samples, run.learning_rates, label=name)
         axes[1].plot(run.samples, run.batches, label=name)
-        axes[2].plot(run.samples, smooth, label=name, linewidth=0.8)
-    resized = next((runs[0] for runs in results.values() if runs[0].resize_steps), None)
-    for ax in axes:
-        for step in resized.resize_steps if resized else []:
-            ax.axvline(resized.samples[step - 1], color="grey", linestyle=":", linewidth=0.8)
+        axes[2].plot(run.samples[19:], smooth, label=name, linewidth=0.8)
+        accuracies = [r.test_accuracy * 100 for r in runs]
+        axes[3].scatter([n] * len(accuracies), accuracies, color=f"C{n}")
+    for ax in axes[:3]:
+        ax.sharex(axes[0])
+        for boundary in resize_samples():
+            ax.axvline(boundary, color="grey", linestyle=":", linewidth=0.8)
     axes[0].set_ylabel("learning rate")
-    axes[0].set_yscale("log")
     axes[1].set_ylabel("global batch")
-    axes[2].set_ylabel("train loss (10-step mean)")
+    axes[2].set_ylabel("train loss (20-step mean)")
     axes[2].set_yscale("log")
     axes[2].set_xlabel("samples seen")
+    axes[3].set_xticks(range(len(results)), list(results))
+    axes[3].set_ylabel("test accuracy % (each seed)")
     axes[0].legend(fontsize=7)
     axes[0].set_title("Dynamic SGD in miniature (first seed; dotted lines: resizes)")
     fig.tight_layout()
@@ -178,35 +274,57 @@ def plot(results: Dict[str, List[Run]], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: List[str]) -> None:
-    del argv
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    if FLAGS.quick:
-        FLAGS.train_examples, FLAGS.seeds, FLAGS.ramp_sweep = min(FLAGS.train_examples, 3000), 1, ["32"]
+def load_task():
+    """(train, test) arrays of the chosen task: images in [0, 1], int32 labels."""
     from tf_elastic.elastic.worker import datasets
 
     data = datasets.load("mnist", FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
+    x, y = data.x_train[: FLAGS.train_examples], data.y_train[: FLAGS.train_examples]
+    xt, yt = data.x_test[: FLAGS.test_examples], data.y_test[: FLAGS.test_examples]
+    if FLAGS.task == "colour_digits":  # train and test get different draws of the same distortions
+        x, xt = reproduction.colour_digits(x), reproduction.colour_digits(xt, reproduction.TASK_SEED + 1)
+    return (x, y), (xt, yt)
+
+
+def main(argv: List[str]) -> None:
+    del argv
+    if FLAGS.quick:
+        FLAGS.task, FLAGS.model, FLAGS.train_examples, FLAGS.test_examples = "mnist", "mnist_cnn", 1000, 500
+        FLAGS.seeds, FLAGS.learning_rate = 2, 0.05
+        FLAGS.base_batch, FLAGS.phase_epochs, FLAGS.ramp_per_factor = 4, 1.0, 0.5
+    unknown = sorted(set(FLAGS.configs) - set(CONFIGS))
+    if unknown:
+        raise app.UsageError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    train_data, test_data = load_task()
+    check = ramp_check(phases())
+    print(check, flush=True)
     out = Path(FLAGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: Dict[str, List[Run]] = {}
     started = time.time()
-    for config in configurations():
-        if FLAGS.only and not any(word.lower() in config.name.lower() for word in FLAGS.only):
-            continue
-        for seed in range(FLAGS.seeds):
-            run = train(config, seed, data)
-            results.setdefault(config.name, []).append(run)
-            logging.info("%s seed %d: test accuracy %.4f (%.0f s so far)", config.name, seed, run.test_accuracy,
+    for seed in range(FLAGS.seeds):  # seed by seed, so that a run cut short still has balanced, paired results
+        for config in [c for c in CONFIGS if c in FLAGS.configs]:
+            run = train(config, seed, train_data, test_data)
+            results.setdefault(config, []).append(run)
+            logging.info("%s seed %d: test accuracy %.4f (%.0f s so far)", config, seed, run.test_accuracy,
                          time.time() - started)
-    table = summarise(results)
-    header = (f"Plan {'x,'.join(FLAGS.plan)}x of batch {FLAGS.base_batch}, {FLAGS.phase_epochs} epoch(s) per phase, "
-              f"{FLAGS.train_examples} MNIST examples, {FLAGS.seeds} seed(s), SGD lr {FLAGS.learning_rate}, "
-              f"LARS lr {FLAGS.lars_learning_rate} eta {FLAGS.lars_trust_coefficient}, {time.time() - started:.0f} s")
-    (out / "table.md").write_text(header + "\n\n" + table + "\n")
+        report = _write(results, out, check, time.time() - started)
+    print(report)
+    print(f"\nplot: {out / 'dynamic_sgd.png'}")
+
+
+def _write(results: Dict[str, List[Run]], out: Path, check: str, seconds: float) -> str:
+    seeds = len(next(iter(results.values())))
+    header = (f"{FLAGS.model} on {FLAGS.task} ({FLAGS.train_examples} training, {FLAGS.test_examples} test "
+              f"examples); plan {'x,'.join(FLAGS.plan)}x of batch {FLAGS.base_batch}, {FLAGS.phase_epochs:g} epochs "
+              f"a phase; SGD lr {FLAGS.learning_rate:g} at the base batch, momentum {MOMENTUM}, cosine decay; "
+              f"ramp {FLAGS.ramp_per_factor:g} steps per factor; {seeds} of {FLAGS.seeds} seeds; spikes: "
+              f"{FLAGS.spike_smoothing}-step running mean, {FLAGS.spike_window}-step windows; {seconds:.0f} s\n{check}")
+    report = header + "\n\n" + summarise(results) + "\n"
+    (out / "table.md").write_text(report)
     (out / "results.json").write_text(json.dumps({k: [r._asdict() for r in v] for k, v in results.items()}))
     plot(results, out / "dynamic_sgd.png")
-    print(header + "\n\n" + table)
-    print(f"\nplot: {out / 'dynamic_sgd.png'}")
+    return report
 
 
 if __name__ == "__main__":

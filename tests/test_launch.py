@@ -14,16 +14,34 @@ from tf_elastic.testing.net import bindable, free_port
 
 @pytest.mark.slow
 def test_reproduce_dynamic_sgd_quick(tmp_path, mnist_dir):
+    """Every configuration runs on the same seeds; the ramp finishes inside its phase and reaches the immediate
+    run's rate; the equal-LR control jumps at once yet trains each phase at the ramp's summed rate."""
+    import numpy as np
+
     proc = run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}', '--data_dir={mnist_dir}'];"
                       "from launch import reproduce_dynamic_sgd as r; from absl import app; app.run(r.main)")
     table = (tmp_path / "table.md").read_text()
-    rows = [line for line in table.splitlines() if line.startswith("| ") and "configuration" not in line]
-    assert len(rows) == 7, table  # static, immediate, ramp 8k, ramp 32k (quick sweep), momentum, 2x LARS
+    assert "ramp check: every ramp finishes inside its phase" in table, table
+    for name in ("static", "immediate", "ramp", "equal_lr"):
+        assert f"| {name} |" in table, table
+    assert "| accuracy: ramp - immediate (points) |" in table and "| mean spike: immediate - ramp |" in table
     assert (tmp_path / "dynamic_sgd.png").stat().st_size > 10_000
-    results = json.loads((tmp_path / "results.json").read_text())
-    assert results["static batch"][0]["resize_steps"] == []
-    assert len(results["Dynamic SGD, ramp 8k (default)"][0]["resize_steps"]) == 3
-    assert "| static batch |" in proc.stdout
+    runs = {name: runs[0] for name, runs in json.loads((tmp_path / "results.json").read_text()).items()}
+    assert len(runs["static"]["samples"]) > len(runs["ramp"]["samples"])  # the same samples in smaller batches
+    assert runs["static"]["samples"][-1] == runs["ramp"]["samples"][-1]
+    assert set(runs["static"]["batches"]) == {4} and set(runs["ramp"]["batches"]) == {4, 64}
+    batches = np.array(runs["ramp"]["batches"])
+    ends = [i for i in range(1, len(batches)) if batches[i] != batches[i - 1]] + [len(batches)]
+    lr = {name: np.array(runs[name]["learning_rates"]) for name in ("ramp", "immediate", "equal_lr")}
+    start = 0
+    for end in ends:
+        if batches[start] == 64:
+            assert lr["ramp"][start] < lr["immediate"][start] / 2  # the ramp starts low ...
+            assert lr["ramp"][end - 1] == pytest.approx(lr["immediate"][end - 1], rel=1e-4)  # ... and gets there
+            assert lr["equal_lr"][start] > lr["ramp"][start] * 2  # the control jumps at once ...
+        assert lr["equal_lr"][start:end].sum() == pytest.approx(lr["ramp"][start:end].sum(), rel=1e-3)  # ... same sum
+        start = end
+    assert "| static |" in proc.stdout
 
 
 @pytest.mark.slow
@@ -75,16 +93,21 @@ def test_main_job_runs_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_reproduce_lars_quick(tmp_path, mnist_dir):
+    """SGD and LARS get grids of the same size, scored on the validation split; the chosen points go to the test
+    set; unequal grids are refused."""
     run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}', '--data_dir={mnist_dir}'];"
                "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
     table = (tmp_path / "table.md").read_text()
-    assert table.count("| SGD,") == 2 and table.count("| LARS,") == 1 and "goal: within 1 point" in table
+    assert "| 0.4 | 0 |" in table and "| 0.28 | 0 |" in table and "| 5 | 0 |" in table, table
+    assert "| LARS - tuned SGD (points) |" in table and "from the baseline" in table
+    results = json.loads((tmp_path / "results.json").read_text())
+    grid = {(t["optimizer"], t["learning_rate"]): t["validation_accuracy"] for t in results["grid"]}
+    best_sgd = max((lr for opt, lr in grid if opt == "sgd"), key=lambda lr: grid["sgd", lr])
+    assert any(f"SGD, batch 256, lr {best_sgd:g}," in name for name in results["test"]), results["test"].keys()
     assert (tmp_path / "lars.png").stat().st_size > 10_000
-    run_python(f"import sys; sys.argv = ['r', '--quick', '--lars_sweep=10/0.001,5/0.002', '--out_dir={tmp_path}', "
-               f"'--data_dir={mnist_dir}'];"
-               "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
-    sweep = (tmp_path / "sweep.md").read_text()
-    assert "| 10 | 0.001 | 0.01 |" in sweep and "| 5 | 0.002 | 0.01 |" in sweep, sweep
+    proc = subprocess.run([sys.executable, "-m", "launch.reproduce_lars", "--sgd_grid=0.4/1", "--lars_grid=5/1,10/1"],
+                          cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "equal tuning budget" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
