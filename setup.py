@@ -19,9 +19,10 @@ setup(
     ],
     extras_require={
         # jax: the optimizer math on Keras' JAX backend; optax: the benchmark's reference LARS;
-        # matplotlib: plots; scikit-learn: the `digits` dataset that ships offline; tensorflow-datasets
-        # (and importlib_resources, which its builders import): the `tfds:NAME` datasets; ruff: the lint CI runs.
-        "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn", "tensorflow-datasets>=4.9",
+        # matplotlib: plots; scipy: the reproductions' intervals and paired t-tests; scikit-learn: the `digits`
+        # dataset that ships offline; tensorflow-datasets (and importlib_resources, which its builders import):
+        # the `tfds:NAME` datasets; ruff: the lint CI runs.
+        "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn", "scipy", "tensorflow-datasets>=4.9",
                  "importlib_resources", "ruff"],
     },
     entry_points={
