@@ -100,6 +100,7 @@ def test_reproduce_lars_quick(tmp_path, mnist_dir):
     table = (tmp_path / "table.md").read_text()
     assert "| 0.4 | 0 |" in table and "| 0.28 | 0 |" in table and "| 5 | 0 |" in table, table
     assert "| LARS - tuned SGD (points) |" in table and "from the baseline" in table
+    assert table.count("is at the edge of its grid") == 2, table  # two-point grids: the best is always an edge
     results = json.loads((tmp_path / "results.json").read_text())
     grid = {(t["optimizer"], t["learning_rate"]): t["validation_accuracy"] for t in results["grid"]}
     best_sgd = max((lr for opt, lr in grid if opt == "sgd"), key=lambda lr: grid["sgd", lr])
