@@ -195,6 +195,15 @@ def test_each_source_trains_to_a_sensible_accuracy(kind, files, tmp_path):
     assert float(proc.stdout.split("test accuracy ")[1].split()[0]) > 0.85, proc.stdout[-2000:]
 
 
+@pytest.mark.slow
+def test_imagenet_preprocessing_trains_to_a_sensible_accuracy(files, tmp_path):
+    """Random-resized crops and flips in training, resize and center crop in evaluation: still learns digits."""
+    proc = _train([f"--dataset=folder:{files['folder']}", "--preprocess=imagenet", "--epochs=5",
+                   f"--run_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.split("test accuracy ")[1].split()[0]) > 0.6, proc.stdout[-2000:]
+
+
 def _digest(directory: Path) -> str:
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()
@@ -217,15 +226,16 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["folder", "tfrecord"])  # per-file reads; runs of records at a seek
+@pytest.mark.parametrize("kind", KINDS)  # per-file reads; runs of records at a seek; the TFDS data source
 def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
     epoch exactly once, by the indices the workers logged while reading the files."""
     # Small batches, many steps: long enough for c to join before the survivor alone finishes.
     epochs, commit_every, batch = 10, 5, 8
-    job = LocalJob(tmp_path, [f"--dataset={kind}:{files[kind]}", "--image_size=16", f"--per_replica_batch_size={batch}",
-                              "--threads=1", f"--commit_every_steps={commit_every}", "--optimizer=sgd",
-                              f"--epochs={epochs}"],
+    where = "tfds:digits_files" if kind == "tfds" else f"{kind}:{files[kind]}"
+    job = LocalJob(tmp_path, [f"--dataset={where}", f"--data_dir={files['tfds']}", "--image_size=16",
+                              f"--per_replica_batch_size={batch}", "--threads=1", "--optimizer=sgd",
+                              f"--commit_every_steps={commit_every}", f"--epochs={epochs}"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
     try:
         job.start_agent("a")
