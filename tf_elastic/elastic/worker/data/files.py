@@ -133,6 +133,7 @@ class TFRecordSource(Source):
         self.first = np.searchsorted(self.shard, np.arange(len(self.files) + 1))  # each shard's first index
         self._classes = num_classes
         self._tensors: Optional[Tuple[tf.Tensor, ...]] = None
+        self._functions: Optional[Tuple[Callable, Callable]] = None
 
     @property
     def num_classes(self) -> int:
@@ -188,50 +189,49 @@ class TFRecordSource(Source):
         firsts, counts = self._runs(indices)
         begin, end = self.offsets[firsts], self.ends[firsts + counts - 1]
         runs = tf.data.Dataset.from_tensor_slices((firsts, counts, self.shard[firsts], begin, end - begin))
-        paths, shards, offsets = self.tensors()
-
-        @tf.autograph.experimental.do_not_convert
-        def read_run(first, count, shard, offset, size):
-            """One run's (indices, parsed records), as one element. TFRecordDatasetV2 starts at a byte offset
-            with a seek (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it
-            lives only inside this function, where TF never has to serialize it (its graph form drops the
-            offsets). Records that do not parse are dropped, then counted: the error names the shard."""
-            path = tf.gather(paths, shard)
-            records = tf.data.experimental.from_variant(
-                tf.raw_ops.TFRecordDatasetV2(filenames=path[None], compression_type="",
-                                             buffer_size=tf.minimum(size, BUFFER), byte_offsets=offset[None]),
-                tf.TensorSpec([], tf.string))
-            batches = records.take(count).map(self.parse).ignore_errors().batch(count)
-            # (none parsed: an empty batch, so that the count below still runs)
-            empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype),
-                                          batches.element_spec)
-            return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(first + tf.range(count)),
-                                       batches.concatenate(tf.data.Dataset.from_tensors(empty)).take(1))
-
-        @tf.autograph.experimental.do_not_convert
-        def check(indices, parsed):
-            """The run's checks, vectorized (per example they would cost more than reading). The messages
-            hold strings and int32 only: anything else makes Assert a cond, far slower."""
-            (encoded, label), path = parsed, tf.gather(paths, tf.gather(shards, indices[0]))
-            byte = lambda index: tf.strings.as_string(tf.gather(offsets, index))  # noqa: E731
-            parsed_all = tf.debugging.Assert(tf.size(label) == tf.size(indices), [
-                "a record that does not parse in TFRecord file", path, "among the", tf.size(indices),
-                "records from byte", byte(indices[0])])
-            with tf.control_dependencies([parsed_all]):  # then there is a label per index
-                label = tf.cast(label, tf.int32)
-            good_label = tf.logical_and(label >= 0, label < self.num_classes)
-            good_image = _is_image(encoded) if self.decode_images else tf.ones_like(good_label)
-            bad = tf.argmin(tf.cast(good_label & good_image, tf.int32))  # the first bad record, if any
-            at = ["in", path, "at byte", byte(indices[bad])]
-            checks = [tf.debugging.Assert(good_label[bad], ["label", label[bad], f"outside [0, {self.num_classes})",
-                                                            *at]),
-                      tf.debugging.Assert(good_image[bad], ["not an image file (corrupt?)", *at])]
-            with tf.control_dependencies(checks):
-                return tf.identity(indices), (tf.identity(encoded), tf.identity(label))
-
+        if self._functions is None:  # traced once per source, not once per epoch's pipeline
+            self._functions = tuple(tf.function(f, autograph=False) for f in (self._read_run, self._check))
+        read_run, check = self._functions
         # Runs open in a parallel interleave, each one element: batch k stays the plan's batch k.
         runs = runs.interleave(read_run, cycle_length=8, num_parallel_calls=AUTOTUNE, deterministic=True)
         return runs.map(check, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+
+    def _read_run(self, first, count, shard, offset, size) -> tf.data.Dataset:
+        """One run's (indices, parsed records), as one element. TFRecordDatasetV2 starts at a byte offset
+        with a seek (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it
+        lives only inside the interleave, where TF never has to serialize it (its graph form drops the
+        offsets). Records that do not parse are dropped, then counted: the error names the shard."""
+        path = tf.gather(self.tensors()[0], shard)
+        records = tf.data.experimental.from_variant(
+            tf.raw_ops.TFRecordDatasetV2(filenames=path[None], compression_type="",
+                                         buffer_size=tf.minimum(size, BUFFER), byte_offsets=offset[None]),
+            tf.TensorSpec([], tf.string))
+        batches = records.take(count).map(self.parse).ignore_errors().batch(count)
+        # (none parsed: an empty batch, so that the count in `_check` still runs)
+        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype),
+                                      batches.element_spec)
+        return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(first + tf.range(count)),
+                                   batches.concatenate(tf.data.Dataset.from_tensors(empty)).take(1))
+
+    def _check(self, indices, parsed):
+        """A run's checks, vectorized (per example they would cost more than reading). The messages hold
+        strings and int32 only: anything else makes Assert a cond, far slower."""
+        paths, shards, offsets = self.tensors()
+        (encoded, label), path = parsed, tf.gather(paths, tf.gather(shards, indices[0]))
+        byte = lambda index: tf.strings.as_string(tf.gather(offsets, index))  # noqa: E731
+        parsed_all = tf.debugging.Assert(tf.size(label) == tf.size(indices), [
+            "a record that does not parse in TFRecord file", path, "among the", tf.size(indices),
+            "records from byte", byte(indices[0])])
+        with tf.control_dependencies([parsed_all]):  # then there is a label per index
+            label = tf.cast(label, tf.int32)
+        good_label = tf.logical_and(label >= 0, label < self.num_classes)
+        good_image = _is_image(encoded) if self.decode_images else tf.ones_like(good_label)
+        bad = tf.argmin(tf.cast(good_label & good_image, tf.int32))  # the first bad record, if any
+        at = ["in", path, "at byte", byte(indices[bad])]
+        checks = [tf.debugging.Assert(good_label[bad], ["label", label[bad], f"outside [0, {self.num_classes})", *at]),
+                  tf.debugging.Assert(good_image[bad], ["not an image file (corrupt?)", *at])]
+        with tf.control_dependencies(checks):
+            return tf.identity(indices), (tf.identity(encoded), tf.identity(label))
 
     def decode(self, index: tf.Tensor, parsed) -> Tuple[tf.Tensor, tf.Tensor]:
         encoded, label = parsed  # checked per run by `examples`
