@@ -62,20 +62,22 @@ def write_tfrecords(directory: Path, count: int, size: int, shards: int = 8) -> 
                 writer.write(example(images[n], n % 10 + 1))
 
 
-def _rate(make: Callable, count: int) -> Tuple[float, float]:
-    """Best examples/s over the passes: from making the pipeline (start-up included), and from its first
-    batch on (the steady rate: a training epoch is far longer than this benchmark's few hundred ms)."""
-    best = steady = 0.0
+def _rates(makers: List[Callable], count: int) -> List[Tuple[float, float]]:
+    """Each pipeline's best examples/s over the passes: from making it (start-up included), and from its
+    first batch on (the steady rate: a training epoch is far longer than this benchmark's few hundred ms).
+    The pipelines take turns, so a change in the machine's load hits each alike."""
+    best = [[0.0, 0.0] for _ in makers]
     for _ in range(FLAGS.repeats):
-        started = time.perf_counter()
-        batches = iter(make())
-        first = int(next(batches)[0].shape[0])
-        running = time.perf_counter()
-        rest = sum(int(x.shape[0]) for x, _ in batches)
-        ended = time.perf_counter()
-        best, steady = max(best, (first + rest) / (ended - started)), max(steady, rest / (ended - running))
-    assert first + rest >= count - FLAGS.batch_size, (first + rest, count)
-    return best, steady
+        for make, rates in zip(makers, best):
+            started = time.perf_counter()
+            batches = iter(make())
+            first = int(next(batches)[0].shape[0])
+            running = time.perf_counter()
+            rest = sum(int(x.shape[0]) for x, _ in batches)
+            ended = time.perf_counter()
+            assert first + rest >= count - FLAGS.batch_size, (first + rest, count)
+            rates[:] = max(rates[0], (first + rest) / (ended - started)), max(rates[1], rest / (ended - running))
+    return [tuple(rates) for rates in best]
 
 
 def throughput(root: Path) -> List[tuple]:
@@ -113,9 +115,8 @@ def throughput(root: Path) -> List[tuple]:
             ("image folder", data.ImageFolder(str(root / "folder")), plain_folder),
             ("TFRecord", data.TFRecordSource(str(root / "tfrecord" / "train-*")), plain_tfrecord)):
         order = DataPlan(source.num_examples, 0, lambda e: source.epoch_order(0, e)).permutation(0)  # as fit
-        elastic = _rate(lambda: data.pipeline(source, order, batch, preprocess=prep), source.num_examples)
-        baseline = _rate(plain, source.num_examples)
-        rows.append((kind, elastic, baseline))
+        elastic = lambda: data.pipeline(source, order, batch, preprocess=prep)  # noqa: E731
+        rows.append((kind, *_rates([elastic, plain], source.num_examples)))
     return rows
 
 

@@ -124,7 +124,7 @@ class TFRecordSource(Source):
             found, size = _record_offsets(path)
             shard += [number] * len(found)
             offsets += found
-            ends += found[1:] + [size]
+            ends += (found + [size])[1:]  # a record ends where the next begins
         if not shard:
             raise ConfigurationError(f"the TFRecord files {pattern} hold no records.")
         self.num_examples = len(shard)
