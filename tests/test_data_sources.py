@@ -174,7 +174,8 @@ def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 5 else record)
-    with pytest.raises(ConfigurationError, match=re.escape(f"a record that does not parse in TFRecord file] [{bad}]")):
+    named = re.escape(f"a record that does not read or parse in TFRecord file] [{bad}]")
+    with pytest.raises(ConfigurationError, match=named):
         fit(2)
     assert _digest(RunDir(run_dir).checkpoints) == before
 

@@ -200,7 +200,7 @@ class TFRecordSource(Source):
         """One run's (indices, parsed records), as one element. TFRecordDatasetV2 starts at a byte offset
         with a seek (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it
         lives only inside the interleave, where TF never has to serialize it (its graph form drops the
-        offsets). Records that do not parse are dropped, then counted: the error names the shard."""
+        offsets). Records that do not read or parse are dropped, then counted: the error names the shard."""
         path = tf.gather(self.tensors()[0], shard)
         records = tf.data.experimental.from_variant(
             tf.raw_ops.TFRecordDatasetV2(filenames=path[None], compression_type="",
@@ -220,7 +220,7 @@ class TFRecordSource(Source):
         (encoded, label), path = parsed, tf.gather(paths, tf.gather(shards, indices[0]))
         byte = lambda index: tf.strings.as_string(tf.gather(offsets, index))  # noqa: E731
         parsed_all = tf.debugging.Assert(tf.size(label) == tf.size(indices), [
-            "a record that does not parse in TFRecord file", path, "among the", tf.size(indices),
+            "a record that does not read or parse in TFRecord file", path, "among the", tf.size(indices),
             "records from byte", byte(indices[0])])
         with tf.control_dependencies([parsed_all]):  # then there is a label per index
             label = tf.cast(label, tf.int32)
