@@ -144,7 +144,40 @@ def test_a_label_outside_the_class_range_is_named(tmp_path, digits):
     with pytest.raises(tf.errors.InvalidArgumentError) as error:
         list(data.pipeline(source, np.arange(8), 4))
     message = data.describe_error(error.value)
-    assert "[13] [outside [0, 10) in]" in message and str(tmp_path / "train-00000-of-00001") in message
+    assert "[13] [outside [0, 10)] [in]" in message and str(tmp_path / "train-00000-of-00001") in message
+
+
+def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp_path, digits):
+    """With a class count given nothing reads the labels up front: training meets the bad record, and
+    `fit` raises ConfigurationError (exit 78 from a worker) naming the shard; committed work is untouched."""
+    import keras
+
+    from tf_elastic import elastic
+    from tf_elastic.elastic.worker.world import World
+
+    (images, labels), _ = digits
+    shards, run_dir = tmp_path / "tfrecord", tmp_path / "run"
+    data_files.write_tfrecords(shards, "train", images[:64], labels[:64], shards=2)
+
+    def fit(epochs):
+        model = keras.Sequential([keras.Input((16, 16, 1)), keras.layers.Flatten(), keras.layers.Dense(11)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.optimizer.build(model.trainable_variables)
+        source = data.TFRecordSource(f"{shards}/train-*", channels=1, num_classes=11)
+        elastic.fit(model, source, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
+                    config=elastic.FitConfig(epochs=epochs, per_replica_batch_size=8), verbose=0)
+
+    fit(1)
+    before = _digest(RunDir(run_dir).checkpoints)
+    bad = shards / "train-00001-of-00002"
+    records = list(tf.data.TFRecordDataset(str(bad)).as_numpy_iterator())
+    with tf.io.TFRecordWriter(str(bad)) as writer:
+        for n, record in enumerate(records):
+            writer.write(b"not a tf.train.Example" if n == 5 else record)
+    named = re.escape(f"a record that does not read or parse in TFRecord file] [{bad}]")
+    with pytest.raises(ConfigurationError, match=named):
+        fit(2)
+    assert _digest(RunDir(run_dir).checkpoints) == before
 
 
 def _train(args, timeout=300):
@@ -161,6 +194,15 @@ def test_each_source_trains_to_a_sensible_accuracy(kind, files, tmp_path):
     proc = _train([f"--dataset={where}", f"--data_dir={files['tfds']}", f"--run_dir={tmp_path / 'run'}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.split("test accuracy ")[1].split()[0]) > 0.85, proc.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_imagenet_preprocessing_trains_to_a_sensible_accuracy(files, tmp_path):
+    """Random-resized crops and flips in training, resize and center crop in evaluation: still learns digits."""
+    proc = _train([f"--dataset=folder:{files['folder']}", "--preprocess=imagenet", "--epochs=8",
+                   f"--run_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]  # (0.71-0.73 over seeds here; chance is 0.1)
+    assert float(proc.stdout.split("test accuracy ")[1].split()[0]) > 0.5, proc.stdout[-2000:]
 
 
 def _digest(directory: Path) -> str:
@@ -185,15 +227,16 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["folder", "tfrecord"])  # per-file reads; runs of records in shard order
+@pytest.mark.parametrize("kind", KINDS)  # per-file reads; runs of records at a seek; the TFDS data source
 def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
     epoch exactly once, by the indices the workers logged while reading the files."""
     # Small batches, many steps: long enough for c to join before the survivor alone finishes.
     epochs, commit_every, batch = 10, 5, 8
-    job = LocalJob(tmp_path, [f"--dataset={kind}:{files[kind]}", "--image_size=16", f"--per_replica_batch_size={batch}",
-                              "--threads=1", f"--commit_every_steps={commit_every}", "--optimizer=sgd",
-                              f"--epochs={epochs}"],
+    where = "tfds:digits_files" if kind == "tfds" else f"{kind}:{files[kind]}"
+    job = LocalJob(tmp_path, [f"--dataset={where}", f"--data_dir={files['tfds']}", "--image_size=16",
+                              f"--per_replica_batch_size={batch}", "--threads=1", "--optimizer=sgd",
+                              f"--commit_every_steps={commit_every}", f"--epochs={epochs}"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
     try:
         job.start_agent("a")

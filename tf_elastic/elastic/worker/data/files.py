@@ -18,10 +18,13 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 _SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"RIFF")
 
 
+def _is_image(contents: tf.Tensor) -> tf.Tensor:
+    """Elementwise: does each string start like an image file."""
+    return tf.reduce_any(tf.stack([tf.strings.substr(contents, 0, len(s)) == s for s in _SIGNATURES]), axis=0)
+
+
 def _decode(contents: tf.Tensor, path: tf.Tensor, channels: int) -> tf.Tensor:
-    head = tf.strings.substr(contents, 0, 4)
-    known = tf.reduce_any([tf.strings.substr(head, 0, len(s)) == s for s in _SIGNATURES])
-    with tf.control_dependencies([tf.debugging.Assert(known, ["not an image file (corrupt?):", path])]):
+    with tf.control_dependencies([tf.debugging.Assert(_is_image(contents), ["not an image file (corrupt?):", path])]):
         return tf.io.decode_image(contents, channels=channels, expand_animations=False)
 
 
@@ -68,35 +71,43 @@ def default_parse(record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
     return parsed["image/encoded"], parsed["image/class/label"]
 
 
-def _record_offsets(path: str) -> Tuple[List[int], List[int]]:
-    """(data offset, length) of every record of a TFRecord file, from its headers alone (seeks, no data read)."""
-    offsets, lengths = [], []
-    size = tf.io.gfile.stat(path).length
-    with tf.io.gfile.GFile(path, "rb") as f:  # any TF filesystem; on gs:// each header is a ranged read
-        position = 0
+CHUNK = 8 << 20  # bytes per read while indexing a shard
+
+
+def _record_offsets(path: str) -> Tuple[List[int], int]:
+    """(the offset of every record, file size) of a TFRecord file, from its headers, in one sequential
+    read of large chunks: on an object store a few requests per shard, not one per record."""
+    offsets, buffer, start, position = [], b"", 0, 0  # buffer holds the file's bytes from `start` on
+    with tf.io.gfile.GFile(path, "rb") as f:  # any TF filesystem
+        size = f.size()
         while position < size:
-            header = f.read(12)
-            if len(header) < 12:
-                raise ConfigurationError(f"TFRecord file {path} is truncated at byte {position}.")
-            (length,) = struct.unpack("<Q", header[:8])
+            if position + 12 > start + len(buffer):
+                if position > start + len(buffer):  # a record longer than a chunk: skip the rest of it
+                    f.seek(position)
+                    buffer, start = b"", position
+                buffer, start = buffer[position - start:] + f.read(CHUNK), position
+                if position + 12 > start + len(buffer):
+                    raise ConfigurationError(f"TFRecord file {path} is truncated at byte {position}.")
+            (length,) = struct.unpack_from("<Q", buffer, position - start)
             if position + 16 + length > size:
                 raise ConfigurationError(f"TFRecord file {path}: record {len(offsets)} runs past the end of the file.")
-            offsets.append(position + 12)
-            lengths.append(length)
+            offsets.append(position)
             position += 16 + length
-            f.seek(position)
-    return offsets, lengths
+    return offsets, size
 
 
-MAX_RUN = 64  # records read with one file open (bounds the bytes a run holds in memory)
+RUN_BYTES = 4 << 20  # a run of records is read with one file open and held whole: at most this many bytes
+BUFFER = 1 << 20  # read buffer of a run, at most
 
 
 class TFRecordSource(Source):
     """TFRecord shards of tf.train.Example with an exact position per record.
 
-    The record offsets come from the shards' headers. An epoch visits the shards in a seeded order,
-    each from a seeded rotation of its records, so a worker's share of a global batch is a run of
-    consecutive records, read with one file open at an offset (any other order works, only slower).
+    The record offsets come from the shards' headers (one sequential read per shard). An epoch visits
+    the shards in a seeded order, each from a seeded rotation of its records, so a worker's share of a
+    global batch is a run of consecutive records, read with one file open from a seek to its first
+    record (any other order works, only slower). Records are parsed as they are read: one that does
+    not parse fails the run with an error naming the shard.
     `parse(record) -> (encoded image, label)`; labels may start at 0 or 1 (ImageNet's TFRecords
     reserve 0): without `num_classes` the class count is the largest label + 1, found by one pass
     over the labels on first use (`num_classes` may also be a function, e.g. another source's count).
@@ -108,22 +119,21 @@ class TFRecordSource(Source):
         if not self.files:
             raise ConfigurationError(f"no TFRecord files match {pattern}.")
         self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
-        shard, offsets, footers, lengths = [], [], [], []
+        shard, offsets, ends = [], [], []
         for number, path in enumerate(self.files):
-            found, sizes = _record_offsets(path)
-            size = tf.io.gfile.stat(path).length
+            found, size = _record_offsets(path)
             shard += [number] * len(found)
             offsets += found
-            lengths += sizes
-            footers += [size - o - n for o, n in zip(found, sizes)]
+            ends += (found + [size])[1:]  # a record ends where the next begins
         if not shard:
             raise ConfigurationError(f"the TFRecord files {pattern} hold no records.")
         self.num_examples = len(shard)
-        self.shard, self.offsets = np.asarray(shard, np.int32), np.asarray(offsets, np.int64)
-        self.lengths, self.footers = np.asarray(lengths, np.int64), np.asarray(footers, np.int64)
+        self.shard, self.offsets, self.ends = (np.asarray(shard, np.int32), np.asarray(offsets, np.int64),
+                                               np.asarray(ends, np.int64))
         self.first = np.searchsorted(self.shard, np.arange(len(self.files) + 1))  # each shard's first index
         self._classes = num_classes
         self._tensors: Optional[Tuple[tf.Tensor, ...]] = None
+        self._functions: Optional[Tuple[Callable, Callable]] = None
 
     @property
     def num_classes(self) -> int:
@@ -133,10 +143,10 @@ class TFRecordSource(Source):
         return self._classes
 
     def tensors(self) -> Tuple[tf.Tensor, ...]:
-        """(paths, shard, offsets, lengths) as tensors, made on first use."""
+        """(paths, shard, offsets) as tensors, made on first use."""
         if self._tensors is None:
             with tf.init_scope():  # eager tensors, captured by each traced function
-                self._tensors = tuple(tf.constant(a) for a in (self.files, self.shard, self.offsets, self.lengths))
+                self._tensors = tuple(tf.constant(a) for a in (self.files, self.shard, self.offsets))
         return self._tensors
 
     def _largest_label(self) -> int:
@@ -164,49 +174,66 @@ class TFRecordSource(Source):
         return np.concatenate(parts)
 
     def _runs(self, indices: np.ndarray):
-        """Splits `indices` into runs of consecutive records of one shard: (first index, count) each."""
+        """Splits `indices` into runs of consecutive records of one shard, each of RUN_BYTES at most (plus
+        one record that crosses the limit): (first index, count) each."""
         breaks = np.flatnonzero((np.diff(indices) != 1) | (np.diff(self.shard[indices]) != 0)) + 1
-        starts = np.concatenate([[0], breaks])
-        counts = np.diff(np.concatenate([starts, [len(indices)]]))
-        firsts, sizes = [], []
-        for start, count in zip(starts, counts):
-            for offset in range(0, count, MAX_RUN):
-                firsts.append(indices[start + offset])
-                sizes.append(min(MAX_RUN, count - offset))
-        return np.asarray(firsts, np.int64), np.asarray(sizes, np.int64)
+        firsts, counts = [], []
+        for run in np.split(indices, breaks):
+            ends = np.cumsum(self.ends[run] - self.offsets[run])
+            pieces = np.split(run, np.flatnonzero(np.diff((ends - 1) // RUN_BYTES)) + 1)
+            firsts += [piece[0] for piece in pieces]
+            counts += [len(piece) for piece in pieces]
+        return np.asarray(firsts, np.int64), np.asarray(counts, np.int64)
 
     def examples(self, indices: np.ndarray) -> tf.data.Dataset:
         firsts, counts = self._runs(indices)
-        lasts = firsts + counts - 1
-        begin = self.offsets[firsts]
-        end = self.offsets[lasts] + self.lengths[lasts]
-        runs = tf.data.Dataset.from_tensor_slices((firsts, counts, self.shard[firsts], begin, end - begin,
-                                                   self.footers[lasts]))
-        paths, _, offsets, lengths = self.tensors()
+        begin, end = self.offsets[firsts], self.ends[firsts + counts - 1]
+        runs = tf.data.Dataset.from_tensor_slices((firsts, counts, self.shard[firsts], begin, end - begin))
+        if self._functions is None:  # traced once per source, not once per epoch's pipeline
+            self._functions = tuple(tf.function(f, autograph=False) for f in (self._read_run, self._check))
+        read_run, check = self._functions
+        # Runs open in a parallel interleave, each one element: batch k stays the plan's batch k.
+        runs = runs.interleave(read_run, cycle_length=8, num_parallel_calls=AUTOTUNE, deterministic=True)
+        return runs.map(check, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
 
-        def read_run(first, count, shard, header, size, footer):
-            data = tf.data.FixedLengthRecordDataset(tf.gather(paths, shard), record_bytes=size,
-                                                    header_bytes=header, footer_bytes=footer)
-            return tf.data.Dataset.zip(tf.data.Dataset.from_tensors((first, count, header)), data)
+    def _read_run(self, first, count, shard, offset, size) -> tf.data.Dataset:
+        """One run's (indices, parsed records), as one element. TFRecordDatasetV2 starts at a byte offset
+        with a seek (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it
+        lives only inside the interleave, where TF never has to serialize it (its graph form drops the
+        offsets). Records that do not read or parse are dropped, then counted: the error names the shard."""
+        path = tf.gather(self.tensors()[0], shard)
+        records = tf.data.experimental.from_variant(
+            tf.raw_ops.TFRecordDatasetV2(filenames=path[None], compression_type="",
+                                         buffer_size=tf.minimum(size, BUFFER), byte_offsets=offset[None]),
+            tf.TensorSpec([], tf.string))
+        batches = records.take(count).map(self.parse).ignore_errors().batch(count)
+        # (none parsed: an empty batch, so that the count in `_check` still runs)
+        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype),
+                                      batches.element_spec)
+        return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(first + tf.range(count)),
+                                   batches.concatenate(tf.data.Dataset.from_tensors(empty)).take(1))
 
-        def split(run, data):  # the run's bytes -> its records, by their known offsets (one string, broadcast)
-            first, count, header = run
-            return first + tf.range(count), tf.strings.substr(data, offsets[first:first + count] - header,
-                                                              lengths[first:first + count])
+    def _check(self, indices, parsed):
+        """A run's checks, vectorized (per example they would cost more than reading). The messages hold
+        strings and int32 only: anything else makes Assert a cond, far slower."""
+        paths, shards, offsets = self.tensors()
+        (encoded, label), path = parsed, tf.gather(paths, tf.gather(shards, indices[0]))
+        byte = lambda index: tf.strings.as_string(tf.gather(offsets, index))  # noqa: E731
+        parsed_all = tf.debugging.Assert(tf.size(label) == tf.size(indices), [
+            "a record that does not read or parse in TFRecord file", path, "among the", tf.size(indices),
+            "records from byte", byte(indices[0])])
+        with tf.control_dependencies([parsed_all]):  # then there is a label per index
+            label = tf.cast(label, tf.int32)
+        good_label = tf.logical_and(label >= 0, label < self.num_classes)
+        good_image = _is_image(encoded) if self.decode_images else tf.ones_like(good_label)
+        bad = tf.argmin(tf.cast(good_label & good_image, tf.int32))  # the first bad record, if any
+        at = ["in", path, "at byte", byte(indices[bad])]
+        checks = [tf.debugging.Assert(good_label[bad], ["label", label[bad], f"outside [0, {self.num_classes})", *at]),
+                  tf.debugging.Assert(good_image[bad], ["not an image file (corrupt?)", *at])]
+        with tf.control_dependencies(checks):
+            return tf.identity(indices), (tf.identity(encoded), tf.identity(label))
 
-        # Runs open in an interleave (no function per run there); splitting them is a parallel map outside.
-        records = runs.interleave(lambda *run: read_run(*run), cycle_length=8, num_parallel_calls=AUTOTUNE,
-                                  deterministic=True).map(split, num_parallel_calls=AUTOTUNE, deterministic=True)
-        return records.unbatch()
-
-    def decode(self, index: tf.Tensor, record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        paths, shards, offsets, _ = self.tensors()
-        path = tf.gather(paths, tf.gather(shards, index))
-        encoded, label = self.parse(record)
-        label = tf.cast(label, tf.int32)
-        in_range = tf.logical_and(label >= 0, label < self.num_classes)
-        where = ["label", label, f"outside [0, {self.num_classes}) in", path, "at byte",
-                 tf.gather(offsets, index)]
-        with tf.control_dependencies([tf.debugging.Assert(in_range, where)]):
-            label = tf.identity(label)
-        return (_decode(encoded, path, self.channels) if self.decode_images else encoded), label
+    def decode(self, index: tf.Tensor, parsed) -> Tuple[tf.Tensor, tf.Tensor]:
+        encoded, label = parsed  # checked per run by `examples`
+        return (tf.io.decode_image(encoded, channels=self.channels, expand_animations=False)
+                if self.decode_images else encoded), label
