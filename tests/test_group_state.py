@@ -2,6 +2,7 @@
 newest to workers that lack it, durable copies go to any tf.io.gfile filesystem, off the training path."""
 import json
 import posixpath
+import time
 import uuid
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from launch import report
 from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import group
 from tf_elastic.elastic.worker.commit import CommittedState
-from tf_elastic.elastic.worker.durable import DurableCopies
+from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.optimizers import LARS
@@ -66,6 +67,44 @@ def test_group_variables_are_deduplicated():
     assert len(group._unique(listed)) == len(listed) - 1
 
 
+def test_the_newest_commit_is_the_highest_generation_then_the_highest_step():
+    """A host that trained on alone in an abandoned round (generation 3, step 900) loses to the group's
+    newer round (generation 5, step 400); within a generation the higher step wins; ties go to the
+    lowest rank; a worker without a commit never wins over one with."""
+    assert group.newest_holder([CommitId(5, 400), CommitId(3, 900)]) == 0
+    assert group.newest_holder([CommitId(3, 900), NO_COMMIT, CommitId(5, 400)]) == 2
+    assert group.newest_holder([CommitId(5, 400), CommitId(5, 410), CommitId(5, 410)]) == 1
+    assert group.newest_holder([NO_COMMIT, CommitId(0, 0)]) == 1
+    assert group.newest_holder([NO_COMMIT, NO_COMMIT]) == 0
+    assert commit_id("ckpt-5-400-2-96") == CommitId(5, 400) and commit_id("ckpt-400-2-96") is None
+
+
+def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_path):
+    """The generation follows the round's number, and the start's generation when that is higher (a new
+    rendezvous store counts rounds from 0 again); the chief prefers a durable copy of a newer generation
+    to a local commit with a higher step, and names commits by generation."""
+    model, schedule = _trained()
+    remote = str(tmp_path / "remote")
+    state = CommittedState(World(round=7), str(tmp_path / "old"), model, schedule, durable=DurableCopies(remote),
+                           durable_every_commits=1)
+    state.begin_generation(NO_COMMIT)
+    state.commit(epoch=0, samples=16, step=1, global_batch=16)
+    restarted = CommittedState(World(round=1), str(tmp_path / "new"), *_setup(), durable=DurableCopies(remote),
+                               durable_every_commits=1)
+    restarted.restore()
+    assert restarted.held == CommitId(7, 1)
+    restarted.begin_generation(restarted.held)
+    assert restarted.generation == 8
+    restarted.commit(epoch=0, samples=32, step=2, global_batch=16)
+    assert DurableCopies(remote).newest().id == CommitId(8, 2)
+    # The old host's commit with a higher step, from generation 7: the chief takes the newer durable copy.
+    state.commit(epoch=0, samples=160, step=10, global_batch=16)
+    old = CommittedState(World(round=2), str(tmp_path / "old"), *_setup(), durable=DurableCopies(remote),
+                         durable_every_commits=1)
+    path, _ = old.restore()
+    assert path == DurableCopies(remote).newest().prefix and old.held == CommitId(8, 2), path
+
+
 def test_durable_copies_on_ram_filesystem_restore_a_whole_job_bit_exact(tmp_path):
     """The tf.io.gfile path end to end on ram://: every 2nd commit and the last are copied, old copies
     are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
@@ -79,17 +118,18 @@ def test_durable_copies_on_ram_filesystem_restore_a_whole_job_bit_exact(tmp_path
     copies = DurableCopies(remote).copies()
     assert [(c.step, c.complete) for c in copies] == [(4, True), (5, True)]
     # A copy cut short (no marker), newer than any complete one: never taken.
-    partial = posixpath.join(remote, "ckpt-9-0-144")
+    partial = posixpath.join(remote, "ckpt-0-9-0-144")
     tf.io.gfile.makedirs(partial)
-    for path in tf.io.gfile.glob(posixpath.join(remote, "ckpt-5-0-80", "ckpt-5-0-80.*")):
-        tf.io.gfile.copy(path, posixpath.join(partial, posixpath.basename(path).replace("ckpt-5-0-80", "ckpt-9-0-144")))
+    for path in tf.io.gfile.glob(posixpath.join(remote, "ckpt-0-5-0-80", "ckpt-0-5-0-80.*")):
+        name = posixpath.basename(path).replace("ckpt-0-5-0-80", "ckpt-0-9-0-144")
+        tf.io.gfile.copy(path, posixpath.join(partial, name))
     assert DurableCopies(remote).newest().step == 5
 
     fresh, fresh_schedule = _setup()
     restored = CommittedState(World(), str(tmp_path / "new-host"), fresh, fresh_schedule,
                               durable=DurableCopies(remote), durable_every_commits=2)
     path, skipped = restored.restore()
-    assert path == posixpath.join(remote, "ckpt-5-0-80", "ckpt-5-0-80") and skipped == []
+    assert path == posixpath.join(remote, "ckpt-0-5-0-80", "ckpt-0-5-0-80") and skipped == []
     assert (restored.step, restored.samples) == (5, 80)
     for a, b in zip([*model.weights, *model.optimizer.variables], [*fresh.weights, *fresh.optimizer.variables]):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -109,7 +149,7 @@ def test_a_local_commit_is_preferred_to_an_older_durable_copy(tmp_path):
     assert DurableCopies(remote).newest().step == 3
     path, _ = CommittedState(World(), str(tmp_path / "run"), *_setup(), durable=DurableCopies(remote),
                              durable_every_commits=3).restore()
-    assert path.endswith("checkpoints/ckpt-4-0-4")
+    assert path.endswith("checkpoints/ckpt-0-4-0-4")
 
 
 @pytest.mark.parametrize("where", ["file", "scheme"])
@@ -128,7 +168,7 @@ def test_a_durable_copy_of_another_model_is_a_clear_error_and_stays(tmp_path):
     CommittedState(World(), str(tmp_path / "run"), model, schedule, durable=DurableCopies(remote),
                    durable_every_commits=1).commit(epoch=0, samples=1, step=1, global_batch=16)
     other, other_schedule = _setup(width=3)
-    with pytest.raises(ConfigurationError, match=r"ckpt-1-0-1 does not fit this model .*--checkpoint_dir"):
+    with pytest.raises(ConfigurationError, match=r"ckpt-0-1-0-1 does not fit this model .*--checkpoint_dir"):
         CommittedState(World(), str(tmp_path / "empty"), other, other_schedule, durable=DurableCopies(remote),
                        durable_every_commits=1).restore()
     assert DurableCopies(remote).newest().step == 1
@@ -149,12 +189,12 @@ def test_a_full_local_disk_keeps_the_previous_commit_in_force(tmp_path, monkeypa
 
     monkeypatch.setattr(state, "_write", full)
     state.commit(epoch=0, samples=32, step=2, global_batch=16)
-    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-1-0-16")
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-1-0-16")
     failed = [e for e in _events(tmp_path) if e["event"] == Event.COMMIT_FAILED]
     assert len(failed) == 1 and "No space left on device" in failed[0]["error"] and failed[0]["step"] == 2
     monkeypatch.setattr(state, "_write", write)
     state.commit(epoch=0, samples=48, step=3, global_batch=16)
-    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-3-0-48")
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-3-0-48")
 
 
 # Real processes: hosts with run dirs of their own, a separate local directory as the "remote" -----------
@@ -260,17 +300,58 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     finally:
         job.cleanup()
 
-    # The whole job is lost: a fresh host with an empty run dir resumes from the newest complete copy.
+    # The whole job is lost. Host d (two workers, an empty run dir) resumes from the newest complete copy;
+    # its second worker keeps no commits and receives the state at every round start. Then s joins with
+    # a stale commit: 1000 steps further than the copy but of an older generation (a host cut off from the
+    # store that trained on alone), which must lose to the generation d commits under.
     newest = DurableCopies(str(remote)).newest()
-    epoch = int(posixpath.basename(newest.prefix).split("-")[2])
-    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 1}", f"--checkpoint_dir={remote}",
-                                                  f"--data_dir={mnist_dir}"], AGENT,
+    epoch = int(posixpath.basename(newest.prefix).split("-")[3])
+    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 3}", f"--checkpoint_dir={remote}",
+                                                  f"--data_dir={mnist_dir}"], AGENT + ["--max_workers=3"],
                      host_run_dirs=True)
     (tmp_path / "again").mkdir()
+    assert newest.id.generation >= 1, newest
+    stale = _plant_commit(newest.prefix, RunDir(again.run_dir_of("s")).host_commits("s"),
+                          CommitId(newest.id.generation - 1, newest.step + 1000))
     try:
-        again.start_agent("d")
-        assert again.wait_agents() == {"d": 0}, again.describe()
-        restore = again.events(Event.RESTORE, rank=0)[0]
+        again.start_agent("d", nproc=2)
+        alone = _first_step(again, -1, 2)
+        again.start_agent("s")
+        grown = _first_step(again, alone["round"], 3)
+        restore = again.events(Event.RESTORE, round=alone["round"], rank=0)[0]
         assert (restore["step"], restore["path"]) == (newest.step, newest.prefix)
+        first = again.events(Event.STATE_TRANSFER, round=alone["round"])
+        assert [(e["rank"], e["source_rank"], e["step"]) for e in first] == [(1, 0, newest.step)], first
+        resized = _last_commit_before(again, grown["round"])
+        transfers = again.events(Event.STATE_TRANSFER, round=grown["round"])
+        assert sorted((e["rank"], e["source_rank"], e["step"]) for e in transfers) == [(1, 0, resized), (2, 0, resized)]
+        assert transfers[0]["generation"] > stale.generation, (transfers, stale)
+        assert _round_host(again, grown["round"], 2) == "s"
+        assert again.wait_agents() == {"d": 0, "s": 0}, again.describe()
+        rounds = {alone["round"]: 2, grown["round"]: 3}
+        assert {e["round"] for e in again.events(Event.RESTORE)} == set(rounds)
+        for round_, size in rounds.items():
+            for name in (Event.RESTORE, Event.WORKER_EXIT):
+                digests = {e["rank"]: e["state_digest"] for e in again.events(name, round=round_)}
+                assert sorted(digests) == list(range(size)) and len(set(digests.values())) == 1, (name, digests)
+        by_epoch = audit.uses_by_epoch(again.run_dirs)
+        for done in (epoch + 1, epoch + 2):  # trained by this job alone, at world sizes 2 and 3
+            assert max(by_epoch[done].values()) == 1 and len(by_epoch[done]) > 3000 - 48, done
     finally:
         again.cleanup()
+
+
+def _plant_commit(source: str, directory: Path, id_: CommitId) -> CommitId:
+    """Writes the commit at `source` into `directory` as that host's only commit, with another id."""
+    reader = tf.train.load_checkpoint(source)
+    names = sorted(reader.get_variable_to_shape_map())
+    tensors = [reader.get_tensor(name) for name in names]
+    key = "progress/.ATTRIBUTES/VARIABLE_VALUE"
+    progress = tensors[names.index(key)]
+    progress[2], progress[4] = id_.step, id_.generation
+    prefix = str(directory / f"ckpt-{id_.generation}-{id_.step}-{progress[0]}-{progress[1]}")
+    directory.mkdir(parents=True)
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+    tf.compat.v1.train.update_checkpoint_state(str(directory), prefix, all_model_checkpoint_paths=[prefix],
+                                               all_model_checkpoint_timestamps=[time.time()])
+    return id_
