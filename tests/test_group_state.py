@@ -1,7 +1,11 @@
 """Committed state without a shared filesystem: each host keeps its own commits, the group hands the
 newest to workers that lack it, durable copies go to any tf.io.gfile filesystem, off the training path."""
+import ctypes
 import json
+import os
 import posixpath
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,7 +25,7 @@ from tf_elastic.elastic.worker.world import World
 from tf_elastic.optimizers import LARS
 from tf_elastic.schedules import BatchResizeSchedule
 from tf_elastic.testing import audit
-from tf_elastic.testing.local_job import LocalJob
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 
 def _setup(width: int = 8):
@@ -160,6 +164,67 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_a_clear_error(tmp_path, wher
     with pytest.raises(ConfigurationError, match=r"--checkpoint_dir=.* cannot be written .*--durable_every_commits=0"):
         CommittedState(World(), str(tmp_path / "run"), model, schedule, durable=DurableCopies(directory),
                        durable_every_commits=1)
+
+
+def _obey_file_modes() -> None:
+    """Runs in the child before exec. Root ignores file modes (CAP_DAC_OVERRIDE), so a chmod 555 directory
+    is not read-only to a test run as root; a child whose capability bounding set lacks CAP_DAC_OVERRIDE
+    and CAP_DAC_READ_SEARCH execs without them and meets the modes as any user would."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed: no CAP_SETPCAP")
+
+
+def _train_obeying_file_modes(args, env=None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "launch.train", "--dataset=digits", "--optimizer=sgd", "--threads=1",
+               "--commit_every_steps=10", "--durable_every_commits=1", *args]
+    try:
+        return subprocess.Popen(command, cwd=REPO, env=repo_env(**(env or {})), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=_obey_file_modes)
+    except subprocess.SubprocessError as error:
+        pytest.skip(f"cannot drop CAP_DAC_OVERRIDE for a child process here ({error}): no real read-only directory")
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_dir_fails_at_start_and_a_copy_failing_later_does_not_stop_training(tmp_path):
+    """A real read-only directory (the worker runs without root's override of file modes): at start, exit
+    78 naming it; turned read-only in the middle of a copy, that copy and the later ones fail, are
+    logged, and training goes on to the end with every commit in force on the host."""
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    read_only.chmod(0o555)
+    proc = _train_obeying_file_modes(["--epochs=1", f"--run_dir={tmp_path / 'first'}", f"--checkpoint_dir={read_only}"])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 78, stderr[-3000:]
+    assert f"--checkpoint_dir={read_only} cannot be written" in stderr and "--durable_every_commits=0" in stderr
+
+    durable, pause, run = tmp_path / "durable", tmp_path / "pause", tmp_path / "run"
+    pause.mkdir()
+    (pause / "durable").touch()
+    proc = _train_obeying_file_modes(["--epochs=2", f"--run_dir={run}", f"--checkpoint_dir={durable}"],
+                                     env={Env.TEST_PAUSE_DIR: str(pause)})
+    try:
+        deadline = time.time() + 180
+        while not (pause / "durable.reached-rank0").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert (pause / "durable.reached-rank0").exists(), proc.communicate()[1][-3000:]
+        for folder in (durable, *durable.iterdir()):
+            folder.chmod(0o555)  # the first copy's files are there, its marker not yet
+        (pause / "durable").unlink()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    events = _events(run)
+    failed = [e for e in events if e["event"] == Event.DURABLE_COPY and "error" in e]
+    assert failed and all("Permission denied" in e["error"] for e in failed), failed
+    assert f"{durable}/ckpt-0-10-0-320" in failed[0]["error"] + failed[0]["path"], failed[0]
+    commits = [e["step"] for e in events if e["event"] == Event.COMMIT]
+    assert len(commits) > 2 and commits == sorted(commits), commits
+    assert tf.train.latest_checkpoint(str(RunDir(run).checkpoints)).split("/")[-1].split("-")[2] == str(commits[-1])
+    assert DurableCopies(str(durable)).newest() is None
 
 
 def test_a_durable_copy_of_another_model_is_a_clear_error_and_stays(tmp_path):
