@@ -109,10 +109,27 @@ def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_pa
     assert path == DurableCopies(remote).newest().prefix and old.held == CommitId(8, 2), path
 
 
-def test_durable_copies_on_ram_filesystem_restore_a_whole_job_bit_exact(tmp_path):
-    """The tf.io.gfile path end to end on ram://: every 2nd commit and the last are copied, old copies
-    are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
-    remote = f"ram://durable-{uuid.uuid4().hex}"
+@pytest.fixture(params=["ram", "gs"])
+def remote(request, tmp_path, monkeypatch):
+    """A durable-copy directory on ram://, or on gs:// through TensorFlow's own GCS filesystem and a local
+    emulator (`tf_elastic.testing.gcs`: TF has no endpoint setting, so a proxy takes its requests)."""
+    if request.param == "ram":
+        yield f"ram://durable-{uuid.uuid4().hex}"
+        return
+    for module in ("gcp_storage_emulator", "cryptography"):
+        pytest.importorskip(module, reason=f"gs:// is tested against a local emulator: pip install "
+                                           f"gcp-storage-emulator cryptography (the test extra); {module} is missing")
+    from tf_elastic.testing.gcs import emulated_gcs
+
+    with emulated_gcs(tmp_path, "bucket") as env:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        yield f"gs://bucket/durable-{uuid.uuid4().hex}"
+
+
+def test_durable_copies_on_any_filesystem_restore_a_whole_job_bit_exact(tmp_path, remote):
+    """The tf.io.gfile path end to end on ram:// and gs://: every 2nd commit and the last are copied, old
+    copies are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
     model, schedule = _trained()
     state = CommittedState(World(), str(tmp_path / "host"), model, schedule, durable=DurableCopies(remote, keep=2),
                            durable_every_commits=2, background=True)
