@@ -72,19 +72,23 @@ def _serve(directory: Path, bucket: str) -> None:
 
 
 def _handle(client: socket.socket, context: ssl.SSLContext, port: int) -> None:
-    """One request per connection (the emulator answers in HTTP/1.0 and closes)."""
-    with client:
-        try:
+    """One request per connection (the emulator answers in HTTP/1.0 and closes): through a CONNECT
+    tunnel, whose TLS ends here, or a plain `http://` request."""
+    try:
+        reader = client.makefile("rb")
+        line = reader.readline()
+        if line.startswith(b"CONNECT "):
+            _headers(reader)
+            client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            reader.close()
+            client = context.wrap_socket(client, server_side=True)
             reader = client.makefile("rb")
-            if reader.peek(7)[:7] == b"CONNECT":
-                _headers(reader)
-                client.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                reader.close()
-                client = context.wrap_socket(client, server_side=True)
-                reader = client.makefile("rb")
-            _forward(reader, client, port)
-        except (OSError, ValueError):
-            pass  # the client went away; it retries
+            line = reader.readline()
+        _forward(line, reader, client, port)
+    except (OSError, ValueError):
+        pass  # the client went away; it retries
+    finally:
+        client.close()
 
 
 def _headers(reader) -> list:
@@ -94,8 +98,9 @@ def _headers(reader) -> list:
     return lines
 
 
-def _forward(reader, client: socket.socket, port: int) -> None:
-    method, target, version = reader.readline().split(b" ", 2)
+def _forward(line: bytes, reader, client: socket.socket, port: int) -> None:
+    """Sends the request to the emulator with a relative target and a Content-Length body; relays the answer."""
+    method, target, version = line.split(b" ", 2)
     target = re.sub(rb"^https?://[^/]+", b"", target)
     headers = _headers(reader)
     names = [h.split(b":", 1)[0].strip().lower() for h in headers]

@@ -98,8 +98,8 @@ class CommittedState:
         """Numbers this round's commits once the round agreed on where it starts: after the round's number
         (the rendezvous orders rounds, so a host cut off from the store that trained on alone in an older
         round commits under a lower generation than the group that went on without it) and after the
-        agreed commit's (a whole job restarted with a new store, whose round numbers begin again, still
-        outranks what the old job's hosts hold). A commit that is received keeps its own generation."""
+        agreed commit's (generations grow along a history even when a new store counts rounds from 0
+        again). A commit that is received keeps its own generation."""
         self.generation = max(self.world.round, agreed.generation + 1)
 
     def restore(self) -> Tuple[Optional[str], List[Tuple[str, str]]]:
