@@ -1,10 +1,13 @@
 """The main job: an elastic run on this machine in which a host is lost and another joins.
 
 Two agents ("host-a", "host-b") train a CNN with LARS on scikit-learn's digits (shipped offline) with
-the file store. After the first commit host-b is killed (SIGKILL of its agent and worker: a lost
-spot instance); host-a re-forms the group alone; then "host-c" joins and the group grows back to two.
-At the end: a summary table from `events.jsonl` and `RUN_DIR/run.png` (loss and learning rate against
-samples seen, with failures and resizes marked).
+the file store. Hosts share no filesystem: each has a run dir of its own (`ROOT/hosts/HOST`: its
+commits and events), and the chief's durable copies go to `ROOT/durable`, standing in for a bucket.
+After the first commit host-b is killed (SIGKILL of its agent and worker: a lost spot instance); host-a
+re-forms the group alone; then "host-c" joins with an empty disk, receives the state from host-a over
+the collectives, and the group grows back to two.
+At the end: a summary table from every host's `events.jsonl` and `ROOT/run.png` (loss and learning
+rate against samples seen, with failures and resizes marked).
 
     python -m launch.main_job                      # about 1-2 minutes on 2 cores
 """
@@ -17,11 +20,12 @@ from typing import List
 from absl import app, flags
 
 from launch import report
-from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing.local_job import LocalJob
 
-flags.DEFINE_string("run_dir", None, "Where the store, checkpoints, events and plot go (default: a new temp dir).")
+flags.DEFINE_string("run_dir", None, "Root of the job: the store, each host's run dir, the durable copies and "
+                    "the plot (default: a new temp dir).")
 flags.DEFINE_integer("epochs", 40, "Epochs to train (long enough for the kill and the join to happen mid-run).",
                      lower_bound=2)
 flags.DEFINE_integer("commit_every_steps", 20, "Workers commit every N steps.", lower_bound=1)
@@ -29,16 +33,17 @@ flags.DEFINE_bool("faults", True, "Kill host-b part-way and let host-c join (Fal
 FLAGS = flags.FLAGS
 
 
-
 def run_job(root: Path) -> LocalJob:
     # A decaying schedule: a constant LARS learning rate leaves the loss flat at 0.15-0.2 (0.925 accuracy).
     job = LocalJob(root, ["--dataset=digits", f"--epochs={FLAGS.epochs}", "--per_replica_batch_size=16",
                           "--base_schedule=warmup_cosine",
-                          f"--commit_every_steps={FLAGS.commit_every_steps}", "--threads=1"],
-                   ["--min_workers=1", "--max_workers=2", "--index_log", "--last_call=1"], job_id="main")
+                          f"--commit_every_steps={FLAGS.commit_every_steps}", "--threads=1",
+                          f"--checkpoint_dir={root / 'durable'}"],
+                   ["--min_workers=1", "--max_workers=2", "--index_log", "--last_call=1"], job_id="main",
+                   host_run_dirs=True)
     say = lambda text: print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
     try:
-        say(f"starting host-a and host-b (run dir {job.run_dir})")
+        say(f"starting host-a and host-b (run dirs {job.run_dir_of('HOST')}, durable copies {root / 'durable'})")
         job.start_agent("host-a")
         job.start_agent("host-b")
         first = job.first_step_after(0, world_size=2)
@@ -73,8 +78,8 @@ def main(argv: List[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
     print("\n" + report.summary(job.run_dirs))
-    report.plot(job.run_dirs, job.run_dir / "run.png", dataset_size=len(datasets.load("digits").y_train))
-    print(f"\nplot: {job.run_dir / 'run.png'}\nevents: {job.run_dir / 'events.jsonl'}")
+    report.plot(job.run_dirs, root / "run.png", dataset_size=len(datasets.load("digits").y_train))
+    print(f"\nplot: {root / 'run.png'}\nevents: " + ", ".join(str(RunDir(d).events) for d in job.run_dirs))
     return 0 if all(code == 0 for host, code in job.wait_agents().items() if host != "host-b") else 1
 
 

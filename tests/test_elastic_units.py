@@ -120,7 +120,7 @@ def test_commit_then_restore_is_bit_exact(tmp_path):
 
     fresh, fresh_schedule = _training_setup()
     restored = CommittedState(World(), str(tmp_path), fresh, fresh_schedule)
-    assert restored.restore() == (str(tmp_path / "checkpoints" / "ckpt-8-2-48"), [])
+    assert restored.restore() == (str(tmp_path / "checkpoints" / "ckpt-0-8-2-48"), [])
     assert (restored.epoch, restored.samples, restored.step) == (2, 48, 8)
     assert fresh_schedule.history == schedule.history == [(0, 32), (8, 64)]
     for a, b in zip(model.optimizer.variables, fresh.optimizer.variables):
@@ -163,7 +163,7 @@ def test_commits_keep_the_newest_three_in_a_state_file_tensorflow_reads(tmp_path
     for step in range(1, 6):
         state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
     directory = tmp_path / "checkpoints"
-    names = [f"ckpt-{s}-0-{32 * s}" for s in (3, 4, 5)]
+    names = [f"ckpt-0-{s}-0-{32 * s}" for s in (3, 4, 5)]
     assert tf.train.latest_checkpoint(str(directory)) == str(directory / names[-1])
     manager = tf.train.CheckpointManager(tf.train.Checkpoint(), str(directory), max_to_keep=3)
     assert manager.checkpoints == [str(directory / n) for n in names]
@@ -192,11 +192,11 @@ def test_a_corrupted_newest_commit_is_skipped_for_the_previous_one(tmp_path):
     state = CommittedState(World(), str(tmp_path), model, schedule)
     state.commit(epoch=0, samples=32, step=1, global_batch=32)
     state.commit(epoch=0, samples=64, step=2, global_batch=32)
-    for data in (tmp_path / "checkpoints").glob("ckpt-2-*.data-*"):
+    for data in (tmp_path / "checkpoints").glob("ckpt-0-2-*.data-*"):
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     fresh, fresh_schedule = _training_setup()
     path, skipped = CommittedState(World(), str(tmp_path), fresh, fresh_schedule).restore()
-    assert path.endswith("ckpt-1-0-32") and len(skipped) == 1 and skipped[0][0].endswith("ckpt-2-0-64")
+    assert path.endswith("ckpt-0-1-0-32") and len(skipped) == 1 and skipped[0][0].endswith("ckpt-0-2-0-64")
     assert "Read less bytes than requested" in skipped[0][1], skipped
 
 
@@ -206,9 +206,9 @@ def test_a_commit_of_another_model_is_a_clear_error_and_stays_on_disk(tmp_path):
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
     other.compile(optimizer=LARS(0.1), loss="mse")
     other.optimizer.build(other.trainable_variables)
-    with pytest.raises(ValueError, match=r"ckpt-1-0-32 does not fit this model or optimizer .*--run_dir"):
+    with pytest.raises(ValueError, match=r"ckpt-0-1-0-32 does not fit this model or optimizer .*--run_dir"):
         CommittedState(World(), str(tmp_path), other).restore()
-    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-1-0-32")
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-1-0-32")
 
 
 def test_sigterm_commits_at_a_step_boundary_and_a_rerun_resumes_there_with_user_callbacks(tmp_path):

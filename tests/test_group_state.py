@@ -1,7 +1,12 @@
 """Committed state without a shared filesystem: each host keeps its own commits, the group hands the
 newest to workers that lack it, durable copies go to any tf.io.gfile filesystem, off the training path."""
+import ctypes
 import json
+import os
 import posixpath
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -14,13 +19,13 @@ from launch import report
 from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import group
 from tf_elastic.elastic.worker.commit import CommittedState
-from tf_elastic.elastic.worker.durable import DurableCopies
+from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.optimizers import LARS
 from tf_elastic.schedules import BatchResizeSchedule
 from tf_elastic.testing import audit
-from tf_elastic.testing.local_job import LocalJob
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 
 def _setup(width: int = 8):
@@ -66,10 +71,65 @@ def test_group_variables_are_deduplicated():
     assert len(group._unique(listed)) == len(listed) - 1
 
 
-def test_durable_copies_on_ram_filesystem_restore_a_whole_job_bit_exact(tmp_path):
-    """The tf.io.gfile path end to end on ram://: every 2nd commit and the last are copied, old copies
-    are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
-    remote = f"ram://durable-{uuid.uuid4().hex}"
+def test_the_newest_commit_is_the_highest_generation_then_the_highest_step():
+    """A host that trained on alone in an abandoned round (generation 3, step 900) loses to the group's
+    newer round (generation 5, step 400); within a generation the higher step wins; ties go to the
+    lowest rank; a worker without a commit never wins over one with."""
+    assert group.newest_holder([CommitId(5, 400), CommitId(3, 900)]) == 0
+    assert group.newest_holder([CommitId(3, 900), NO_COMMIT, CommitId(5, 400)]) == 2
+    assert group.newest_holder([CommitId(5, 400), CommitId(5, 410), CommitId(5, 410)]) == 1
+    assert group.newest_holder([NO_COMMIT, CommitId(0, 0)]) == 1
+    assert group.newest_holder([NO_COMMIT, NO_COMMIT]) == 0
+    assert commit_id("ckpt-5-400-2-96") == CommitId(5, 400) and commit_id("ckpt-400-2-96") is None
+
+
+def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_path):
+    """The generation follows the round's number, and the start's generation when that is higher (a new
+    rendezvous store counts rounds from 0 again); the chief prefers a durable copy of a newer generation
+    to a local commit with a higher step, and names commits by generation."""
+    model, schedule = _trained()
+    remote = str(tmp_path / "remote")
+    state = CommittedState(World(round=7), str(tmp_path / "old"), model, schedule, durable=DurableCopies(remote),
+                           durable_every_commits=1)
+    state.begin_generation(NO_COMMIT)
+    state.commit(epoch=0, samples=16, step=1, global_batch=16)
+    restarted = CommittedState(World(round=1), str(tmp_path / "new"), *_setup(), durable=DurableCopies(remote),
+                               durable_every_commits=1)
+    restarted.restore()
+    assert restarted.held == CommitId(7, 1)
+    restarted.begin_generation(restarted.held)
+    assert restarted.generation == 8
+    restarted.commit(epoch=0, samples=32, step=2, global_batch=16)
+    assert DurableCopies(remote).newest().id == CommitId(8, 2)
+    # The old host's commit with a higher step, from generation 7: the chief takes the newer durable copy.
+    state.commit(epoch=0, samples=160, step=10, global_batch=16)
+    old = CommittedState(World(round=2), str(tmp_path / "old"), *_setup(), durable=DurableCopies(remote),
+                         durable_every_commits=1)
+    path, _ = old.restore()
+    assert path == DurableCopies(remote).newest().prefix and old.held == CommitId(8, 2), path
+
+
+@pytest.fixture(params=["ram", "gs"])
+def remote(request, tmp_path, monkeypatch):
+    """A durable-copy directory on ram://, or on gs:// through TensorFlow's own GCS filesystem and a local
+    emulator (`tf_elastic.testing.gcs`: TF has no endpoint setting, so a proxy takes its requests)."""
+    if request.param == "ram":
+        yield f"ram://durable-{uuid.uuid4().hex}"
+        return
+    for module in ("gcp_storage_emulator", "cryptography"):
+        pytest.importorskip(module, reason=f"gs:// is tested against a local emulator: pip install "
+                                           f"gcp-storage-emulator cryptography (the test extra); {module} is missing")
+    from tf_elastic.testing.gcs import emulated_gcs
+
+    with emulated_gcs(tmp_path, "bucket") as env:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        yield f"gs://bucket/durable-{uuid.uuid4().hex}"
+
+
+def test_durable_copies_on_any_filesystem_restore_a_whole_job_bit_exact(tmp_path, remote):
+    """The tf.io.gfile path end to end on ram:// and gs://: every 2nd commit and the last are copied, old
+    copies are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
     model, schedule = _trained()
     state = CommittedState(World(), str(tmp_path / "host"), model, schedule, durable=DurableCopies(remote, keep=2),
                            durable_every_commits=2, background=True)
@@ -79,17 +139,18 @@ def test_durable_copies_on_ram_filesystem_restore_a_whole_job_bit_exact(tmp_path
     copies = DurableCopies(remote).copies()
     assert [(c.step, c.complete) for c in copies] == [(4, True), (5, True)]
     # A copy cut short (no marker), newer than any complete one: never taken.
-    partial = posixpath.join(remote, "ckpt-9-0-144")
+    partial = posixpath.join(remote, "ckpt-0-9-0-144")
     tf.io.gfile.makedirs(partial)
-    for path in tf.io.gfile.glob(posixpath.join(remote, "ckpt-5-0-80", "ckpt-5-0-80.*")):
-        tf.io.gfile.copy(path, posixpath.join(partial, posixpath.basename(path).replace("ckpt-5-0-80", "ckpt-9-0-144")))
+    for path in tf.io.gfile.glob(posixpath.join(remote, "ckpt-0-5-0-80", "ckpt-0-5-0-80.*")):
+        name = posixpath.basename(path).replace("ckpt-0-5-0-80", "ckpt-0-9-0-144")
+        tf.io.gfile.copy(path, posixpath.join(partial, name))
     assert DurableCopies(remote).newest().step == 5
 
     fresh, fresh_schedule = _setup()
     restored = CommittedState(World(), str(tmp_path / "new-host"), fresh, fresh_schedule,
                               durable=DurableCopies(remote), durable_every_commits=2)
     path, skipped = restored.restore()
-    assert path == posixpath.join(remote, "ckpt-5-0-80", "ckpt-5-0-80") and skipped == []
+    assert path == posixpath.join(remote, "ckpt-0-5-0-80", "ckpt-0-5-0-80") and skipped == []
     assert (restored.step, restored.samples) == (5, 80)
     for a, b in zip([*model.weights, *model.optimizer.variables], [*fresh.weights, *fresh.optimizer.variables]):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -109,7 +170,7 @@ def test_a_local_commit_is_preferred_to_an_older_durable_copy(tmp_path):
     assert DurableCopies(remote).newest().step == 3
     path, _ = CommittedState(World(), str(tmp_path / "run"), *_setup(), durable=DurableCopies(remote),
                              durable_every_commits=3).restore()
-    assert path.endswith("checkpoints/ckpt-4-0-4")
+    assert path.endswith("checkpoints/ckpt-0-4-0-4")
 
 
 @pytest.mark.parametrize("where", ["file", "scheme"])
@@ -122,13 +183,74 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_a_clear_error(tmp_path, wher
                        durable_every_commits=1)
 
 
+def _obey_file_modes() -> None:
+    """Runs in the child before exec. Root ignores file modes (CAP_DAC_OVERRIDE), so a chmod 555 directory
+    is not read-only to a test run as root; a child whose capability bounding set lacks CAP_DAC_OVERRIDE
+    and CAP_DAC_READ_SEARCH execs without them and meets the modes as any user would."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0):  # PR_CAPBSET_DROP
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed: no CAP_SETPCAP")
+
+
+def _train_obeying_file_modes(args, env=None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "launch.train", "--dataset=digits", "--optimizer=sgd", "--threads=1",
+               "--commit_every_steps=10", "--durable_every_commits=1", *args]
+    try:
+        return subprocess.Popen(command, cwd=REPO, env=repo_env(**(env or {})), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=_obey_file_modes)
+    except subprocess.SubprocessError as error:
+        pytest.skip(f"cannot drop CAP_DAC_OVERRIDE for a child process here ({error}): no real read-only directory")
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_dir_fails_at_start_and_a_copy_failing_later_does_not_stop_training(tmp_path):
+    """A real read-only directory (the worker runs without root's override of file modes): at start, exit
+    78 naming it; turned read-only in the middle of a copy, that copy and the later ones fail, are
+    logged, and training goes on to the end with every commit in force on the host."""
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o555)
+    read_only.chmod(0o555)
+    proc = _train_obeying_file_modes(["--epochs=1", f"--run_dir={tmp_path / 'first'}", f"--checkpoint_dir={read_only}"])
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 78, stderr[-3000:]
+    assert f"--checkpoint_dir={read_only} cannot be written" in stderr and "--durable_every_commits=0" in stderr
+
+    durable, pause, run = tmp_path / "durable", tmp_path / "pause", tmp_path / "run"
+    pause.mkdir()
+    (pause / "durable").touch()
+    proc = _train_obeying_file_modes(["--epochs=2", f"--run_dir={run}", f"--checkpoint_dir={durable}"],
+                                     env={Env.TEST_PAUSE_DIR: str(pause)})
+    try:
+        deadline = time.time() + 180
+        while not (pause / "durable.reached-rank0").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert (pause / "durable.reached-rank0").exists(), proc.communicate()[1][-3000:]
+        for folder in (durable, *durable.iterdir()):
+            folder.chmod(0o555)  # the first copy's files are there, its marker not yet
+        (pause / "durable").unlink()
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    events = _events(run)
+    failed = [e for e in events if e["event"] == Event.DURABLE_COPY and "error" in e]
+    assert failed and all("Permission denied" in e["error"] for e in failed), failed
+    assert f"{durable}/ckpt-0-10-0-320" in failed[0]["error"] + failed[0]["path"], failed[0]
+    commits = [e["step"] for e in events if e["event"] == Event.COMMIT]
+    assert len(commits) > 2 and commits == sorted(commits), commits
+    assert tf.train.latest_checkpoint(str(RunDir(run).checkpoints)).split("/")[-1].split("-")[2] == str(commits[-1])
+    assert DurableCopies(str(durable)).newest() is None
+
+
 def test_a_durable_copy_of_another_model_is_a_clear_error_and_stays(tmp_path):
     remote = str(tmp_path / "remote")
     model, schedule = _trained()
     CommittedState(World(), str(tmp_path / "run"), model, schedule, durable=DurableCopies(remote),
                    durable_every_commits=1).commit(epoch=0, samples=1, step=1, global_batch=16)
     other, other_schedule = _setup(width=3)
-    with pytest.raises(ConfigurationError, match=r"ckpt-1-0-1 does not fit this model .*--checkpoint_dir"):
+    with pytest.raises(ConfigurationError, match=r"ckpt-0-1-0-1 does not fit this model .*--checkpoint_dir"):
         CommittedState(World(), str(tmp_path / "empty"), other, other_schedule, durable=DurableCopies(remote),
                        durable_every_commits=1).restore()
     assert DurableCopies(remote).newest().step == 1
@@ -149,12 +271,12 @@ def test_a_full_local_disk_keeps_the_previous_commit_in_force(tmp_path, monkeypa
 
     monkeypatch.setattr(state, "_write", full)
     state.commit(epoch=0, samples=32, step=2, global_batch=16)
-    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-1-0-16")
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-1-0-16")
     failed = [e for e in _events(tmp_path) if e["event"] == Event.COMMIT_FAILED]
     assert len(failed) == 1 and "No space left on device" in failed[0]["error"] and failed[0]["step"] == 2
     monkeypatch.setattr(state, "_write", write)
     state.commit(epoch=0, samples=48, step=3, global_batch=16)
-    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-3-0-48")
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-3-0-48")
 
 
 # Real processes: hosts with run dirs of their own, a separate local directory as the "remote" -----------
@@ -227,7 +349,11 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         _pause_and_kill(job, pause, "local", 1, joined["round"])  # c: files written, state file not yet
         after_local = _first_step(job, joined["round"], 2)
         assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
-        assert job.events(Event.STATE_TRANSFER, round=after_local["round"], rank=1)
+        # c restarts from its previous commit and receives the newer one, if the group holds one: the chief
+        # was held at the same point, and its commit is cut too when its worker is stopped first (under load).
+        mine = job.events(Event.RESTORE, round=after_local["round"], rank=1)[0]
+        held = commit_id(posixpath.basename(mine["path"] or "")) or NO_COMMIT
+        assert held.step == mine["step"] or job.events(Event.STATE_TRANSFER, round=after_local["round"], rank=1)
 
         job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local["round"]), what="a durable copy")
         _pause_and_kill(job, pause, "durable", 0, after_local["round"])  # the chief: marker not yet written
@@ -260,17 +386,60 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     finally:
         job.cleanup()
 
-    # The whole job is lost: a fresh host with an empty run dir resumes from the newest complete copy.
+    # The whole job is lost. Host d (two workers, an empty run dir) and host s resume it from the newest
+    # complete copy: s holds a stale commit, 1000 steps further than the copy but of an older generation
+    # (a host cut off from the store that trained on alone), which must lose. d's second worker keeps no
+    # commits: it receives the state at every round start (here two: s's worker is killed once).
     newest = DurableCopies(str(remote)).newest()
-    epoch = int(posixpath.basename(newest.prefix).split("-")[2])
-    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 1}", f"--checkpoint_dir={remote}",
-                                                  f"--data_dir={mnist_dir}"], AGENT,
-                     host_run_dirs=True)
+    epoch = int(posixpath.basename(newest.prefix).split("-")[3])
+    again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 3}", f"--checkpoint_dir={remote}",
+                                                  f"--data_dir={mnist_dir}"],
+                     AGENT + ["--min_workers=3", "--max_workers=3"], host_run_dirs=True)
     (tmp_path / "again").mkdir()
+    assert newest.id.generation >= 1, newest
+    stale = _plant_commit(newest.prefix, RunDir(again.run_dir_of("s")).host_commits("s"),
+                          CommitId(newest.id.generation - 1, newest.step + 1000))
     try:
-        again.start_agent("d")
-        assert again.wait_agents() == {"d": 0}, again.describe()
-        restore = again.events(Event.RESTORE, rank=0)[0]
-        assert (restore["step"], restore["path"]) == (newest.step, newest.prefix)
+        again.start_agent("d", nproc=2)
+        again.start_agent("s")
+        first = _first_step(again, -1, 3)
+        restore = again.events(Event.RESTORE, round=first["round"], rank=0)[0]  # the chief, d's or s's
+        assert (restore["step"], restore["path"]) == (newest.step, newest.prefix), restore
+        again.wait_for(lambda: again.events(Event.COMMIT, round=first["round"]), what="a commit of d and s")
+        again.kill_worker("s", first["round"])
+        second = _first_step(again, first["round"], 3)
+        assert _restored(again, second["round"]) >= _last_commit_before(again, second["round"]), "lost a commit"
+        assert again.wait_agents() == {"d": 0, "s": 0}, again.describe()
+        for round_ in (first["round"], second["round"]):
+            transfers = again.events(Event.STATE_TRANSFER, round=round_)
+            second_worker = [e["rank"] for e in again.events(Event.WORKER_START, round=round_, source="agent:d")
+                             if e["local_rank"] == 1]
+            assert len({(e["source_rank"], e["step"]) for e in transfers}) == 1, transfers
+            assert transfers[0]["step"] == _restored(again, round_), transfers
+            assert second_worker[0] in [e["rank"] for e in transfers], (second_worker, transfers)
+            assert all(e["generation"] > stale.generation for e in transfers), (transfers, stale)
+            # Bit-identical at the start of each round, and at the end (a round cut by the kill has no end).
+            for name in (Event.RESTORE, Event.WORKER_EXIT)[:1 + (round_ == second["round"])]:
+                digests = {e["rank"]: e["state_digest"] for e in again.events(name, round=round_)}
+                assert sorted(digests) == [0, 1, 2] and len(set(digests.values())) == 1, (name, digests)
+        by_epoch = audit.uses_by_epoch(again.run_dirs)
+        for done in (epoch + 1, epoch + 2):  # trained by this job alone
+            assert max(by_epoch[done].values()) == 1 and len(by_epoch[done]) > 3000 - 48, done
     finally:
         again.cleanup()
+
+
+def _plant_commit(source: str, directory: Path, id_: CommitId) -> CommitId:
+    """Writes the commit at `source` into `directory` as that host's only commit, with another id."""
+    reader = tf.train.load_checkpoint(source)
+    names = sorted(reader.get_variable_to_shape_map())
+    tensors = [reader.get_tensor(name) for name in names]
+    key = "progress/.ATTRIBUTES/VARIABLE_VALUE"
+    progress = tensors[names.index(key)]
+    progress[2], progress[4] = id_.step, id_.generation
+    prefix = str(directory / f"ckpt-{id_.generation}-{id_.step}-{progress[0]}-{progress[1]}")
+    directory.mkdir(parents=True)
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=tensors)
+    tf.compat.v1.train.update_checkpoint_state(str(directory), prefix, all_model_checkpoint_paths=[prefix],
+                                               all_model_checkpoint_timestamps=[time.time()])
+    return id_

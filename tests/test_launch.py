@@ -8,6 +8,7 @@ import time
 import pytest
 
 from conftest import REPO, run_python
+from tf_elastic.elastic.events import read_events
 from tf_elastic.testing.local_job import repo_env
 from tf_elastic.testing.net import bindable, free_port
 
@@ -68,13 +69,15 @@ def test_train_mirrored_on_two_logical_cpus(tmp_path):
 
 @pytest.mark.slow
 def test_main_job_runs_end_to_end(tmp_path):
-    """The README's first command, shortened: a host lost, a host joined, a summary and a plot that
-    agree with events.jsonl."""
+    """The README's first command, shortened: a host lost, a host joined, each host with a run dir of
+    its own; a summary and a plot that agree with the hosts' events."""
     proc = run_python(f"import sys; sys.argv = ['m', '--run_dir={tmp_path}', '--epochs=30'];"
                       "from launch import main_job; from absl import app; "
                       "app.run(lambda a: sys.exit(main_job.main(a)))",
                       timeout=600)
-    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    events = read_events(sorted((tmp_path / "hosts").iterdir()))
+    assert [p.name for p in sorted((tmp_path / "hosts").iterdir())] == ["host-a", "host-b", "host-c"]
+    assert not (tmp_path / "run").exists() and list((tmp_path / "durable").iterdir())
     rendezvous = [e for e in events if e["event"] == "rendezvous" and e["source"] == "agent:host-a"]
     sizes = [e["world_size"] for e in rendezvous]
     # Two hosts, then one after the kill, then two again (a first round alone is possible under load).
@@ -88,7 +91,7 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert f"final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" in proc.stdout
     accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]
     assert f"test accuracy: {accuracy:.4f}" in proc.stdout
-    assert (tmp_path / "run" / "run.png").stat().st_size > 10_000
+    assert (tmp_path / "run.png").stat().st_size > 10_000
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 Commit / restore is the one vocabulary for what survives a failure (like Horovod elastic's `State`):
 model, optimizer slots and `iterations`, the batch-resize history, epoch, samples consumed in the
-epoch and the global step are written together, in the layout `tf.train.CheckpointManager` reads.
+epoch, the global step and the commit's generation (`CommitId`) are written together, in the layout
+`tf.train.CheckpointManager` reads.
 Each host keeps its own commits (its first worker writes them; hosts share no directory); the group
 hands a commit to the workers that lack it (`group.py`), and the chief copies one to durable storage
 every few commits (`durable.py`). File operations go through `tf.io.gfile`.
@@ -20,7 +21,7 @@ from absl import logging
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import keras_compat
-from tf_elastic.elastic.worker.durable import DurableCopies, commit_step
+from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World, test_pause
 from tf_elastic.schedules import BatchResizeSchedule
@@ -46,7 +47,8 @@ class CommittedState:
                  durable: Optional[DurableCopies] = None, durable_every_commits: int = 0,
                  events: Optional[EventLog] = None, background: bool = False):
         self.world, self.events = world, events
-        self.progress = tf.Variable(np.zeros(4, np.int64), trainable=False, name="elastic_progress")
+        # epoch, samples, step, global batch, generation
+        self.progress = tf.Variable(np.zeros(5, np.int64), trainable=False, name="elastic_progress")
         items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
         self.variables = [*model.weights, *model.optimizer.variables, self.progress]
         if schedule is not None:
@@ -60,6 +62,7 @@ class CommittedState:
         self._max_to_keep = max_to_keep
         self._kept: List[Tuple[str, float]] = []
         self.restored: Optional[str] = None
+        self.generation = world.round  # of this round's commits: see `begin_generation`
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tf_elastic-commit") if background else None
         if world.keeps_commits:
             tf.io.gfile.makedirs(self.directory)
@@ -87,9 +90,17 @@ class CommittedState:
         return int(self.progress[2])
 
     @property
-    def held_step(self) -> int:
-        """The step this worker restored (-1: none), for the group's agreement."""
-        return self.step if self.restored else -1
+    def held(self) -> CommitId:
+        """(generation, step) of the commit this worker restored (`NO_COMMIT`: none), for the agreement."""
+        return CommitId(int(self.progress[4]), self.step) if self.restored else NO_COMMIT
+
+    def begin_generation(self, agreed: CommitId) -> None:
+        """Numbers this round's commits once the round agreed on where it starts: after the round's number
+        (the rendezvous orders rounds, so a host cut off from the store that trained on alone in an older
+        round commits under a lower generation than the group that went on without it) and after the
+        agreed commit's (generations grow along a history even when a new store counts rounds from 0
+        again). A commit that is received keeps its own generation."""
+        self.generation = max(self.world.round, agreed.generation + 1)
 
     def restore(self) -> Tuple[Optional[str], List[Tuple[str, str]]]:
         """Restores the newest readable commit this host keeps; the chief also looks at the durable copies
@@ -101,8 +112,8 @@ class CommittedState:
         candidates = list(reversed(kept.all_model_checkpoint_paths if kept else []))
         newest = self.durable.newest() if self.durable else None
         if newest is not None:
-            local_steps = [commit_step(posixpath.basename(p)) or 0 for p in candidates]
-            candidates.insert(0 if newest.step > max(local_steps, default=-1) else len(candidates), newest.prefix)
+            local = [commit_id(posixpath.basename(p)) or NO_COMMIT for p in candidates]
+            candidates.insert(0 if newest.id > max(local, default=NO_COMMIT) else len(candidates), newest.prefix)
         skipped = []
         for path in candidates:
             try:
@@ -125,7 +136,7 @@ class CommittedState:
         in_force)` is called once the commit is in force on this host, with the seconds the caller was
         blocked and the seconds until then."""
         started = time.perf_counter()
-        self.progress.assign(np.array([epoch, samples, step, global_batch], np.int64))
+        self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation], np.int64))
         self.keep(on_kept, started)
 
     def keep(self, on_kept: Optional[OnKept] = None, started: Optional[float] = None) -> None:
@@ -135,9 +146,9 @@ class CommittedState:
         if not self.world.keeps_commits:
             return
         started = time.perf_counter() if started is None else started
-        epoch, samples, step, _ = (int(v) for v in self.progress.numpy())
-        # Named by the whole position: a commit never overwrites the files the state file names.
-        prefix = posixpath.join(self.directory, f"ckpt-{step}-{epoch}-{samples}")
+        epoch, samples, step, _, generation = (int(v) for v in self.progress.numpy())
+        # Named by generation and the whole position: a commit never overwrites the files the state file names.
+        prefix = posixpath.join(self.directory, f"ckpt-{generation}-{step}-{epoch}-{samples}")
         try:
             self._write(prefix)
         except tf.errors.OpError as error:

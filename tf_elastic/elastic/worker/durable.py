@@ -11,7 +11,7 @@ import dataclasses
 import os
 import posixpath
 import uuid
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -20,17 +20,35 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 MARKER = "COMPLETE"
 
 
+class CommitId(NamedTuple):
+    """Which commit is newer: the higher generation, then the higher step. Steps alone cannot tell: a host
+    that went on alone in an abandoned round (cut off from the store), or the old job's hosts after a
+    restart from an older durable copy, hold higher steps of a history the group no longer follows. The
+    generation is the round's (`CommittedState.begin_generation`), so the group's newer rounds outrank them."""
+    generation: int
+    step: int
+
+
+NO_COMMIT = CommitId(-1, -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Copy:
     prefix: str  # the checkpoint prefix inside the copy, as `tf.train.Checkpoint.read` takes it
-    step: int
+    id: CommitId
     complete: bool
 
+    @property
+    def step(self) -> int:
+        return self.id.step
 
-def commit_step(name: str) -> Optional[int]:
-    """The step of a commit named `ckpt-STEP-EPOCH-SAMPLES`; None for any other name."""
+
+def commit_id(name: str) -> Optional[CommitId]:
+    """The id of a commit named `ckpt-GENERATION-STEP-EPOCH-SAMPLES`; None for any other name."""
     parts = name.split("-")
-    return int(parts[1]) if len(parts) == 4 and parts[0] == "ckpt" and all(p.isdigit() for p in parts[1:]) else None
+    if len(parts) == 5 and parts[0] == "ckpt" and all(p.isdigit() for p in parts[1:]):
+        return CommitId(int(parts[1]), int(parts[2]))
+    return None
 
 
 class DurableCopies:
@@ -53,7 +71,7 @@ class DurableCopies:
                                      f"job may write, or --durable_every_commits=0 for no durable copies") from None
 
     def copies(self) -> List[Copy]:
-        """Every copy (complete or not), oldest step first."""
+        """Every copy (complete or not), oldest first (`CommitId` order)."""
         try:
             names = tf.io.gfile.listdir(self.directory)
         except tf.errors.NotFoundError:
@@ -61,12 +79,12 @@ class DurableCopies:
         found = []
         for name in names:
             name = name.rstrip("/")
-            step = commit_step(name)
-            if step is not None:
+            id_ = commit_id(name)
+            if id_ is not None:
                 folder = posixpath.join(self.directory, name)
-                found.append(Copy(posixpath.join(folder, name), step,
-                                  tf.io.gfile.exists(posixpath.join(folder, MARKER))))
-        return sorted(found, key=lambda c: c.step)
+                complete = tf.io.gfile.exists(posixpath.join(folder, MARKER))
+                found.append(Copy(posixpath.join(folder, name), id_, complete))
+        return sorted(found, key=lambda c: c.id)
 
     def newest(self) -> Optional[Copy]:
         complete = [c for c in self.copies() if c.complete]
@@ -97,9 +115,9 @@ class DurableCopies:
         complete = [c for c in copies if c.complete]
         if not complete:
             return
-        kept = {c.step for c in complete[-self.keep:]}
+        kept = {c.id for c in complete[-self.keep:]}
         for item in copies:
-            if item.step not in kept and (item.complete or item.step < complete[-1].step):
+            if item.id not in kept and (item.complete or item.id < complete[-1].id):
                 tf.io.gfile.rmtree(posixpath.dirname(item.prefix))
 
 

@@ -1,9 +1,10 @@
 """The group's committed state: which commit a new round starts from, and its transfer between workers.
 
 Hosts keep their own commits (no shared filesystem), so after a round forms the workers agree on the
-newest commit any of them holds; those that lack it (a joiner with an empty disk, a host that was behind)
-receive it from the lowest rank that holds it, over the strategy's collectives, and every worker then
-checks that it holds the same bits as the source. Storage is only for durability (`durable.py`).
+newest commit any of them holds (by `CommitId`: generation, then step); those that lack it (a joiner with
+an empty disk, a host that was behind, a host's second worker, which keeps no commits) receive it from
+the lowest rank that holds it, over the strategy's collectives, and every worker then checks that it
+holds the same bits as the source. Storage is only for durability (`durable.py`).
 """
 import dataclasses
 import hashlib
@@ -14,6 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_elastic.elastic.worker.durable import CommitId
 from tf_elastic.elastic.worker.errors import PeerFailure
 from tf_elastic.elastic.worker.world import World
 
@@ -37,13 +39,19 @@ def sum_over_workers(strategy: tf.distribute.Strategy, world: World) -> SumOverW
 
 @dataclasses.dataclass(frozen=True)
 class Agreement:
-    """What the group agreed on: the step (-1: nothing committed anywhere), its source rank, and what this
-    worker received (0 bytes when it held the commit already)."""
-    step: int
+    """What the group agreed on: the commit (`NO_COMMIT`: nothing committed anywhere), its source rank, and
+    what this worker received (0 bytes when it held the commit already)."""
+    id: CommitId
     source: int
     received_bytes: int
     seconds: float
     digest: str
+
+
+def newest_holder(held: Sequence[CommitId]) -> int:
+    """The rank whose commit the group starts from: the newest by `CommitId` (a higher step of an older
+    generation loses), the lowest such rank."""
+    return max(range(len(held)), key=lambda rank: (held[rank], -rank))
 
 
 def _unique(variables: Sequence) -> List[tf.Variable]:
@@ -111,32 +119,34 @@ class GroupState:
         """SHA-256 (hex) of every variable's bits, as this worker holds them."""
         return hashlib.sha256(self._pack().numpy().tobytes()).hexdigest()
 
-    def agree(self, held_step: int) -> Agreement:
-        """Finds the newest step any worker holds (`held_step`: -1 for none) and gives it to all."""
+    def agree(self, held: CommitId) -> Agreement:
+        """Finds the newest commit any worker holds (`held`: `NO_COMMIT` for none) and gives it to all."""
         size, rank = self.world.size, self.world.rank
         digest = self.digest()
-        mine = np.zeros(2 * size)
-        mine[rank], mine[size + rank] = held_step + 1, _short(digest)
+        mine = np.zeros(3 * size)  # generation + 1, step + 1 and digest of every rank
+        mine[rank], mine[size + rank], mine[2 * size + rank] = held.generation + 1, held.step + 1, _short(digest)
         total = np.rint(self._sum(mine)).astype(np.int64)
-        steps, digests = total[:size] - 1, total[size:]
-        newest = int(steps.max())
-        source = int(np.flatnonzero(steps == newest)[0])
-        if (steps == newest).all() and (digests == digests[source]).all():
+        ids = [CommitId(int(g) - 1, int(s) - 1) for g, s in zip(total[:size], total[size:2 * size])]
+        digests = total[2 * size:]
+        source = newest_holder(ids)
+        newest = ids[source]
+        if all(i == newest for i in ids) and (digests == digests[source]).all():
             return Agreement(newest, source, 0, 0.0, digest)
         started = time.perf_counter()
         self._broadcast(tf.constant(source * self._local_replicas, tf.int32))
         digest = self.digest()
-        self.verify(digest, f"after the transfer of step {newest} from rank {source}")
-        received = steps[rank] != newest or digests[rank] != digests[source]
+        self.verify(digest, f"after the transfer of step {newest.step} (generation {newest.generation}) "
+                            f"from rank {source}")
+        received = ids[rank] != newest or digests[rank] != digests[source]
         return Agreement(newest, source, self.bytes if received else 0, time.perf_counter() - started, digest)
 
     def verify(self, digest: str, when: str) -> None:
         """Raises `PeerFailure` unless every worker's digest equals this one. (The vector has the length
         `agree` sums, so the summing function is not traced again.)"""
         size = self.world.size
-        mine = np.zeros(2 * size)
-        mine[size + self.world.rank] = _short(digest)
-        digests = np.rint(self._sum(mine)).astype(np.int64)[size:]
+        mine = np.zeros(3 * size)
+        mine[2 * size + self.world.rank] = _short(digest)
+        digests = np.rint(self._sum(mine)).astype(np.int64)[2 * size:]
         if (digests != digests[0]).any():
             raise PeerFailure(-1, f"the workers hold different state {when}: digests {digests.tolist()}")
 

@@ -19,7 +19,7 @@ from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, ExitCode, RunDir
 from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
-from tf_elastic.elastic.worker.durable import DurableCopies
+from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
 from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, describe_error, pipeline
 from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
@@ -312,18 +312,21 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
     agreement = None
     if group is not None:
         try:
-            agreement = group.agree(state.held_step)
+            agreement = group.agree(state.held)
         except PeerFailure:
             events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
             raise
         if agreement.received_bytes:
             events.write(Event.STATE_TRANSFER, round=world.round, rank=world.rank, source_rank=agreement.source,
-                         step=agreement.step, bytes=agreement.received_bytes, seconds=round(agreement.seconds, 4))
-            logging.info("received step %d from rank %d: %d bytes in %.3fs", agreement.step, agreement.source,
-                         agreement.received_bytes, agreement.seconds)
-            if agreement.step >= 0:
+                         step=agreement.id.step, generation=agreement.id.generation, bytes=agreement.received_bytes,
+                         seconds=round(agreement.seconds, 4))
+            logging.info("received step %d (generation %d) from rank %d: %d bytes in %.3fs", agreement.id.step,
+                         agreement.id.generation, agreement.source, agreement.received_bytes, agreement.seconds)
+            if agreement.id != NO_COMMIT:
                 state.keep()
-    held = agreement.step >= 0 if agreement else restored is not None
-    events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=held, path=restored,
+    agreed = agreement.id if agreement else state.held
+    state.begin_generation(agreed)
+    events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=agreed != NO_COMMIT, path=restored,
                  source_rank=agreement.source if agreement else world.rank, step=state.step, epoch=state.epoch,
-                 samples=state.samples, world_size=world.size, state_digest=agreement.digest if agreement else None)
+                 samples=state.samples, generation=agreed.generation, commit_generation=state.generation,
+                 world_size=world.size, state_digest=agreement.digest if agreement else None)
