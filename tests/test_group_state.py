@@ -305,6 +305,16 @@ def _first_step(job, after_round, world_size):
                         what=f"a first step after round {after_round} at world size {world_size}")[0]
 
 
+def _written_steps(directory) -> list:
+    """Steps of the commits whose files are written there (in force or not)."""
+    return [commit_id(p.name[: -len(".index")]).step for p in Path(directory).glob("ckpt-*.index")]
+
+
+def _in_force_step(directory) -> int:
+    path = tf.train.latest_checkpoint(str(directory))
+    return commit_id(posixpath.basename(path)).step if path else -1
+
+
 def _pause_and_kill(job, pause: Path, point: str, rank: int, round_: int) -> None:
     """Holds every commit at `point`, SIGKILLs the worker of `rank` once it is there, then lets go."""
     (pause / point).touch()
@@ -334,7 +344,20 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         pair = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2
                                      and e["step"] >= COMMIT_EVERY], what="a commit at world size 2")[0]
         chief = _round_host(job, pair["round"], 0)
+        # The next commit is held on the other host before its state file names it, and completes on the
+        # chief's: it is in force on one host only, so it must not be announced, and losing the chief's host
+        # then loses nothing that was announced.
+        (pause / "local.rank1").touch()
+        job.wait_for(lambda: (pause / "local.reached-rank1").exists(), what="rank 1 holding a commit")
+        other = _round_host(job, pair["round"], 1)
+        other_commits = RunDir(job.run_dir_of(other)).host_commits(other)
+        held = min(step for step in _written_steps(other_commits) if step > _in_force_step(other_commits))
+        chief_commits = RunDir(job.run_dir_of(chief)).host_commits(chief)
+        job.wait_for(lambda: _in_force_step(chief_commits) >= held, what="the held commit in force on the chief's")
+        time.sleep(1.0)  # time in which its commit event would be written, were it announced on one host
+        assert all(e["step"] < held for e in job.events(Event.COMMIT)), ("announced on one host only", held)
         job.kill_host(chief)
+        (pause / "local.rank1").unlink()
         survivor = _first_step(job, pair["round"], 1)
         assert _restored(job, survivor["round"]) >= _last_commit_before(job, survivor["round"]), "lost a commit"
 

@@ -145,13 +145,15 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
 
 
 def test_pause(point: str, rank: int) -> None:
-    """Test only (`Env.TEST_PAUSE_DIR`): waits while the file `point` exists there, after creating
-    `point.reached-rankN`, so that a test can SIGKILL a worker at a known point of a commit."""
+    """Test only (`Env.TEST_PAUSE_DIR`): waits while the file `point` (every rank) or `point.rankN` (rank N
+    only) exists there, after creating `point.reached-rankN`, so that a test can SIGKILL a worker at a known
+    point of a commit, or hold one host's commit while another's completes."""
     directory = os.environ.get(Env.TEST_PAUSE_DIR)
-    if not directory or not (Path(directory) / point).exists():
+    held = [Path(directory) / name for name in (point, f"{point}.rank{rank}")] if directory else []
+    if not any(path.exists() for path in held):
         return
     (Path(directory) / f"{point}.reached-rank{rank}").touch()
-    while (Path(directory) / point).exists():
+    while any(path.exists() for path in held):
         time.sleep(0.05)
 
 
