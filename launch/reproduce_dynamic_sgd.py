@@ -220,8 +220,8 @@ def summarise(results: Dict[str, List[Run]]) -> str:
     for name, runs in results.items():
         acc = reproduction.interval([r.test_accuracy * 100 for r in runs])
         tail = reproduction.interval([np.mean(r.losses[-max(1, len(r.losses) // 20):]) for r in runs])
-        mean_spike = reproduction.interval([np.mean(spikes(r)) for r in runs])
-        worst = reproduction.interval([max(spikes(r)) for r in runs])
+        mean_spike = reproduction.interval([np.mean(spikes(r) or [np.nan]) for r in runs])
+        worst = reproduction.interval([max(spikes(r) or [np.nan]) for r in runs])
         lines.append(f"| {name} | {acc} | {tail.mean:.4f} | {mean_spike.mean:.3f} ± {mean_spike.half_width:.3f} | "
                      f"{worst.mean:.3f} ± {worst.half_width:.3f} |")
     pairs = [("ramp", "immediate"), ("ramp", "equal_lr"), ("equal_lr", "immediate"), ("ramp", "static"),

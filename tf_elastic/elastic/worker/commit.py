@@ -61,9 +61,12 @@ class CommittedState:
         self._durable_every, self._commits, self._copied = durable_every_commits, 0, None
         self._max_to_keep = max_to_keep
         self._kept: List[Tuple[str, float]] = []
-        # The newest step this worker has put in force on its host (-1: none this round); a worker that keeps no
-        # commits holds nothing back. Read by the trainer to announce a commit only once every host holds it.
-        self.in_force_step = -1.0 if world.keeps_commits else float("inf")
+        # Commits of this round are numbered alike on every worker (all commit at the same steps; two may share a
+        # step: a cadence commit on an epoch's last step, then the epoch's). `in_force` is the newest number this
+        # worker has put in force on its host (0: none); a worker that keeps no commits holds nothing back. Read by
+        # the trainer to announce a commit only once every host holds it.
+        self.commits_made = 0
+        self.in_force = 0.0 if world.keeps_commits else float("inf")
         self.restored: Optional[str] = None
         self.generation = world.round  # of this round's commits: see `begin_generation`
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tf_elastic-commit") if background else None
@@ -140,6 +143,7 @@ class CommittedState:
         blocked and the seconds until then."""
         started = time.perf_counter()
         self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation], np.int64))
+        self.commits_made += 1
         self.keep(on_kept, started)
 
     def keep(self, on_kept: Optional[OnKept] = None, started: Optional[float] = None) -> None:
@@ -159,11 +163,11 @@ class CommittedState:
             return
         blocked = time.perf_counter() - started
         if self._pool is None:
-            self._finish(prefix, step, time.time(), started, blocked, on_kept)
+            self._finish(prefix, self.commits_made, time.time(), started, blocked, on_kept)
         else:
-            self._pool.submit(self._finish, prefix, step, time.time(), started, blocked, on_kept)
+            self._pool.submit(self._finish, prefix, self.commits_made, time.time(), started, blocked, on_kept)
 
-    def _finish(self, prefix: str, step: int, written: float, started: float, blocked: float,
+    def _finish(self, prefix: str, number: int, written: float, started: float, blocked: float,
                 on_kept: Optional[OnKept]) -> None:
         """Waits for the commit's files, names it in the state file (atomically), deletes the expired one
         and, on the chief, makes a durable copy when one is due."""
@@ -186,7 +190,7 @@ class CommittedState:
             return
         if on_kept is not None:
             on_kept(blocked, time.perf_counter() - started)
-        self.in_force_step = max(self.in_force_step, float(step))
+        self.in_force = max(self.in_force, float(number))
         self._commits += 1
         if self.durable and self._commits % self._durable_every == 0:
             self._copy(prefix)

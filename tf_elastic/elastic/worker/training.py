@@ -121,7 +121,8 @@ class _ElasticTrainer:
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
         self.last_loss = None
-        self._unannounced: List[Tuple[float, Dict]] = []  # the chief's commits not yet in force on every host
+        # The chief's commits not yet in force on every host: (number, started, event fields).
+        self._unannounced: List[Tuple[int, float, Dict]] = []
         self._index_log: Optional[TextIO] = None
         if world.index_log and world.run_dir:
             path = RunDir(world.run_dir).index_log(world.round, world.rank)
@@ -194,18 +195,19 @@ class _ElasticTrainer:
         any host, is written only once the commit is in force on every host that keeps commits (learnt at the
         next agreement): `seconds` is what the training step paid, `in_force_seconds` the time until the chief's
         state file named it, `everywhere_seconds` the time until it was known to be in force everywhere."""
-        on_kept = None
+        on_kept, fields, started = None, {}, time.perf_counter()
         if self.world.is_chief:
             fields = dict(round=self.world.round, step=self.step, epoch=epoch, samples=samples,
                           loss=None if self.last_loss is None else float(self.last_loss),
                           learning_rate=float(self.model.optimizer.learning_rate), world_size=self.world.size,
                           global_batch=self.global_batch)
-            self._unannounced.append((time.perf_counter(), fields))
 
             def on_kept(blocked: float, in_force: float) -> None:  # on the commit thread
                 fields.update(seconds=round(blocked, 4), in_force_seconds=round(in_force, 4))
 
         self.state.commit(epoch, samples, self.step, self.global_batch, on_kept=on_kept)
+        if on_kept is not None:
+            self._unannounced.append((self.state.commits_made, started, fields))
         report_activity()
         self.last_commit = time.time()
 
@@ -215,21 +217,21 @@ class _ElasticTrainer:
 
     def _agree(self, stop: bool, commit: bool) -> Tuple[bool, bool]:
         """If any worker wants to stop or commit, all do, at this same step. The same sum carries each worker's
-        step in force (a slot per rank), so the chief can announce the commits every host holds."""
-        stops, commits = self._sum_with_steps_in_force([float(stop), float(commit)])
+        newest commit in force (a slot per rank), so the chief can announce the commits every host holds."""
+        stops, commits = self._sum_with_in_force([float(stop), float(commit)])
         return stops > 0, commits > 0
 
     def announce_commits(self) -> None:
         """At the end (every worker calls it, after the commit thread is done): announces what is in force."""
-        self._sum_with_steps_in_force([])
+        self._sum_with_in_force([])
 
-    def _sum_with_steps_in_force(self, values: List[float]) -> List[float]:
+    def _sum_with_in_force(self, values: List[float]) -> List[float]:
         slots = [0.0] * self.world.size
-        slots[self.world.rank] = self.state.in_force_step
+        slots[self.world.rank] = self.state.in_force
         total = self.sum_over_workers(values + slots)
         everywhere = min(total[len(values):])
-        while self._unannounced and self._unannounced[0][1]["step"] <= everywhere:
-            started, fields = self._unannounced.pop(0)
+        while self._unannounced and self._unannounced[0][0] <= everywhere:
+            _, started, fields = self._unannounced.pop(0)
             if "seconds" in fields:  # else the chief's own write failed (`commit_failed`): a later one covers it
                 self.events.write(Event.COMMIT, everywhere_seconds=round(time.perf_counter() - started, 4), **fields)
         return list(total[:len(values)])
@@ -294,6 +296,8 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
                 break
             model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, verbose=verbose, shuffle=False,
                       callbacks=[_ElasticCallback(trainer), *callbacks])
+        state.close()  # the commit thread's work done: the last agreement announces every commit in force
+        trainer.announce_commits()
     except COLLECTIVE_FAILURES as error:
         step = trainer.step if trainer else state.step
         events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
@@ -311,7 +315,6 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
             signal.signal(signal.SIGTERM, previous)
             trainer.close()
         state.close()
-    trainer.announce_commits()
     digest = group.digest() if group else None
     if trainer.stopped:
         events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.STOPPED),
