@@ -16,7 +16,7 @@ The phases must be long enough for every ramp to finish: the script checks and s
 (test accuracy, final train loss, loss spikes after the plan's resizes, each with a 95 % interval over
 seeds) and paired comparisons per seed, and writes a plot.
 
-    python -m launch.reproduce_dynamic_sgd               # ~80 min on 2 CPU cores
+    python -m launch.reproduce_dynamic_sgd               # ~50 min on 2 CPU cores
     python -m launch.reproduce_dynamic_sgd --quick       # ~1 min, for the test suite
 """
 import json
