@@ -80,7 +80,8 @@ def test_the_newest_commit_is_the_highest_generation_then_the_highest_step():
     assert group.newest_holder([CommitId(5, 400), CommitId(5, 410), CommitId(5, 410)]) == 1
     assert group.newest_holder([NO_COMMIT, CommitId(0, 0)]) == 1
     assert group.newest_holder([NO_COMMIT, NO_COMMIT]) == 0
-    assert commit_id("ckpt-5-400-2-96") == CommitId(5, 400) and commit_id("ckpt-400-2-96") is None
+    assert commit_id("ckpt-5-400-2-96") == CommitId(5, 400) and commit_id("ckpt-5-x-2-96") is None
+    assert commit_id("checkpoint") is None and commit_id("GENERATION") is None
 
 
 def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_path):
@@ -107,6 +108,63 @@ def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_pa
                          durable_every_commits=1)
     path, _ = old.restore()
     assert path == DurableCopies(remote).newest().prefix and old.held == CommitId(8, 2), path
+
+
+def test_a_job_restarted_from_an_older_durable_copy_outranks_the_old_jobs_later_commits(tmp_path):
+    """The old job's chief marks each generation it begins in the durable directory. Its last round (9)
+    committed only on its host (no copy yet); the job restarted under a new store (round 1) from the
+    older copy (generation 5) must commit above 9, or the old host's step 50 would take the group back
+    to a history it no longer follows when that host joins."""
+    model, schedule = _trained()
+    remote = DurableCopies(str(tmp_path / "remote"))
+    old = CommittedState(World(round=5), str(tmp_path / "old"), model, schedule, durable=remote,
+                         durable_every_commits=1)
+    old.begin_generation(NO_COMMIT, old.generation_floor())
+    old.commit(epoch=0, samples=16, step=1, global_batch=16)
+    late = CommittedState(World(round=9), str(tmp_path / "old"), model, schedule, durable=remote,
+                          durable_every_commits=100)
+    late.restore()
+    late.begin_generation(late.held, late.generation_floor())
+    late.commit(epoch=0, samples=800, step=50, global_batch=16)
+    assert remote.newest().id == CommitId(5, 1) and remote.generation_mark() == 9
+
+    restarted = CommittedState(World(round=1), str(tmp_path / "new"), *_setup(), durable=remote,
+                               durable_every_commits=1)
+    restarted.restore()
+    assert restarted.held == CommitId(5, 1)
+    restarted.begin_generation(restarted.held, restarted.generation_floor())
+    assert restarted.generation == 10 and remote.generation_mark() == 10
+    restarted.commit(epoch=0, samples=32, step=2, global_batch=16)
+    assert group.newest_holder([CommitId(10, 2), CommitId(9, 50)]) == 0
+    # Only the chief reads the mark (the agreement hands its floor to the others); a bad mark is refused.
+    assert CommittedState(World(round=1, rank=1, size=2), str(tmp_path / "w1"), *_setup(), durable=remote,
+                          durable_every_commits=1).generation_floor() == 0
+    (tmp_path / "remote" / "GENERATION").write_text("ten")
+    with pytest.raises(ConfigurationError, match="GENERATION.*not a generation number"):
+        restarted.generation_floor()
+
+
+def test_commits_named_before_generations_are_refused_not_ignored(tmp_path):
+    """A run dir or durable directory of the previous format (`ckpt-STEP-EPOCH-SAMPLES`, a 4-element
+    progress variable) is refused with an error naming the commit, never passed over for a fresh start
+    (that would lose every committed step) nor read as "another model"."""
+    model, schedule = _trained()
+    state = CommittedState(World(), str(tmp_path / "run"), model, schedule)
+    state.commit(epoch=1, samples=0, step=120, global_batch=16)
+    directory = Path(state.directory)
+    for path in directory.glob("ckpt-*"):
+        path.rename(directory / path.name.replace("ckpt-0-120-", "ckpt-120-"))
+    text = (directory / "checkpoint").read_text().replace("ckpt-0-120-", "ckpt-120-")
+    (directory / "checkpoint").write_text(text)
+    with pytest.raises(ConfigurationError, match="ckpt-120-1-0 was written by a tf_elastic before commit gen"):
+        CommittedState(World(), str(tmp_path / "run"), *_setup()).restore()
+    remote = tmp_path / "remote"
+    (remote / "ckpt-120-1-0").mkdir(parents=True)
+    (remote / "ckpt-120-1-0" / "COMPLETE").write_text("ckpt-120-1-0")
+    fresh = CommittedState(World(), str(tmp_path / "fresh"), *_setup(), durable=DurableCopies(str(remote)),
+                           durable_every_commits=1)
+    with pytest.raises(ConfigurationError, match="ckpt-120-1-0 was written by a tf_elastic before"):
+        fresh.restore()
 
 
 @pytest.fixture(params=["ram", "gs"])
@@ -420,6 +478,8 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
                      AGENT + ["--min_workers=3", "--max_workers=3"], host_run_dirs=True)
     (tmp_path / "again").mkdir()
     assert newest.id.generation >= 1, newest
+    old_mark = DurableCopies(str(remote)).generation_mark()
+    assert old_mark >= newest.id.generation, (old_mark, newest)
     stale = _plant_commit(newest.prefix, RunDir(again.run_dir_of("s")).host_commits("s"),
                           CommitId(newest.id.generation - 1, newest.step + 1000))
     try:
@@ -428,6 +488,10 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         first = _first_step(again, -1, 3)
         restore = again.events(Event.RESTORE, round=first["round"], rank=0)[0]  # the chief, d's or s's
         assert (restore["step"], restore["path"]) == (newest.step, newest.prefix), restore
+        # The new store counts rounds from 0: every worker commits above the old job's mark, the chief's
+        # floor having reached the others through the agreement.
+        generations = {e["commit_generation"] for e in again.events(Event.RESTORE, round=first["round"])}
+        assert len(generations) == 1 and min(generations) > old_mark, (generations, old_mark)
         again.wait_for(lambda: again.events(Event.COMMIT, round=first["round"]), what="a commit of d and s")
         again.kill_worker("s", first["round"])
         second = _first_step(again, first["round"], 3)

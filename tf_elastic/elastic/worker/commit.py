@@ -100,13 +100,25 @@ class CommittedState:
         """(generation, step) of the commit this worker restored (`NO_COMMIT`: none), for the agreement."""
         return CommitId(int(self.progress[4]), self.step) if self.restored else NO_COMMIT
 
-    def begin_generation(self, agreed: CommitId) -> None:
+    def generation_floor(self) -> int:
+        """The lowest generation this round may commit under, as far as this worker knows: above the durable
+        directory's mark on the chief (`DurableCopies.generation_mark`), 0 elsewhere."""
+        return self.durable.generation_mark() + 1 if self.durable else 0
+
+    def begin_generation(self, agreed: CommitId, floor: int = 0) -> None:
         """Numbers this round's commits once the round agreed on where it starts: after the round's number
         (the rendezvous orders rounds, so a host cut off from the store that trained on alone in an older
-        round commits under a lower generation than the group that went on without it) and after the
-        agreed commit's (generations grow along a history even when a new store counts rounds from 0
-        again). A commit that is received keeps its own generation."""
-        self.generation = max(self.world.round, agreed.generation + 1)
+        round commits under a lower generation than the group that went on without it), after the agreed
+        commit's (generations grow along a history even when a new store counts rounds from 0 again) and
+        at `floor` or above (the chief's `generation_floor`, the same on every worker: a job restarted from
+        an older durable copy outranks what the old job's hosts committed after it). The chief raises the
+        mark before any commit of the generation exists. A commit that is received keeps its own generation."""
+        self.generation = max(self.world.round, agreed.generation + 1, floor)
+        if self.durable:
+            try:
+                self.durable.mark_generation(self.generation)
+            except (tf.errors.OpError, OSError) as error:  # as a durable copy that fails: the next round tries again
+                self._report(Event.DURABLE_COPY, path=self.durable.directory, error=_describe(error))
 
     def restore(self) -> Tuple[Optional[str], List[Tuple[str, str]]]:
         """Restores the newest readable commit this host keeps; the chief also looks at the durable copies
@@ -116,9 +128,9 @@ class CommittedState:
         corrupted files), each with the error. A commit of another model is an error."""
         kept = tf.train.get_checkpoint_state(self.directory) if self.world.keeps_commits else None
         candidates = list(reversed(kept.all_model_checkpoint_paths if kept else []))
+        local = [commit_id(posixpath.basename(p)) or NO_COMMIT for p in candidates]  # refuses an old format
         newest = self.durable.newest() if self.durable else None
         if newest is not None:
-            local = [commit_id(posixpath.basename(p)) or NO_COMMIT for p in candidates]
             candidates.insert(0 if newest.id > max(local, default=NO_COMMIT) else len(candidates), newest.prefix)
         skipped = []
         for path in candidates:

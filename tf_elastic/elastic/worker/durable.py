@@ -18,6 +18,7 @@ import tensorflow as tf
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 MARKER = "COMPLETE"
+GENERATION_MARK = "GENERATION"  # the highest generation a chief using this directory began
 
 
 class CommitId(NamedTuple):
@@ -44,10 +45,16 @@ class Copy:
 
 
 def commit_id(name: str) -> Optional[CommitId]:
-    """The id of a commit named `ckpt-GENERATION-STEP-EPOCH-SAMPLES`; None for any other name."""
+    """The id of a commit named `ckpt-GENERATION-STEP-EPOCH-SAMPLES`; None for a name that is no commit.
+    A commit named the way tf_elastic did before generations (`ckpt-STEP-EPOCH-SAMPLES`) cannot be ordered
+    against these: `ConfigurationError`, rather than a start from scratch beside it."""
     parts = name.split("-")
     if len(parts) == 5 and parts[0] == "ckpt" and all(p.isdigit() for p in parts[1:]):
         return CommitId(int(parts[1]), int(parts[2]))
+    if len(parts) == 4 and parts[0] == "ckpt" and all(p.isdigit() for p in parts[1:]):
+        raise ConfigurationError(f"the commit {name} was written by a tf_elastic before commit generations "
+                                 f"(ckpt-STEP-EPOCH-SAMPLES); this version cannot resume it: finish that run with "
+                                 f"the version that wrote it, or start a new --run_dir / --checkpoint_dir")
     return None
 
 
@@ -56,6 +63,31 @@ class DurableCopies:
 
     def __init__(self, directory: str, keep: int = 2):
         self.directory, self.keep = directory.rstrip("/"), keep
+
+    def generation_mark(self) -> int:
+        """The highest generation a chief using this directory began (-1: none): a job restarted from an
+        older copy under a new rendezvous store commits above it, so that the old job's hosts, whose
+        commits of later generations were never copied, cannot take the group back to their history."""
+        path = posixpath.join(self.directory, GENERATION_MARK)
+        try:
+            with tf.io.gfile.GFile(path) as f:
+                text = f.read().strip()
+        except tf.errors.NotFoundError:
+            return -1
+        if not text.isdigit():
+            raise ConfigurationError(f"{path} holds {text[:40]!r}, not a generation number: it is written only by "
+                                     f"tf_elastic; restore it or give another --checkpoint_dir")
+        return int(text)
+
+    def mark_generation(self, generation: int) -> None:
+        """Raises the mark to `generation` (written whole: a temporary file, then a rename)."""
+        if generation <= self.generation_mark():
+            return
+        path = posixpath.join(self.directory, GENERATION_MARK)
+        temporary = f"{path}.{uuid.uuid4().hex}.tmp"
+        with tf.io.gfile.GFile(temporary, "w") as f:
+            f.write(str(generation))
+        tf.io.gfile.rename(temporary, path, overwrite=True)
 
     def check_writable(self) -> None:
         """Raises `ConfigurationError` naming the directory if a file cannot be written there."""

@@ -39,9 +39,11 @@ def sum_over_workers(strategy: tf.distribute.Strategy, world: World) -> SumOverW
 
 @dataclasses.dataclass(frozen=True)
 class Agreement:
-    """What the group agreed on: the commit (`NO_COMMIT`: nothing committed anywhere), its source rank, and
-    what this worker received (0 bytes when it held the commit already)."""
+    """What the group agreed on: the commit (`NO_COMMIT`: nothing committed anywhere), its source rank, the
+    generation floor (the chief's, see `CommittedState.generation_floor`) and what this worker received
+    (0 bytes when it held the commit already)."""
     id: CommitId
+    floor: int
     source: int
     received_bytes: int
     seconds: float
@@ -119,34 +121,36 @@ class GroupState:
         """SHA-256 (hex) of every variable's bits, as this worker holds them."""
         return hashlib.sha256(self._pack().numpy().tobytes()).hexdigest()
 
-    def agree(self, held: CommitId) -> Agreement:
-        """Finds the newest commit any worker holds (`held`: `NO_COMMIT` for none) and gives it to all."""
+    def agree(self, held: CommitId, floor: int = 0) -> Agreement:
+        """Finds the newest commit any worker holds (`held`: `NO_COMMIT` for none) and gives it to all; the
+        chief's generation `floor` (other workers pass 0) reaches every worker with it."""
         size, rank = self.world.size, self.world.rank
         digest = self.digest()
-        mine = np.zeros(3 * size)  # generation + 1, step + 1 and digest of every rank
+        mine = np.zeros(3 * size + 1)  # generation + 1, step + 1 and digest of every rank, then the floor
         mine[rank], mine[size + rank], mine[2 * size + rank] = held.generation + 1, held.step + 1, _short(digest)
+        mine[-1] = floor
         total = np.rint(self._sum(mine)).astype(np.int64)
         ids = [CommitId(int(g) - 1, int(s) - 1) for g, s in zip(total[:size], total[size:2 * size])]
-        digests = total[2 * size:]
+        digests, floor = total[2 * size:3 * size], int(total[-1])
         source = newest_holder(ids)
         newest = ids[source]
         if all(i == newest for i in ids) and (digests == digests[source]).all():
-            return Agreement(newest, source, 0, 0.0, digest)
+            return Agreement(newest, floor, source, 0, 0.0, digest)
         started = time.perf_counter()
         self._broadcast(tf.constant(source * self._local_replicas, tf.int32))
         digest = self.digest()
         self.verify(digest, f"after the transfer of step {newest.step} (generation {newest.generation}) "
                             f"from rank {source}")
         received = ids[rank] != newest or digests[rank] != digests[source]
-        return Agreement(newest, source, self.bytes if received else 0, time.perf_counter() - started, digest)
+        return Agreement(newest, floor, source, self.bytes if received else 0, time.perf_counter() - started, digest)
 
     def verify(self, digest: str, when: str) -> None:
         """Raises `PeerFailure` unless every worker's digest equals this one. (The vector has the length
         `agree` sums, so the summing function is not traced again.)"""
         size = self.world.size
-        mine = np.zeros(3 * size)
+        mine = np.zeros(3 * size + 1)
         mine[2 * size + self.world.rank] = _short(digest)
-        digests = np.rint(self._sum(mine)).astype(np.int64)[2 * size:]
+        digests = np.rint(self._sum(mine)).astype(np.int64)[2 * size:3 * size]
         if (digests != digests[0]).any():
             raise PeerFailure(-1, f"the workers hold different state {when}: digests {digests.tolist()}")
 

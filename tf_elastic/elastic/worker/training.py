@@ -335,7 +335,7 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
     agreement = None
     if group is not None:
         try:
-            agreement = group.agree(state.held)
+            agreement = group.agree(state.held, state.generation_floor())
         except PeerFailure:
             events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
             raise
@@ -348,7 +348,7 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
             if agreement.id != NO_COMMIT:
                 state.keep()
     agreed = agreement.id if agreement else state.held
-    state.begin_generation(agreed)
+    state.begin_generation(agreed, agreement.floor if agreement else state.generation_floor())
     events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=agreed != NO_COMMIT, path=restored,
                  source_rank=agreement.source if agreement else world.rank, step=state.step, epoch=state.epoch,
                  samples=state.samples, generation=agreed.generation, commit_generation=state.generation,
