@@ -31,7 +31,8 @@ flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnis
 flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz or TFDS data (default: ../shared/data beside the "
                     "repo).")
 # Host-local, outside the run dir: a warm-started worker makes its sources before the agent tells it the run dir.
-flags.DEFINE_string("index_cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "tf_elastic", "tfrecord_index"),
+flags.DEFINE_string("index_cache_dir", os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                 "tf_elastic", "tfrecord_index"),
                     "Host-local cache of TFRecord shard indexes, keyed by path, size and mtime: a restarted worker "
                     "skips the pass over unchanged shards (empty: no cache).")
 flags.DEFINE_integer("image_size", 0, "Resize images to this square size (0: keep; imagenet preprocessing: 224).",

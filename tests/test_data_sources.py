@@ -383,3 +383,20 @@ def test_mnist_without_a_local_file_falls_back_to_keras_and_says_so(tmp_path, mo
     loaded = datasets.load("mnist", str(tmp_path))
     assert loaded.x_train.shape == (4, 28, 28, 1)
     assert "falling back to keras.datasets.mnist.load_data()" in capsys.readouterr().out
+
+
+
+def test_the_label_cache_key_changes_with_the_parse_functions_code():
+    """Cached largest labels belong to one parse function: an edited function (same module and name, other
+    code) must not reuse them; a lambda or a local function (no stable name) is not cached at all."""
+    from tf_elastic.elastic.worker.data import files
+
+    def version(body: str):
+        namespace = {"files": files, "__name__": "user_parsers"}
+        exec(f"def parse(record):\n    encoded, label = files.default_parse(record)\n    return {body}", namespace)
+        return namespace["parse"]
+
+    original, edited = files._parse_key(version("encoded, label")), files._parse_key(version("encoded, label - 1"))
+    assert original is not None and original.startswith("user_parsers.parse:")
+    assert original == files._parse_key(version("encoded, label")) != edited
+    assert files._parse_key(lambda r: r) is None and files._parse_key(version) is None

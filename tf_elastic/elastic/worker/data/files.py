@@ -132,9 +132,13 @@ def _record_offsets(path: str) -> Tuple[List[int], int]:
 
 
 def _parse_key(parse: Callable) -> Optional[str]:
-    """A name that is the same parse function in the next process; None for a lambda or a local function."""
+    """The same parse function in the next process: its name and a hash of its code (an edited function
+    gets another key); None for a lambda, a local function or a callable without code."""
     name = f"{getattr(parse, '__module__', '')}.{getattr(parse, '__qualname__', '<none>')}"
-    return None if "<" in name else name
+    code = getattr(parse, "__code__", None)
+    if "<" in name or code is None:
+        return None
+    return f"{name}:{hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]}"
 
 
 class IndexCache:
