@@ -30,6 +30,11 @@ flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnis
                     "(DIR/train-*, DIR/validation-*), or tfds:NAME (prepared as ArrayRecord in --data_dir).")
 flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz or TFDS data (default: ../shared/data beside the "
                     "repo).")
+# Host-local, outside the run dir: a warm-started worker makes its sources before the agent tells it the run dir.
+flags.DEFINE_string("index_cache_dir", os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                                 "tf_elastic", "tfrecord_index"),
+                    "Host-local cache of TFRecord shard indexes, keyed by path, size and mtime: a restarted worker "
+                    "skips the pass over unchanged shards (empty: no cache).")
 flags.DEFINE_integer("image_size", 0, "Resize images to this square size (0: keep; imagenet preprocessing: 224).",
                      lower_bound=0)
 flags.DEFINE_enum("preprocess", "simple", preprocessing.PREPROCESSING,
@@ -161,7 +166,8 @@ def main(argv: List[str]) -> None:
     keras.mixed_precision.set_global_policy(FLAGS.dtype_policy)
     from tf_elastic.elastic.worker import data
 
-    train, test = datasets.sources(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
+    train, test = datasets.sources(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR,
+                                   cache_dir=FLAGS.index_cache_dir or None)
     if FLAGS.train_examples:
         train = data.Head(train, FLAGS.train_examples)
     train_preprocess = preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=True)

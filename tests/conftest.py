@@ -2,10 +2,13 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+# Caches (the TFRecord index cache of launch.train's workers) go to a directory of this run, not the user's home.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="tf_elastic-test-cache-")
 
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -14,6 +14,7 @@ import tensorflow as tf
 from conftest import REPO
 from tf_elastic.elastic.protocol import RunDir
 from tf_elastic.elastic.worker import data
+from tf_elastic.elastic.worker.data import files as file_sources
 from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.testing import audit, data_files
@@ -147,37 +148,151 @@ def test_a_label_outside_the_class_range_is_named(tmp_path, digits):
     assert "[13] [outside [0, 10)] [in]" in message and str(tmp_path / "train-00000-of-00001") in message
 
 
-def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp_path, digits):
-    """With a class count given nothing reads the labels up front: training meets the bad record, and
-    `fit` raises ConfigurationError (exit 78 from a worker) naming the shard; committed work is untouched."""
+def _fit(shards: Path, run_dir: Path, epochs: int, source=None) -> None:
     import keras
 
     from tf_elastic import elastic
     from tf_elastic.elastic.worker.world import World
 
+    model = keras.Sequential([keras.Input((16, 16, 1)), keras.layers.Flatten(), keras.layers.Dense(11)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.optimizer.build(model.trainable_variables)
+    source = source or data.TFRecordSource(f"{shards}/train-*", channels=1, num_classes=11)
+    elastic.fit(model, source, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
+                config=elastic.FitConfig(epochs=epochs, per_replica_batch_size=8), verbose=0)
+
+
+def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp_path, digits):
+    """With a class count given nothing reads the labels up front: training meets the bad record, and
+    `fit` raises ConfigurationError (exit 78 from a worker) naming the shard; committed work is untouched."""
     (images, labels), _ = digits
     shards, run_dir = tmp_path / "tfrecord", tmp_path / "run"
     data_files.write_tfrecords(shards, "train", images[:64], labels[:64], shards=2)
-
-    def fit(epochs):
-        model = keras.Sequential([keras.Input((16, 16, 1)), keras.layers.Flatten(), keras.layers.Dense(11)])
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.optimizer.build(model.trainable_variables)
-        source = data.TFRecordSource(f"{shards}/train-*", channels=1, num_classes=11)
-        elastic.fit(model, source, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
-                    config=elastic.FitConfig(epochs=epochs, per_replica_batch_size=8), verbose=0)
-
-    fit(1)
+    _fit(shards, run_dir, 1)
     before = _digest(RunDir(run_dir).checkpoints)
     bad = shards / "train-00001-of-00002"
     records = list(tf.data.TFRecordDataset(str(bad)).as_numpy_iterator())
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 5 else record)
-    named = re.escape(f"a record that does not read or parse in TFRecord file] [{bad}]")
+    named = re.escape(f"a record that does not parse in TFRecord file] [{bad}]")
     with pytest.raises(ConfigurationError, match=named):
-        fit(2)
+        _fit(shards, run_dir, 2)
     assert _digest(RunDir(run_dir).checkpoints) == before
+
+
+def _shard(directory: Path, digits, records: int = 16) -> Path:
+    (images, labels), _ = digits
+    data_files.write_tfrecords(directory, "train", images[:records], labels[:records], shards=1)
+    return directory / "train-00000-of-00001"
+
+
+def _cut(path: Path, how: str) -> type:
+    """Changes a shard under a source that indexed it; the error its read must then raise."""
+    offsets, size = file_sources._record_offsets(str(path))
+    if how == "removed":
+        path.unlink()
+        return tf.errors.NotFoundError
+    with open(path, "r+b") as f:
+        f.truncate(offsets[-1] if how == "cut at a record" else size - 10)
+    return tf.errors.FailedPreconditionError if how == "cut at a record" else tf.errors.DataLossError
+
+
+@pytest.mark.parametrize("how", ["removed", "cut at a record", "cut inside a record"])
+def test_a_shard_that_changes_after_indexing_fails_with_its_read_error_not_as_bad_input(how, tmp_path, digits):
+    """A shard removed or cut short between indexing and reading is what a dataset being copied again, or
+    a failed read from an object store, looks like: the next process indexes it again, so it must not be
+    bad input (exit 78 ends the job). The read's own error comes out, not InvalidArgumentError, which
+    `fit` makes ConfigurationError; `fit` lets it through (a plain failure: the agent restarts the group)."""
+    path = _shard(tmp_path / "tfrecord", digits)
+    source = data.TFRecordSource(str(path), channels=1, num_classes=11)
+    expected = _cut(path, how)
+    with pytest.raises(tf.errors.OpError) as error:
+        list(data.pipeline(source, np.arange(16), 8))
+    assert type(error.value) is expected, error.value
+
+
+def test_fit_lets_a_read_error_through_as_no_configuration_error(tmp_path, digits):
+    path = _shard(tmp_path / "tfrecord", digits, 64)
+    source = data.TFRecordSource(str(path), channels=1, num_classes=11)
+    _cut(path, "cut inside a record")
+    with pytest.raises(tf.errors.DataLossError):
+        _fit(path.parent, tmp_path / "run", 1, source)
+
+
+def test_a_corrupt_record_is_bad_input_naming_its_shard_and_byte(tmp_path, digits):
+    """A record whose checksum fails in a shard of the indexed size is bad data: InvalidArgumentError,
+    which `fit` makes ConfigurationError, naming the shard and the record's byte."""
+    path = _shard(tmp_path / "tfrecord", digits)
+    source = data.TFRecordSource(str(path), channels=1, num_classes=11)
+    offset = int(source.offsets[5])
+    contents = bytearray(path.read_bytes())
+    contents[offset + 40] ^= 0x10  # inside the record's data: the size stays
+    path.write_bytes(bytes(contents))
+    with pytest.raises(tf.errors.InvalidArgumentError) as error:
+        list(data.pipeline(source, np.arange(16), 8))
+    assert (f"[corrupt record (checksum mismatch) in TFRecord file {path} at byte {offset}]"
+            == data.describe_error(error.value))
+
+
+def test_a_corrupt_record_header_is_named_with_its_byte(tmp_path, digits):
+    """A length whose header checksum fails is not taken as a length (it would mis-index the rest)."""
+    path = _shard(tmp_path / "tfrecord", digits)
+    offset = file_sources._record_offsets(str(path))[0][3]
+    contents = bytearray(path.read_bytes())
+    contents[offset] ^= 0x01  # a length one off: without the checksum, a plausible record
+    path.write_bytes(bytes(contents))
+    with pytest.raises(ConfigurationError, match=re.escape(
+            f"TFRecord file {path}: the header of record 3 at byte {offset} is corrupt (checksum mismatch)")):
+        data.TFRecordSource(str(path))
+
+
+def test_the_tfrecord_checksum_is_tensorflows(tmp_path):
+    path = tmp_path / "one"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        writer.write(b"some record")
+    raw = path.read_bytes()
+    assert file_sources.masked_crc32c(raw[:8]) == int.from_bytes(raw[8:12], "little")
+    assert file_sources.masked_crc32c(raw[12:-4]) == int.from_bytes(raw[-4:], "little")
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "arrays"])
+def test_an_empty_share_is_an_empty_dataset(kind, files, digits):
+    """A worker's share of a batch or an epoch may be empty."""
+    source = data.ArraySource(*digits[0]) if kind == "arrays" else _train_source(kind, files)
+    assert list(source.examples(np.zeros(0, np.int64))) == []
+    assert list(data.pipeline(source, np.zeros(0, np.int64), 8)) == []
+
+
+def test_the_index_cache_serves_unchanged_shards_and_indexes_changed_ones_again(tmp_path, digits):
+    """A restarted worker reads no shard it indexed before (its offsets nor its labels), unless the shard
+    changed (size, modification time); a cache file that is damaged is not trusted."""
+    (images, labels), _ = digits
+    shards, cache = tmp_path / "tfrecord", str(tmp_path / "cache")
+    data_files.write_tfrecords(shards, "train", images[:96], labels[:96], shards=3)
+    make = lambda: data.TFRecordSource(f"{shards}/train-*", channels=1, cache_dir=cache)  # noqa: E731
+    first = make()
+    assert first.shard_reads == 3 and first.num_classes == labels[:96].max() + 2 and first.shard_reads == 6
+    again = make()
+    assert again.num_classes == first.num_classes and again.shard_reads == 0
+    np.testing.assert_array_equal(again.offsets, first.offsets)
+    np.testing.assert_array_equal(again.ends, first.ends)
+
+    changed = shards / "train-00001-of-00003"
+    data_files.write_tfrecords(tmp_path / "other", "train", images[:20], labels[:20], shards=1)
+    changed.write_bytes((tmp_path / "other" / "train-00000-of-00001").read_bytes())
+    after = make()
+    assert after.shard_reads == 1 and after.num_examples == 64 + 20
+    assert after.num_classes == first.num_classes and after.shard_reads == 2  # its labels too
+
+    entries = sorted(Path(cache).glob("*.npz"))
+    assert len(entries) == 3
+    entries[0].write_bytes(entries[0].read_bytes()[:100])  # cut short, as by a full disk
+    with np.load(entries[1]) as entry:  # well-formed, matching the shard, but offsets out of order
+        np.savez(entries[1], offsets=entry["offsets"][::-1], meta=entry["meta"])
+    damaged = make()
+    assert damaged.shard_reads == 2
+    np.testing.assert_array_equal(damaged.offsets, after.offsets)
 
 
 def _train(args, timeout=300):
@@ -268,3 +383,20 @@ def test_mnist_without_a_local_file_falls_back_to_keras_and_says_so(tmp_path, mo
     loaded = datasets.load("mnist", str(tmp_path))
     assert loaded.x_train.shape == (4, 28, 28, 1)
     assert "falling back to keras.datasets.mnist.load_data()" in capsys.readouterr().out
+
+
+
+def test_the_label_cache_key_changes_with_the_parse_functions_code():
+    """Cached largest labels belong to one parse function: an edited function (same module and name, other
+    code) must not reuse them; a lambda or a local function (no stable name) is not cached at all."""
+    from tf_elastic.elastic.worker.data import files
+
+    def version(body: str):
+        namespace = {"files": files, "__name__": "user_parsers"}
+        exec(f"def parse(record):\n    encoded, label = files.default_parse(record)\n    return {body}", namespace)
+        return namespace["parse"]
+
+    original, edited = files._parse_key(version("encoded, label")), files._parse_key(version("encoded, label - 1"))
+    assert original is not None and original.startswith("user_parsers.parse:")
+    assert original == files._parse_key(version("encoded, label")) != edited
+    assert files._parse_key(lambda r: r) is None and files._parse_key(version) is None

@@ -2,7 +2,7 @@
 download, scikit-learn's digits, a synthetic set) and file-backed sources (an image folder, TFRecord
 shards, a prepared TFDS dataset), each as a (train, evaluation) pair of `data.Source`s."""
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -19,8 +19,10 @@ def valid_name(name: str) -> bool:
     return name in DATASETS[:3] or any(name.startswith(k) and len(name) > len(k) for k in FILE_KINDS)
 
 
-def sources(name: str, data_dir: str = DEFAULT_DATA_DIR, channels: int = 3) -> Tuple["Source", "Source"]:
-    """(training, evaluation) sources of `name`; file-backed ones hold only names and offsets in memory."""
+def sources(name: str, data_dir: str = DEFAULT_DATA_DIR, channels: int = 3,
+            cache_dir: Optional[str] = None) -> Tuple["Source", "Source"]:
+    """(training, evaluation) sources of `name`; file-backed ones hold only names and offsets in memory
+    (`cache_dir`: where TFRecord shard indexes are cached, see `TFRecordSource`)."""
     from tf_elastic.elastic.worker import data
 
     kind, _, where = name.partition(":")
@@ -28,9 +30,9 @@ def sources(name: str, data_dir: str = DEFAULT_DATA_DIR, channels: int = 3) -> T
         train = data.ImageFolder(str(Path(where) / "train"), channels)
         return train, data.ImageFolder(str(Path(where) / "validation"), channels, class_names=train.class_names)
     if kind == "tfrecord":
-        train = data.TFRecordSource(str(Path(where) / "train-*"), channels=channels)
+        train = data.TFRecordSource(str(Path(where) / "train-*"), channels=channels, cache_dir=cache_dir)
         return train, data.TFRecordSource(str(Path(where) / "validation-*"), channels=channels,
-                                          num_classes=lambda: train.num_classes)
+                                          num_classes=lambda: train.num_classes, cache_dir=cache_dir)
     if kind == "tfds":
         tfds_dir = None if data_dir == DEFAULT_DATA_DIR else data_dir
         train = data.TFDSSource(where, "train", tfds_dir)

@@ -2,11 +2,18 @@
 
 Only file names, offsets and labels are held in memory; bytes are read and decoded inside the
 tf.data graph. Bad data fails with an error that names the file (the corrupt image, the shard and
-record), which `fit` raises as `ConfigurationError` (exit 78 from a worker).
+record), which `fit` raises as `ConfigurationError` (exit 78 from a worker). A shard that does not read
+(gone, cut short, an object store's transient error) fails with the read's own error: a restart may help.
 """
+import hashlib
+import json
+import os
 import posixpath
 import struct
-from typing import Callable, List, Optional, Tuple, Union
+import tempfile
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+from absl import logging
 
 import numpy as np
 import tensorflow as tf
@@ -74,9 +81,33 @@ def default_parse(record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
 CHUNK = 8 << 20  # bytes per read while indexing a shard
 
 
+def _crc_table() -> List[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC_TABLE = _crc_table()
+
+
+def masked_crc32c(data: bytes) -> int:
+    """TFRecord's checksum: CRC-32C, rotated and offset ("masked"). Pure Python (no dependency): the index
+    pass checks 8 bytes a record, about 1 us; whole records only when diagnosing one that did not read."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    crc ^= 0xFFFFFFFF
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
 def _record_offsets(path: str) -> Tuple[List[int], int]:
-    """(the offset of every record, file size) of a TFRecord file, from its headers, in one sequential
-    read of large chunks: on an object store a few requests per shard, not one per record."""
+    """(the offset of every record, file size) of a TFRecord file, from its headers (each one's checksum
+    checked: a corrupt length would mis-index the rest), in one sequential read of large chunks: on an
+    object store a few requests per shard, not one per record."""
     offsets, buffer, start, position = [], b"", 0, 0  # buffer holds the file's bytes from `start` on
     with tf.io.gfile.GFile(path, "rb") as f:  # any TF filesystem
         size = f.size()
@@ -88,12 +119,63 @@ def _record_offsets(path: str) -> Tuple[List[int], int]:
                 buffer, start = buffer[position - start:] + f.read(CHUNK), position
                 if position + 12 > start + len(buffer):
                     raise ConfigurationError(f"TFRecord file {path} is truncated at byte {position}.")
-            (length,) = struct.unpack_from("<Q", buffer, position - start)
+            at = position - start
+            length, crc = struct.unpack_from("<QI", buffer, at)
+            if masked_crc32c(buffer[at:at + 8]) != crc:
+                raise ConfigurationError(f"TFRecord file {path}: the header of record {len(offsets)} at byte "
+                                         f"{position} is corrupt (checksum mismatch).")
             if position + 16 + length > size:
                 raise ConfigurationError(f"TFRecord file {path}: record {len(offsets)} runs past the end of the file.")
             offsets.append(position)
             position += 16 + length
     return offsets, size
+
+
+def _parse_key(parse: Callable) -> Optional[str]:
+    """The same parse function in the next process: its name and a hash of its code (an edited function
+    gets another key); None for a lambda, a local function or a callable without code."""
+    name = f"{getattr(parse, '__module__', '')}.{getattr(parse, '__qualname__', '<none>')}"
+    code = getattr(parse, "__code__", None)
+    if "<" in name or code is None:
+        return None
+    return f"{name}:{hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]}"
+
+
+class IndexCache:
+    """Each shard's index (record offsets, size, and its largest label per parse function) in a host-local
+    directory, keyed by the shard's path, size and modification time: a restarted worker skips the pass
+    over the shards. Files are written whole (temp file, then rename); an entry that does not load or
+    does not match the shard is ignored (the shard is indexed again), never trusted."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def _file(self, path: str) -> str:
+        return os.path.join(self.directory, hashlib.sha256(path.encode()).hexdigest()[:40] + ".npz")
+
+    def load(self, path: str, stat) -> Optional[Tuple[np.ndarray, Dict[str, int]]]:
+        """(offsets, largest labels) of the shard `path` as `stat` describes it, or None."""
+        try:
+            with np.load(self._file(path), allow_pickle=False) as entry:
+                meta, offsets = json.loads(str(entry["meta"])), entry["offsets"]
+            if (meta["path"], meta["size"], meta["mtime"]) != (path, stat.length, stat.mtime_nsec):
+                return None
+            in_order = offsets.ndim == 1 and offsets.dtype == np.int64 and (not len(offsets) or (
+                offsets[0] == 0 and offsets[-1] + 16 <= stat.length and np.all(np.diff(offsets) >= 16)))
+            return (offsets, {str(k): int(v) for k, v in meta["labels"].items()}) if in_order else None
+        except Exception:  # noqa: BLE001 - missing, partly written by a killed process, another format: re-index
+            return None
+
+    def store(self, path: str, stat, offsets: np.ndarray, labels: Dict[str, int]) -> None:
+        meta = json.dumps({"path": path, "size": stat.length, "mtime": stat.mtime_nsec, "labels": labels})
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            handle, temp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+            with os.fdopen(handle, "wb") as f:
+                np.savez(f, offsets=np.asarray(offsets, np.int64), meta=np.array(meta))
+            os.replace(temp, self._file(path))
+        except OSError as error:  # a cache only saves time: a full or read-only disk must not stop training
+            logging.warning("cannot write the TFRecord index cache in %s: %s", self.directory, error)
 
 
 RUN_BYTES = 4 << 20  # a run of records is read with one file open and held whole: at most this many bytes
@@ -103,37 +185,58 @@ BUFFER = 1 << 20  # read buffer of a run, at most
 class TFRecordSource(Source):
     """TFRecord shards of tf.train.Example with an exact position per record.
 
-    The record offsets come from the shards' headers (one sequential read per shard). An epoch visits
-    the shards in a seeded order, each from a seeded rotation of its records, so a worker's share of a
-    global batch is a run of consecutive records, read with one file open from a seek to its first
-    record (any other order works, only slower). Records are parsed as they are read: one that does
-    not parse fails the run with an error naming the shard.
+    The record offsets come from the shards' headers (one sequential read per shard; with `cache_dir`,
+    only for shards not read before). An epoch visits the shards in a seeded order, each from a seeded
+    rotation of its records, so a worker's share of a global batch is a run of consecutive records, read
+    with one file open from a seek to its first record (any other order works, only slower). A record
+    that does not parse, or fails its checksum, fails the run with an error naming the shard.
     `parse(record) -> (encoded image, label)`; labels may start at 0 or 1 (ImageNet's TFRecords
     reserve 0): without `num_classes` the class count is the largest label + 1, found by one pass
     over the labels on first use (`num_classes` may also be a function, e.g. another source's count).
     Nothing touches TF's runtime before first use (MWMS must configure it first)."""
 
     def __init__(self, pattern: str, parse: Callable = default_parse, channels: int = 3,
-                 num_classes: Union[int, Callable[[], int], None] = None, decode_images: bool = True):
+                 num_classes: Union[int, Callable[[], int], None] = None, decode_images: bool = True,
+                 cache_dir: Optional[str] = None):
         self.files = sorted(tf.io.gfile.glob(pattern))
         if not self.files:
             raise ConfigurationError(f"no TFRecord files match {pattern}.")
         self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
-        shard, offsets, ends = [], [], []
+        self.cache = IndexCache(cache_dir) if cache_dir else None
+        self.shard_reads = 0  # shards read whole (to index them or find their labels): not the cache's
+        self._stats, self._labels, sizes, shard, offsets, ends = [], [], [], [], [], []
         for number, path in enumerate(self.files):
-            found, size = _record_offsets(path)
+            found, size = self._index(path)
+            sizes.append(size)
             shard += [number] * len(found)
-            offsets += found
-            ends += (found + [size])[1:]  # a record ends where the next begins
+            offsets += list(found)
+            ends += (list(found) + [size])[1:]  # a record ends where the next begins
         if not shard:
             raise ConfigurationError(f"the TFRecord files {pattern} hold no records.")
-        self.num_examples = len(shard)
+        self.num_examples, self.sizes = len(shard), np.asarray(sizes, np.int64)
         self.shard, self.offsets, self.ends = (np.asarray(shard, np.int32), np.asarray(offsets, np.int64),
                                                np.asarray(ends, np.int64))
         self.first = np.searchsorted(self.shard, np.arange(len(self.files) + 1))  # each shard's first index
         self._classes = num_classes
         self._tensors: Optional[Tuple[tf.Tensor, ...]] = None
         self._functions: Optional[Tuple[Callable, Callable]] = None
+
+    def _index(self, path: str) -> Tuple[List[int], int]:
+        """A shard's (record offsets, size), from the cache when it holds this version of the shard."""
+        if self.cache is None:
+            self.shard_reads += 1
+            return _record_offsets(path)
+        stat = tf.io.gfile.stat(path)  # before the read: a shard changed during it gets a key that no longer fits
+        self._stats.append(stat)
+        cached = self.cache.load(path, stat)
+        if cached is not None:
+            self._labels.append(cached[1])
+            return cached[0].tolist(), stat.length
+        self.shard_reads += 1
+        offsets, size = _record_offsets(path)
+        self._labels.append({})
+        self.cache.store(path, stat, offsets, {})
+        return offsets, size
 
     @property
     def num_classes(self) -> int:
@@ -150,19 +253,39 @@ class TFRecordSource(Source):
         return self._tensors
 
     def _largest_label(self) -> int:
+        key = _parse_key(self.parse) if self.cache else None
         largest = -1
-        for path in self.files:
-            labels = tf.data.TFRecordDataset(path).map(lambda r: tf.cast(self.parse(r)[1], tf.int64),
-                                                       num_parallel_calls=AUTOTUNE)
-            try:
-                for batch in labels.batch(4096):
-                    low, high = int(tf.reduce_min(batch)), int(tf.reduce_max(batch))
-                    if low < 0:
-                        raise ConfigurationError(f"TFRecord file {path} has a negative label {low}.")
-                    largest = max(largest, high)
-            except tf.errors.InvalidArgumentError as error:
-                raise ConfigurationError(f"TFRecord file {path} has a record that does not parse: "
-                                         f"{str(error).splitlines()[0][:300]}") from None
+        for number, path in enumerate(self.files):
+            if key in (self._labels[number] if key else {}):
+                largest = max(largest, self._labels[number][key])
+                continue
+            self.shard_reads += 1
+            high = self._shard_largest_label(number)
+            largest = max(largest, high)
+            if key:
+                self._labels[number][key] = high
+                offsets = self.offsets[self.first[number]:self.first[number + 1]]
+                self.cache.store(path, self._stats[number], offsets, self._labels[number])
+        return largest
+
+    def _shard_largest_label(self, number: int) -> int:
+        path, largest = self.files[number], -1
+        labels = tf.data.TFRecordDataset(path).map(lambda r: tf.cast(self.parse(r)[1], tf.int64),
+                                                   num_parallel_calls=AUTOTUNE)
+        try:
+            for batch in labels.batch(4096):
+                low, high = int(tf.reduce_min(batch)), int(tf.reduce_max(batch))
+                if low < 0:
+                    raise ConfigurationError(f"TFRecord file {path} has a negative label {low}.")
+                largest = max(largest, high)
+        except tf.errors.InvalidArgumentError as error:
+            raise ConfigurationError(f"TFRecord file {path} has a record that does not parse: "
+                                     f"{str(error).splitlines()[0][:300]}") from None
+        except tf.errors.DataLossError as error:  # a checksum that fails, or a shard cut short under us
+            if tf.io.gfile.stat(path).length != self.sizes[number]:
+                raise  # changed since it was indexed: a restart indexes it again
+            raise ConfigurationError(f"TFRecord file {path} has a corrupt record: "
+                                     f"{str(error).splitlines()[0][:300]}") from None
         return largest
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
@@ -173,9 +296,11 @@ class TFRecordSource(Source):
             parts.append(begin + np.roll(np.arange(end - begin), -int(rng.integers(max(1, end - begin)))))
         return np.concatenate(parts)
 
-    def _runs(self, indices: np.ndarray):
+    def _runs(self, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """Splits `indices` into runs of consecutive records of one shard, each of RUN_BYTES at most (plus
         one record that crosses the limit): (first index, count) each."""
+        if not len(indices):  # an empty share of a batch or an epoch
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
         breaks = np.flatnonzero((np.diff(indices) != 1) | (np.diff(self.shard[indices]) != 0)) + 1
         firsts, counts = [], []
         for run in np.split(indices, breaks):
@@ -197,21 +322,68 @@ class TFRecordSource(Source):
         return runs.map(check, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
 
     def _read_run(self, first, count, shard, offset, size) -> tf.data.Dataset:
-        """One run's (indices, parsed records), as one element. TFRecordDatasetV2 starts at a byte offset
-        with a seek (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it
-        lives only inside the interleave, where TF never has to serialize it (its graph form drops the
-        offsets). Records that do not read or parse are dropped, then counted: the error names the shard."""
-        path = tf.gather(self.tensors()[0], shard)
+        """One run's (indices, parsed records), as one element. Reading and parsing are apart: a record
+        that does not parse is dropped, then counted (`_check` names the shard); a read that fails is tried
+        again after a look for a corrupt record (bad data, named), and then fails with its own error
+        (NotFoundError, DataLossError for a shard cut short, UnavailableError...): not bad input, a restart
+        may help. (ignore_errors on the read itself would hide them, and loops forever on a missing file.)"""
+        run = (tf.gather(self.tensors()[0], shard), count, offset, size)
+        first_try = tf.data.Dataset.from_tensors(run).map(self._records).ignore_errors()  # one element or none
+        again = tf.data.Dataset.from_tensors((first, *run)).map(self._records_again)  # made only if needed
+        records = first_try.concatenate(again).take(1)
+        parsed = records.flat_map(
+            lambda r: tf.data.Dataset.from_tensor_slices(r).map(self.parse).ignore_errors()).batch(count)
+        # (none parsed: an empty batch, so that the count in `_check` still runs)
+        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype),
+                                      parsed.element_spec)
+        return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(first + tf.range(count)),
+                                   parsed.concatenate(tf.data.Dataset.from_tensors(empty)).take(1))
+
+    @staticmethod
+    def _records(path, count, offset, size) -> tf.Tensor:
+        """The run's `count` serialized records. TFRecordDatasetV2 starts at a byte offset with a seek
+        (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it lives only
+        inside the interleave, where TF never has to serialize it (its graph form drops the offsets). A
+        shard that ends early fails (FailedPreconditionError): it changed since it was indexed."""
         records = tf.data.experimental.from_variant(
             tf.raw_ops.TFRecordDatasetV2(filenames=path[None], compression_type="",
                                          buffer_size=tf.minimum(size, BUFFER), byte_offsets=offset[None]),
             tf.TensorSpec([], tf.string))
-        batches = records.take(count).map(self.parse).ignore_errors().batch(count)
-        # (none parsed: an empty batch, so that the count in `_check` still runs)
-        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype),
-                                      batches.element_spec)
-        return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(first + tf.range(count)),
-                                   batches.concatenate(tf.data.Dataset.from_tensors(empty)).take(1))
+        return records.take(count).apply(tf.data.experimental.assert_cardinality(count)).batch(count) \
+            .get_single_element()
+
+    def _records_again(self, first, path, count, offset, size) -> tf.Tensor:
+        corrupt = tf.numpy_function(self._corrupt_record, [first, count], tf.string, stateful=True)
+        with tf.control_dependencies([tf.debugging.Assert(tf.strings.length(corrupt) == 0, [corrupt])]):
+            return self._records(path, count, offset, size)
+
+    def _corrupt_record(self, first: np.int64, count: np.int64) -> bytes:
+        """The run's first record whose checksum fails on the bytes the index expects, as a message; b""
+        when none does (the shard changed or does not read: the second try's own error tells)."""
+        first, count = int(first), int(count)
+        number = int(self.shard[first])
+        path, begin, end = self.files[number], int(self.offsets[first]), int(self.ends[first + count - 1])
+        try:
+            if tf.io.gfile.stat(path).length != self.sizes[number]:
+                return b""
+            with tf.io.gfile.GFile(path, "rb") as f:
+                f.seek(begin)
+                data = f.read(end - begin)
+        except tf.errors.OpError:
+            return b""
+        for index in range(first, first + count):
+            at, length = int(self.offsets[index]) - begin, int(self.ends[index] - self.offsets[index]) - 16
+            if at + length + 16 > len(data):
+                return b""  # read short
+            (stored,) = struct.unpack_from("<Q", data, at)
+            header_ok = masked_crc32c(data[at:at + 8]) == struct.unpack_from("<I", data, at + 8)[0]
+            if header_ok and stored != length:
+                return b""  # another record than the index's: the shard changed
+            if not header_ok or masked_crc32c(data[at + 12:at + 12 + length]) != struct.unpack_from(
+                    "<I", data, at + 12 + length)[0]:
+                return (f"corrupt record (checksum mismatch) in TFRecord file {path} at byte "
+                        f"{self.offsets[index]}").encode()
+        return b""
 
     def _check(self, indices, parsed):
         """A run's checks, vectorized (per example they would cost more than reading). The messages hold
@@ -220,7 +392,7 @@ class TFRecordSource(Source):
         (encoded, label), path = parsed, tf.gather(paths, tf.gather(shards, indices[0]))
         byte = lambda index: tf.strings.as_string(tf.gather(offsets, index))  # noqa: E731
         parsed_all = tf.debugging.Assert(tf.size(label) == tf.size(indices), [
-            "a record that does not read or parse in TFRecord file", path, "among the", tf.size(indices),
+            "a record that does not parse in TFRecord file", path, "among the", tf.size(indices),
             "records from byte", byte(indices[0])])
         with tf.control_dependencies([parsed_all]):  # then there is a label per index
             label = tf.cast(label, tf.int32)
