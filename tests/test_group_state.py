@@ -136,12 +136,13 @@ def test_a_job_restarted_from_an_older_durable_copy_outranks_the_old_jobs_later_
     assert restarted.generation == 10 and remote.generation_mark() == 10
     restarted.commit(epoch=0, samples=32, step=2, global_batch=16)
     assert group.newest_holder([CommitId(10, 2), CommitId(9, 50)]) == 0
-    # Only the chief reads the mark (the agreement hands its floor to the others); a bad mark is refused.
+    # Only the chief reads the mark (the agreement hands its floor to the others).
     assert CommittedState(World(round=1, rank=1, size=2), str(tmp_path / "w1"), *_setup(), durable=remote,
                           durable_every_commits=1).generation_floor() == 0
-    (tmp_path / "remote" / "GENERATION").write_text("ten")
-    with pytest.raises(ConfigurationError, match="GENERATION.*not a generation number"):
-        restarted.generation_floor()
+    # Marks only grow: a chief cut off from the store that begins a lower generation later cannot lower it.
+    remote.mark_generation(4)
+    assert remote.generation_mark() == 10 and restarted.generation_floor() == 11
+    assert sorted(p.name for p in (tmp_path / "remote").glob("GENERATION*")) == ["GENERATION-10"]
 
 
 def test_commits_named_before_generations_are_refused_not_ignored(tmp_path):

@@ -11,6 +11,7 @@ every few commits (`durable.py`). File operations go through `tf.io.gfile`.
 import concurrent.futures
 import posixpath
 import time
+import uuid
 from typing import Callable, List, Optional, Tuple
 
 import keras
@@ -70,6 +71,7 @@ class CommittedState:
         self.restored: Optional[str] = None
         self.generation = world.round  # of this round's commits: see `begin_generation`
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tf_elastic-commit") if background else None
+        self._warm: Optional[concurrent.futures.Future] = None
         if world.keeps_commits:
             tf.io.gfile.makedirs(self.directory)
             kept = tf.train.get_checkpoint_state(self.directory)
@@ -82,6 +84,26 @@ class CommittedState:
         keras_compat.install_async_checkpoint_fix()
         options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
         self._write = lambda prefix: self.checkpoint.write(prefix, options=options)
+        if self._pool is not None and world.keeps_commits:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Two asynchronous writes to memory before training. TensorFlow makes its host-memory copies of
+        the variables at the first write (about 20 ms here) and traces the function that fills them at the
+        second (80-250 ms); on the training path that would block the first two commits. The second write
+        runs on the commit thread, overlapping the round's start; `keep` waits for it."""
+        directory = f"ram://tf_elastic-warm-up-{uuid.uuid4().hex}"
+        self._write(posixpath.join(directory, "first"))
+
+        def second() -> None:
+            try:
+                self._write(posixpath.join(directory, "second"))
+                self.checkpoint.sync()
+                tf.io.gfile.rmtree(directory)
+            except tf.errors.OpError as error:  # only time is lost: the first commit sets it up instead
+                logging.warning("the commit warm-up failed: %s", _describe(error))
+
+        self._warm = self._pool.submit(second)
 
     @property
     def epoch(self) -> int:
@@ -165,6 +187,8 @@ class CommittedState:
         if not self.world.keeps_commits:
             return
         started = time.perf_counter() if started is None else started
+        if self._warm is not None:
+            self._warm.result()  # done long before, unless a commit comes within the first steps
         epoch, samples, step, _, generation = (int(v) for v in self.progress.numpy())
         # Named by generation and the whole position: a commit never overwrites the files the state file names.
         prefix = posixpath.join(self.directory, f"ckpt-{generation}-{step}-{epoch}-{samples}")
@@ -210,8 +234,9 @@ class CommittedState:
     def _copy(self, prefix: str) -> None:
         started = time.time()
         try:
+            self.durable.mark_generation(self.generation)  # again: in case it failed at the round's start
             copied = self.durable.copy(prefix, before_marker=lambda: test_pause("durable", self.world.rank))
-        except (tf.errors.OpError, OSError) as error:
+        except (tf.errors.OpError, OSError, ConfigurationError) as error:
             self._report(Event.DURABLE_COPY, path=prefix, error=_describe(error))
             return
         self._copied = prefix

@@ -10,6 +10,7 @@ through `tf.io.gfile`, whose object-store writes appear whole on close.
 import dataclasses
 import os
 import posixpath
+import re
 import uuid
 from typing import Callable, List, NamedTuple, Optional
 
@@ -18,7 +19,8 @@ import tensorflow as tf
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 MARKER = "COMPLETE"
-GENERATION_MARK = "GENERATION"  # the highest generation a chief using this directory began
+GENERATION_MARK = "GENERATION"  # GENERATION-N: the highest generation N a chief using this directory began
+_MARK = re.compile(GENERATION_MARK + r"-([0-9]{1,15})")  # 15 digits: exact in the agreement's float64 sum
 
 
 class CommitId(NamedTuple):
@@ -68,26 +70,26 @@ class DurableCopies:
         """The highest generation a chief using this directory began (-1: none): a job restarted from an
         older copy under a new rendezvous store commits above it, so that the old job's hosts, whose
         commits of later generations were never copied, cannot take the group back to their history."""
-        path = posixpath.join(self.directory, GENERATION_MARK)
         try:
-            with tf.io.gfile.GFile(path) as f:
-                text = f.read().strip()
+            names = tf.io.gfile.listdir(self.directory)
         except tf.errors.NotFoundError:
             return -1
-        if not text.isdigit():
-            raise ConfigurationError(f"{path} holds {text[:40]!r}, not a generation number: it is written only by "
-                                     f"tf_elastic; restore it or give another --checkpoint_dir")
-        return int(text)
+        marks = [int(m.group(1)) for m in map(_MARK.fullmatch, (n.rstrip("/") for n in names)) if m]
+        return max(marks, default=-1)
 
     def mark_generation(self, generation: int) -> None:
-        """Raises the mark to `generation` (written whole: a temporary file, then a rename)."""
-        if generation <= self.generation_mark():
-            return
-        path = posixpath.join(self.directory, GENERATION_MARK)
-        temporary = f"{path}.{uuid.uuid4().hex}.tmp"
-        with tf.io.gfile.GFile(temporary, "w") as f:
-            f.write(str(generation))
-        tf.io.gfile.rename(temporary, path, overwrite=True)
+        """Raises the mark to `generation`: one object per generation, created and never rewritten, so
+        the mark only grows (a chief cut off from the store that marks a lower one later cannot lower it) and
+        needs no rename (a copy on object stores). Lower marks are removed."""
+        tf.io.gfile.makedirs(self.directory)
+        existing = self.generation_mark()
+        if generation > existing:
+            with tf.io.gfile.GFile(posixpath.join(self.directory, f"{GENERATION_MARK}-{generation}"), "w") as f:
+                f.write(str(generation))  # (GFile makes no file without a write)
+        for name in tf.io.gfile.listdir(self.directory):
+            found = _MARK.fullmatch(name.rstrip("/"))
+            if found and int(found.group(1)) < max(generation, existing):
+                tf.io.gfile.remove(posixpath.join(self.directory, name.rstrip("/")))
 
     def check_writable(self) -> None:
         """Raises `ConfigurationError` naming the directory if a file cannot be written there."""

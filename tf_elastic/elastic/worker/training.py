@@ -305,9 +305,9 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
         first_line = str(error).splitlines()[0] if str(error) else ""
         logging.error("collective failure at step %d (%s): %s", step, type(error).__name__, first_line)
         raise PeerFailure(step, f"{type(error).__name__}: {first_line}") from None
-    except tf.errors.InvalidArgumentError as error:
-        # Bad data (a corrupt image, a record that does not parse, a label out of range): the error
-        # names the file; a restart would only meet it again.
+    except (tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError, tf.errors.UnauthenticatedError) as error:
+        # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
+        # may not read: the error names the file; a restart would only meet it again (on every host).
         raise ConfigurationError(f"bad input at step {trainer.step if trainer else state.step}: "
                                  f"{describe_error(error)}") from None
     finally:
