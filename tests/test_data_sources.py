@@ -212,6 +212,32 @@ def test_a_shard_that_changes_after_indexing_fails_with_its_read_error_not_as_ba
     assert type(error.value) is expected, error.value
 
 
+def test_a_read_that_fails_once_is_tried_again_and_gives_every_record(tmp_path, digits):
+    """A transient failure (here the first read of every run fails) costs a second read, not the data:
+    the pipeline yields exactly what an undisturbed one does."""
+    path = _shard(tmp_path / "tfrecord", digits, 64)
+    failed = []
+
+    class FailsOnce(data.TFRecordSource):
+        def _records(self, path, count, offset, size):
+            def gate(first_offset):
+                if int(first_offset) not in failed:
+                    failed.append(int(first_offset))
+                    raise OSError("a transient read error")
+                return np.int32(0)
+
+            with tf.control_dependencies([tf.numpy_function(gate, [offset], tf.int32, stateful=True)]):
+                return tf.identity(data.TFRecordSource._records(path, count, offset, size))
+
+    order = np.random.default_rng(0).permutation(64)
+    flaky = list(data.pipeline(FailsOnce(str(path), channels=1, num_classes=11), order, 8))
+    plain = list(data.pipeline(data.TFRecordSource(str(path), channels=1, num_classes=11), order, 8))
+    assert failed and len(flaky) == len(plain) == 8
+    for (x, y), (x0, y0) in zip(flaky, plain):
+        np.testing.assert_array_equal(x, x0)
+        np.testing.assert_array_equal(y, y0)
+
+
 def test_fit_lets_a_read_error_through_as_no_configuration_error(tmp_path, digits):
     path = _shard(tmp_path / "tfrecord", digits, 64)
     source = data.TFRecordSource(str(path), channels=1, num_classes=11)
@@ -293,6 +319,25 @@ def test_the_index_cache_serves_unchanged_shards_and_indexes_changed_ones_again(
     damaged = make()
     assert damaged.shard_reads == 2
     np.testing.assert_array_equal(damaged.offsets, after.offsets)
+
+    # Rewritten in place with its size and modification time kept (tar, rsync -a do that): indexed again.
+    kept = shards / "train-00002-of-00003"
+    times = kept.stat()
+    kept.write_bytes(kept.read_bytes())
+    import os
+    os.utime(kept, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert make().shard_reads == 1
+    # A shard that fails to read loses its cache entry (if the index were stale, the next start must not
+    # meet the same failure).
+    source = make()
+    assert source.num_classes  # (labels found now, so that the failure below is the pipeline's read)
+    with open(kept, "r+b") as f:
+        f.truncate(kept.stat().st_size - 10)
+    with pytest.raises(tf.errors.DataLossError):
+        list(data.pipeline(source, np.arange(source.num_examples), 8))
+    assert len(list(Path(cache).glob("*.npz"))) == 2
+    with pytest.raises(ConfigurationError, match="must be a local"):
+        data.TFRecordSource(f"{shards}/train-*", channels=1, cache_dir="gs://bucket/cache")
 
 
 def _train(args, timeout=300):
@@ -399,4 +444,10 @@ def test_the_label_cache_key_changes_with_the_parse_functions_code():
     original, edited = files._parse_key(version("encoded, label")), files._parse_key(version("encoded, label - 1"))
     assert original is not None and original.startswith("user_parsers.parse:")
     assert original == files._parse_key(version("encoded, label")) != edited
+    # Edits of names only, and inside a comprehension (a nested code object, hashed by its contents).
+    assert files._parse_key(version("encoded, files.tf.int32")) != files._parse_key(version("encoded, files.tf.int64"))
+    assert files._parse_key(version("[encoded for _ in [0]][0], label")) == files._parse_key(
+        version("[encoded for _ in [0]][0], label")) != files._parse_key(version("[label for _ in [0]][0], label"))
     assert files._parse_key(lambda r: r) is None and files._parse_key(version) is None
+    bound = data.TFRecordSource.__init__.__get__(object())  # a bound method: depends on its instance
+    assert files._parse_key(bound) is None

@@ -131,54 +131,98 @@ def _record_offsets(path: str) -> Tuple[List[int], int]:
     return offsets, size
 
 
+def _code_hash(code, digest) -> None:
+    """Feeds a code object into `digest`: its bytecode, the names it uses and its constants, nested code
+    objects (comprehensions, inner functions) by their own contents, never by a repr with an address."""
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode())
+    for constant in code.co_consts:
+        if hasattr(constant, "co_code"):
+            _code_hash(constant, digest)
+        else:
+            digest.update(repr(constant).encode())
+
+
 def _parse_key(parse: Callable) -> Optional[str]:
     """The same parse function in the next process: its name and a hash of its code (an edited function
-    gets another key); None for a lambda, a local function or a callable without code."""
+    gets another key); None for what a name and code do not pin down: a lambda, a local function, a
+    closure or a bound method (their behaviour depends on captured values)."""
     name = f"{getattr(parse, '__module__', '')}.{getattr(parse, '__qualname__', '<none>')}"
     code = getattr(parse, "__code__", None)
-    if "<" in name or code is None:
+    if "<" in name or code is None or getattr(parse, "__closure__", None) or hasattr(parse, "__self__"):
         return None
-    return f"{name}:{hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256()
+    _code_hash(code, digest)
+    return f"{name}:{digest.hexdigest()[:16]}"
+
+
+def _identity(path: str) -> Optional[dict]:
+    """What must be unchanged for a shard's cached index to hold (None: nothing reliable, no cache). A local
+    file adds its inode and change time (set by every rewrite, unlike mtime, which tar or rsync restore);
+    other filesystems give size and modification time (none on ram://)."""
+    stat = tf.io.gfile.stat(path)
+    if "://" not in path:
+        local = os.stat(path)
+        return {"path": os.path.abspath(path), "size": local.st_size, "inode": local.st_ino,
+                "ctime": local.st_ctime_ns, "mtime": local.st_mtime_ns}
+    return {"path": path, "size": stat.length, "mtime": stat.mtime_nsec} if stat.mtime_nsec else None
 
 
 class IndexCache:
-    """Each shard's index (record offsets, size, and its largest label per parse function) in a host-local
-    directory, keyed by the shard's path, size and modification time: a restarted worker skips the pass
-    over the shards. Files are written whole (temp file, then rename); an entry that does not load or
-    does not match the shard is ignored (the shard is indexed again), never trusted."""
+    """Each shard's index (record offsets, and its largest label under the current parse function) in a
+    host-local directory, keyed by the shard's `_identity`: a restarted worker skips the pass over the
+    shards. Files are written whole (temp file, then rename); an entry that does not load or does not
+    match the shard is ignored (the shard is indexed again), never trusted, and one whose shard failed to
+    read is removed."""
 
     def __init__(self, directory: str):
-        self.directory = directory
+        if "://" in directory:
+            raise ConfigurationError(f"the TFRecord index cache directory {directory} must be a local, host-local "
+                                     f"directory (--index_cache_dir), not a remote filesystem.")
+        self.directory, self._warned = directory, False
 
-    def _file(self, path: str) -> str:
-        return os.path.join(self.directory, hashlib.sha256(path.encode()).hexdigest()[:40] + ".npz")
+    def _file(self, identity: dict) -> str:
+        return os.path.join(self.directory, hashlib.sha256(identity["path"].encode()).hexdigest()[:40] + ".npz")
 
-    def load(self, path: str, stat) -> Optional[Tuple[np.ndarray, Dict[str, int]]]:
-        """(offsets, largest labels) of the shard `path` as `stat` describes it, or None."""
+    def load(self, identity: dict) -> Optional[Tuple[np.ndarray, Dict[str, int]]]:
+        """(offsets, largest labels) of the shard `identity` describes, or None."""
         try:
-            with np.load(self._file(path), allow_pickle=False) as entry:
+            with np.load(self._file(identity), allow_pickle=False) as entry:
                 meta, offsets = json.loads(str(entry["meta"])), entry["offsets"]
-            if (meta["path"], meta["size"], meta["mtime"]) != (path, stat.length, stat.mtime_nsec):
+            if meta["identity"] != identity:
                 return None
             in_order = offsets.ndim == 1 and offsets.dtype == np.int64 and (not len(offsets) or (
-                offsets[0] == 0 and offsets[-1] + 16 <= stat.length and np.all(np.diff(offsets) >= 16)))
+                offsets[0] == 0 and offsets[-1] + 16 <= identity["size"] and np.all(np.diff(offsets) >= 16)))
             return (offsets, {str(k): int(v) for k, v in meta["labels"].items()}) if in_order else None
         except Exception:  # noqa: BLE001 - missing, partly written by a killed process, another format: re-index
             return None
 
-    def store(self, path: str, stat, offsets: np.ndarray, labels: Dict[str, int]) -> None:
-        meta = json.dumps({"path": path, "size": stat.length, "mtime": stat.mtime_nsec, "labels": labels})
+    def store(self, identity: dict, offsets: np.ndarray, labels: Dict[str, int]) -> None:
+        meta = json.dumps({"identity": identity, "labels": labels})
+        temp = None
         try:
             os.makedirs(self.directory, exist_ok=True)
             handle, temp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
             with os.fdopen(handle, "wb") as f:
                 np.savez(f, offsets=np.asarray(offsets, np.int64), meta=np.array(meta))
-            os.replace(temp, self._file(path))
+            os.replace(temp, self._file(identity))
         except OSError as error:  # a cache only saves time: a full or read-only disk must not stop training
-            logging.warning("cannot write the TFRecord index cache in %s: %s", self.directory, error)
+            if temp is not None and os.path.exists(temp):
+                os.remove(temp)
+            if not self._warned:
+                logging.warning("cannot write the TFRecord index cache in %s: %s", self.directory, error)
+                self._warned = True
+
+    def forget(self, identity: Optional[dict]) -> None:
+        try:
+            if identity is not None:
+                os.remove(self._file(identity))
+        except OSError:
+            pass
 
 
 RUN_BYTES = 4 << 20  # a run of records is read with one file open and held whole: at most this many bytes
+RUN_RECORDS = 1 << 20  # ... and at most this many records
 BUFFER = 1 << 20  # read buffer of a run, at most
 
 
@@ -204,7 +248,7 @@ class TFRecordSource(Source):
         self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
         self.cache = IndexCache(cache_dir) if cache_dir else None
         self.shard_reads = 0  # shards read whole (to index them or find their labels): not the cache's
-        self._stats, self._labels, sizes, shard, offsets, ends = [], [], [], [], [], []
+        self._identities, self._labels, sizes, shard, offsets, ends = [], [], [], [], [], []
         for number, path in enumerate(self.files):
             found, size = self._index(path)
             sizes.append(size)
@@ -226,16 +270,17 @@ class TFRecordSource(Source):
         if self.cache is None:
             self.shard_reads += 1
             return _record_offsets(path)
-        stat = tf.io.gfile.stat(path)  # before the read: a shard changed during it gets a key that no longer fits
-        self._stats.append(stat)
-        cached = self.cache.load(path, stat)
+        identity = _identity(path)  # before the read: a shard changed during it gets a key that no longer fits
+        self._identities.append(identity)
+        cached = self.cache.load(identity) if identity else None
         if cached is not None:
             self._labels.append(cached[1])
-            return cached[0].tolist(), stat.length
+            return cached[0].tolist(), identity["size"]
         self.shard_reads += 1
         offsets, size = _record_offsets(path)
         self._labels.append({})
-        self.cache.store(path, stat, offsets, {})
+        if identity:
+            self.cache.store(identity, offsets, {})
         return offsets, size
 
     @property
@@ -262,10 +307,10 @@ class TFRecordSource(Source):
             self.shard_reads += 1
             high = self._shard_largest_label(number)
             largest = max(largest, high)
-            if key:
-                self._labels[number][key] = high
+            if key and self._identities[number]:
+                self._labels[number] = {key: high}  # only the current parse function's: entries never pile up
                 offsets = self.offsets[self.first[number]:self.first[number + 1]]
-                self.cache.store(path, self._stats[number], offsets, self._labels[number])
+                self.cache.store(self._identities[number], offsets, self._labels[number])
         return largest
 
     def _shard_largest_label(self, number: int) -> int:
@@ -283,6 +328,8 @@ class TFRecordSource(Source):
                                      f"{str(error).splitlines()[0][:300]}") from None
         except tf.errors.DataLossError as error:  # a checksum that fails, or a shard cut short under us
             if tf.io.gfile.stat(path).length != self.sizes[number]:
+                if self.cache is not None:
+                    self.cache.forget(self._identities[number])
                 raise  # changed since it was indexed: a restart indexes it again
             raise ConfigurationError(f"TFRecord file {path} has a corrupt record: "
                                      f"{str(error).splitlines()[0][:300]}") from None
@@ -305,7 +352,8 @@ class TFRecordSource(Source):
         firsts, counts = [], []
         for run in np.split(indices, breaks):
             ends = np.cumsum(self.ends[run] - self.offsets[run])
-            pieces = np.split(run, np.flatnonzero(np.diff((ends - 1) // RUN_BYTES)) + 1)
+            cut = (np.diff((ends - 1) // RUN_BYTES) != 0) | (np.diff(np.arange(len(run)) // RUN_RECORDS) != 0)
+            pieces = np.split(run, np.flatnonzero(cut) + 1)
             firsts += [piece[0] for piece in pieces]
             counts += [len(piece) for piece in pieces]
         return np.asarray(firsts, np.int64), np.asarray(counts, np.int64)
@@ -359,9 +407,12 @@ class TFRecordSource(Source):
 
     def _corrupt_record(self, first: np.int64, count: np.int64) -> bytes:
         """The run's first record whose checksum fails on the bytes the index expects, as a message; b""
-        when none does (the shard changed or does not read: the second try's own error tells)."""
+        when none does (the shard changed or does not read: the second try's own error tells). The shard's
+        cached index goes either way: if it is stale, the next start must not meet the same failure."""
         first, count = int(first), int(count)
         number = int(self.shard[first])
+        if self.cache is not None:
+            self.cache.forget(self._identities[number])
         path, begin, end = self.files[number], int(self.offsets[first]), int(self.ends[first + count - 1])
         try:
             if tf.io.gfile.stat(path).length != self.sizes[number]:
