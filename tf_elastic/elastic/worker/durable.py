@@ -70,26 +70,27 @@ class DurableCopies:
         """The highest generation a chief using this directory began (-1: none): a job restarted from an
         older copy under a new rendezvous store commits above it, so that the old job's hosts, whose
         commits of later generations were never copied, cannot take the group back to their history."""
+        return max(self._marks(), default=-1)
+
+    def _marks(self) -> List[int]:
         try:
             names = tf.io.gfile.listdir(self.directory)
         except tf.errors.NotFoundError:
-            return -1
-        marks = [int(m.group(1)) for m in map(_MARK.fullmatch, (n.rstrip("/") for n in names)) if m]
-        return max(marks, default=-1)
+            return []
+        return [int(m.group(1)) for m in map(_MARK.fullmatch, (n.rstrip("/") for n in names)) if m]
 
     def mark_generation(self, generation: int) -> None:
         """Raises the mark to `generation`: one object per generation, created and never rewritten, so
         the mark only grows (a chief cut off from the store that marks a lower one later cannot lower it) and
         needs no rename (a copy on object stores). Lower marks are removed."""
         tf.io.gfile.makedirs(self.directory)
-        existing = self.generation_mark()
-        if generation > existing:
+        marks = self._marks()
+        if generation > max(marks, default=-1):
             with tf.io.gfile.GFile(posixpath.join(self.directory, f"{GENERATION_MARK}-{generation}"), "w") as f:
                 f.write(str(generation))  # (GFile makes no file without a write)
-        for name in tf.io.gfile.listdir(self.directory):
-            found = _MARK.fullmatch(name.rstrip("/"))
-            if found and int(found.group(1)) < max(generation, existing):
-                tf.io.gfile.remove(posixpath.join(self.directory, name.rstrip("/")))
+        for mark in marks:
+            if mark < max(marks + [generation]):
+                tf.io.gfile.remove(posixpath.join(self.directory, f"{GENERATION_MARK}-{mark}"))
 
     def check_writable(self) -> None:
         """Raises `ConfigurationError` naming the directory if a file cannot be written there."""

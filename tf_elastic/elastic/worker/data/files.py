@@ -160,11 +160,11 @@ def _identity(path: str) -> Optional[dict]:
     """What must be unchanged for a shard's cached index to hold (None: nothing reliable, no cache). A local
     file adds its inode and change time (set by every rewrite, unlike mtime, which tar or rsync restore);
     other filesystems give size and modification time (none on ram://)."""
-    stat = tf.io.gfile.stat(path)
     if "://" not in path:
         local = os.stat(path)
         return {"path": os.path.abspath(path), "size": local.st_size, "inode": local.st_ino,
                 "ctime": local.st_ctime_ns, "mtime": local.st_mtime_ns}
+    stat = tf.io.gfile.stat(path)
     return {"path": path, "size": stat.length, "mtime": stat.mtime_nsec} if stat.mtime_nsec else None
 
 
@@ -222,7 +222,6 @@ class IndexCache:
 
 
 RUN_BYTES = 4 << 20  # a run of records is read with one file open and held whole: at most this many bytes
-RUN_RECORDS = 1 << 20  # ... and at most this many records
 BUFFER = 1 << 20  # read buffer of a run, at most
 
 
@@ -267,10 +266,8 @@ class TFRecordSource(Source):
 
     def _index(self, path: str) -> Tuple[List[int], int]:
         """A shard's (record offsets, size), from the cache when it holds this version of the shard."""
-        if self.cache is None:
-            self.shard_reads += 1
-            return _record_offsets(path)
-        identity = _identity(path)  # before the read: a shard changed during it gets a key that no longer fits
+        # (identity before the read: a shard changed during it gets a key that no longer fits)
+        identity = _identity(path) if self.cache else None
         self._identities.append(identity)
         cached = self.cache.load(identity) if identity else None
         if cached is not None:
@@ -282,6 +279,11 @@ class TFRecordSource(Source):
         if identity:
             self.cache.store(identity, offsets, {})
         return offsets, size
+
+    def _forget(self, number: int) -> None:
+        """Drops shard `number`'s cached index: the shard failed to read, so it may be stale."""
+        if self.cache is not None:
+            self.cache.forget(self._identities[number])
 
     @property
     def num_classes(self) -> int:
@@ -328,8 +330,7 @@ class TFRecordSource(Source):
                                      f"{str(error).splitlines()[0][:300]}") from None
         except tf.errors.DataLossError as error:  # a checksum that fails, or a shard cut short under us
             if tf.io.gfile.stat(path).length != self.sizes[number]:
-                if self.cache is not None:
-                    self.cache.forget(self._identities[number])
+                self._forget(number)
                 raise  # changed since it was indexed: a restart indexes it again
             raise ConfigurationError(f"TFRecord file {path} has a corrupt record: "
                                      f"{str(error).splitlines()[0][:300]}") from None
@@ -352,8 +353,7 @@ class TFRecordSource(Source):
         firsts, counts = [], []
         for run in np.split(indices, breaks):
             ends = np.cumsum(self.ends[run] - self.offsets[run])
-            cut = (np.diff((ends - 1) // RUN_BYTES) != 0) | (np.diff(np.arange(len(run)) // RUN_RECORDS) != 0)
-            pieces = np.split(run, np.flatnonzero(cut) + 1)
+            pieces = np.split(run, np.flatnonzero(np.diff((ends - 1) // RUN_BYTES)) + 1)
             firsts += [piece[0] for piece in pieces]
             counts += [len(piece) for piece in pieces]
         return np.asarray(firsts, np.int64), np.asarray(counts, np.int64)
@@ -411,8 +411,7 @@ class TFRecordSource(Source):
         cached index goes either way: if it is stale, the next start must not meet the same failure."""
         first, count = int(first), int(count)
         number = int(self.shard[first])
-        if self.cache is not None:
-            self.cache.forget(self._identities[number])
+        self._forget(number)
         path, begin, end = self.files[number], int(self.offsets[first]), int(self.ends[first + count - 1])
         try:
             if tf.io.gfile.stat(path).length != self.sizes[number]:
