@@ -85,6 +85,8 @@ class Soak:
         if planned:
             self.plan.remove(planned)
             return planned
+        if self.plan and len(self.live) < 2:
+            return "start_agent"  # what is left of the plan makes a host leave: it needs a second host first
         return self.rng.choice(kinds)
 
     def chief_host(self) -> str:
