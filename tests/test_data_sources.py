@@ -164,7 +164,8 @@ def _fit(shards: Path, run_dir: Path, epochs: int, source=None) -> None:
 
 def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp_path, digits):
     """With a class count given nothing reads the labels up front: training meets the bad record, and
-    `fit` raises ConfigurationError (exit 78 from a worker) naming the shard; committed work is untouched."""
+    `fit` raises ConfigurationError (exit 78 from a worker) naming the shard and the record's byte;
+    committed work is untouched."""
     (images, labels), _ = digits
     shards, run_dir = tmp_path / "tfrecord", tmp_path / "run"
     data_files.write_tfrecords(shards, "train", images[:64], labels[:64], shards=2)
@@ -175,7 +176,8 @@ def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 5 else record)
-    named = re.escape(f"a record that does not parse in TFRecord file] [{bad}]")
+    offset = file_sources._record_offsets(str(bad))[0][5]
+    named = re.escape(f"a record that does not parse in TFRecord file] [{bad}] [at byte] [{offset}]")
     with pytest.raises(ConfigurationError, match=named):
         _fit(shards, run_dir, 2)
     assert _digest(RunDir(run_dir).checkpoints) == before

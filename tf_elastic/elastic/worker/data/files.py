@@ -262,7 +262,7 @@ class TFRecordSource(Source):
         self.first = np.searchsorted(self.shard, np.arange(len(self.files) + 1))  # each shard's first index
         self._classes = num_classes
         self._tensors: Optional[Tuple[tf.Tensor, ...]] = None
-        self._functions: Optional[Tuple[Callable, Callable]] = None
+        self._read_run_function: Optional[Callable] = None
 
     def _index(self, path: str) -> Tuple[List[int], int]:
         """A shard's (record offsets, size), from the cache when it holds this version of the shard."""
@@ -362,30 +362,48 @@ class TFRecordSource(Source):
         firsts, counts = self._runs(indices)
         begin, end = self.offsets[firsts], self.ends[firsts + counts - 1]
         runs = tf.data.Dataset.from_tensor_slices((firsts, counts, self.shard[firsts], begin, end - begin))
-        if self._functions is None:  # traced once per source, not once per epoch's pipeline
-            self._functions = tuple(tf.function(f, autograph=False) for f in (self._read_run, self._check))
-        read_run, check = self._functions
+        if self._read_run_function is None:  # traced once per source, not once per epoch's pipeline
+            self._read_run_function = tf.function(self._read_run, autograph=False)
         # Runs open in a parallel interleave, each one element: batch k stays the plan's batch k.
-        runs = runs.interleave(read_run, cycle_length=8, num_parallel_calls=AUTOTUNE, deterministic=True)
-        return runs.map(check, num_parallel_calls=AUTOTUNE, deterministic=True).unbatch()
+        runs = runs.interleave(self._read_run_function, cycle_length=8, num_parallel_calls=AUTOTUNE,
+                               deterministic=True)
+        return runs.unbatch()
 
     def _read_run(self, first, count, shard, offset, size) -> tf.data.Dataset:
-        """One run's (indices, parsed records), as one element. Reading and parsing are apart: a record
-        that does not parse is dropped, then counted (`_check` names the shard); a read that fails is tried
-        again after a look for a corrupt record (bad data, named), and then fails with its own error
+        """One run's (indices, parsed records), as one element. The run is read, parsed as a whole
+        (`parse` vectorized: per record it cost more than the read) and checked; if any of that fails,
+        once more slowly (`_read_run_again`), which names bad data or fails with the read's own error."""
+        run = tf.data.Dataset.from_tensors((first, tf.gather(self.tensors()[0], shard), count, offset, size))
+        fast = run.map(self._run).ignore_errors()  # one element or none
+        return fast.concatenate(run.map(self._run_again)).take(1)  # the second made only if needed
+
+    def _run(self, first, path, count, offset, size):
+        records = self._records(path, count, offset, size)
+        return self._check(first + tf.range(count), tf.vectorized_map(self.parse, records))
+
+    def _run_again(self, first, path, count, offset, size):
+        """The run read again, after a look for a corrupt record (bad data, named), and parsed record by
+        record, naming the first that does not parse. A read that fails again fails with its own error
         (NotFoundError, DataLossError for a shard cut short, UnavailableError...): not bad input, a restart
         may help. (ignore_errors on the read itself would hide them, and loops forever on a missing file.)"""
-        run = (tf.gather(self.tensors()[0], shard), count, offset, size)
-        first_try = tf.data.Dataset.from_tensors(run).map(self._records).ignore_errors()  # one element or none
-        again = tf.data.Dataset.from_tensors((first, *run)).map(self._records_again)  # made only if needed
-        records = first_try.concatenate(again).take(1)
-        parsed = records.flat_map(
-            lambda r: tf.data.Dataset.from_tensor_slices(r).map(self.parse).ignore_errors()).batch(count)
-        # (none parsed: an empty batch, so that the count in `_check` still runs)
-        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape[1:]], spec.dtype),
-                                      parsed.element_spec)
-        return tf.data.Dataset.zip(tf.data.Dataset.from_tensors(first + tf.range(count)),
-                                   parsed.concatenate(tf.data.Dataset.from_tensors(empty)).take(1))
+        corrupt = tf.numpy_function(self._corrupt_record, [first, count], tf.string, stateful=True)
+        with tf.control_dependencies([tf.debugging.Assert(tf.strings.length(corrupt) == 0, [corrupt])]):
+            records = self._records(path, count, offset, size)
+        indices = first + tf.range(count)
+        each = tf.data.Dataset.from_tensor_slices((indices, records)).map(
+            lambda index, record: (index, self.parse(record))).ignore_errors()
+        empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape], spec.dtype),
+                                      each.element_spec)
+        parsed_indices, parsed = each.batch(count).concatenate(tf.data.Dataset.from_tensors(empty)).take(1) \
+            .get_single_element()
+        missing = count - tf.size(parsed_indices, tf.int64)
+        padded = tf.pad(parsed_indices, [[0, missing]], constant_values=-1)  # ascending: the first gap is the record
+        unparsed = indices[tf.argmin(tf.cast(tf.equal(padded, indices), tf.int32))]
+        parsed_all = tf.debugging.Assert(missing == 0, [
+            "a record that does not parse in TFRecord file", path, "at byte",
+            tf.strings.as_string(tf.gather(self.tensors()[2], unparsed))])
+        with tf.control_dependencies([parsed_all]):
+            return self._check(tf.identity(indices), parsed)
 
     @staticmethod
     def _records(path, count, offset, size) -> tf.Tensor:
@@ -399,11 +417,6 @@ class TFRecordSource(Source):
             tf.TensorSpec([], tf.string))
         return records.take(count).apply(tf.data.experimental.assert_cardinality(count)).batch(count) \
             .get_single_element()
-
-    def _records_again(self, first, path, count, offset, size) -> tf.Tensor:
-        corrupt = tf.numpy_function(self._corrupt_record, [first, count], tf.string, stateful=True)
-        with tf.control_dependencies([tf.debugging.Assert(tf.strings.length(corrupt) == 0, [corrupt])]):
-            return self._records(path, count, offset, size)
 
     def _corrupt_record(self, first: np.int64, count: np.int64) -> bytes:
         """The run's first record whose checksum fails on the bytes the index expects, as a message; b""
@@ -436,20 +449,15 @@ class TFRecordSource(Source):
         return b""
 
     def _check(self, indices, parsed):
-        """A run's checks, vectorized (per example they would cost more than reading). The messages hold
-        strings and int32 only: anything else makes Assert a cond, far slower."""
+        """A run's labels and images, checked together (per example it would cost more than reading). The
+        messages hold strings and int32 only: anything else makes Assert a cond, far slower."""
         paths, shards, offsets = self.tensors()
-        (encoded, label), path = parsed, tf.gather(paths, tf.gather(shards, indices[0]))
-        byte = lambda index: tf.strings.as_string(tf.gather(offsets, index))  # noqa: E731
-        parsed_all = tf.debugging.Assert(tf.size(label) == tf.size(indices), [
-            "a record that does not parse in TFRecord file", path, "among the", tf.size(indices),
-            "records from byte", byte(indices[0])])
-        with tf.control_dependencies([parsed_all]):  # then there is a label per index
-            label = tf.cast(label, tf.int32)
+        encoded, label = parsed
+        label, path = tf.cast(label, tf.int32), tf.gather(paths, tf.gather(shards, indices[0]))
         good_label = tf.logical_and(label >= 0, label < self.num_classes)
         good_image = _is_image(encoded) if self.decode_images else tf.ones_like(good_label)
         bad = tf.argmin(tf.cast(good_label & good_image, tf.int32))  # the first bad record, if any
-        at = ["in", path, "at byte", byte(indices[bad])]
+        at = ["in", path, "at byte", tf.strings.as_string(tf.gather(offsets, indices[bad]))]
         checks = [tf.debugging.Assert(good_label[bad], ["label", label[bad], f"outside [0, {self.num_classes})", *at]),
                   tf.debugging.Assert(good_image[bad], ["not an image file (corrupt?)", *at])]
         with tf.control_dependencies(checks):
