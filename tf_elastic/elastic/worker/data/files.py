@@ -71,11 +71,14 @@ class ImageFolder(Source):
         return _decode(tf.io.read_file(path), path, self.channels), tf.gather(labels, index)
 
 
-def default_parse(record: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(encoded image, label) from a tf.train.Example with ImageNet's keys."""
-    parsed = tf.io.parse_single_example(record, {"image/encoded": tf.io.FixedLenFeature([], tf.string),
-                                                 "image/class/label": tf.io.FixedLenFeature([], tf.int64)})
+def default_parse(records: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(encoded image, label) from tf.train.Example records with ImageNet's keys, one or a vector at once."""
+    parsed = tf.io.parse_example(records, {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+                                           "image/class/label": tf.io.FixedLenFeature([], tf.int64)})
     return parsed["image/encoded"], parsed["image/class/label"]
+
+
+default_parse.batched = True  # takes a vector of records: a run is parsed in one op
 
 
 CHUNK = 8 << 20  # bytes per read while indexing a shard
@@ -232,8 +235,10 @@ class TFRecordSource(Source):
     only for shards not read before). An epoch visits the shards in a seeded order, each from a seeded
     rotation of its records, so a worker's share of a global batch is a run of consecutive records, read
     with one file open from a seek to its first record (any other order works, only slower). A record
-    that does not parse, or fails its checksum, fails the run with an error naming the shard.
-    `parse(record) -> (encoded image, label)`; labels may start at 0 or 1 (ImageNet's TFRecords
+    that does not parse, or fails its checksum, fails the run with an error naming the shard and byte.
+    `parse(record) -> (encoded image, label)`, applied to a run's records at once with tf.vectorized_map;
+    a parse function that takes a vector of records itself says so with `parse.batched = True` (as
+    `default_parse` does) and skips the vectorization. Labels may start at 0 or 1 (ImageNet's TFRecords
     reserve 0): without `num_classes` the class count is the largest label + 1, found by one pass
     over the labels on first use (`num_classes` may also be a function, e.g. another source's count).
     Nothing touches TF's runtime before first use (MWMS must configure it first)."""
@@ -245,6 +250,8 @@ class TFRecordSource(Source):
         if not self.files:
             raise ConfigurationError(f"no TFRecord files match {pattern}.")
         self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
+        self._parse_vector = parse if getattr(parse, "batched", False) else (
+            lambda records: tf.vectorized_map(parse, records))  # per record it would cost more than the read
         self.cache = IndexCache(cache_dir) if cache_dir else None
         self.shard_reads = 0  # shards read whole (to index them or find their labels): not the cache's
         self._identities, self._labels, sizes, shard, offsets, ends = [], [], [], [], [], []
@@ -317,10 +324,10 @@ class TFRecordSource(Source):
 
     def _shard_largest_label(self, number: int) -> int:
         path, largest = self.files[number], -1
-        labels = tf.data.TFRecordDataset(path).map(lambda r: tf.cast(self.parse(r)[1], tf.int64),
-                                                   num_parallel_calls=AUTOTUNE)
+        labels = tf.data.TFRecordDataset(path).batch(4096).map(lambda r: tf.cast(self._parse_vector(r)[1], tf.int64),
+                                                               num_parallel_calls=AUTOTUNE)
         try:
-            for batch in labels.batch(4096):
+            for batch in labels:
                 low, high = int(tf.reduce_min(batch)), int(tf.reduce_max(batch))
                 if low < 0:
                     raise ConfigurationError(f"TFRecord file {path} has a negative label {low}.")
@@ -364,22 +371,22 @@ class TFRecordSource(Source):
         runs = tf.data.Dataset.from_tensor_slices((firsts, counts, self.shard[firsts], begin, end - begin))
         if self._read_run_function is None:  # traced once per source, not once per epoch's pipeline
             self._read_run_function = tf.function(self._read_run, autograph=False)
-        # Runs open in a parallel interleave, each one element: batch k stays the plan's batch k.
-        runs = runs.interleave(self._read_run_function, cycle_length=8, num_parallel_calls=AUTOTUNE,
-                               deterministic=True)
+        # Runs are read in parallel, each one element: batch k stays the plan's batch k.
+        runs = runs.map(self._read_run_function, num_parallel_calls=AUTOTUNE, deterministic=True)
         return runs.unbatch()
 
-    def _read_run(self, first, count, shard, offset, size) -> tf.data.Dataset:
-        """One run's (indices, parsed records), as one element. The run is read, parsed as a whole
-        (`parse` vectorized: per record it cost more than the read) and checked; if any of that fails,
-        once more slowly (`_read_run_again`), which names bad data or fails with the read's own error."""
+    def _read_run(self, first, count, shard, offset, size):
+        """One run's (indices, parsed records). The run is read and parsed as a whole; if that fails, once
+        more slowly (`_run_again`), which names bad data or fails with the read's own error. Then its labels
+        and images are checked (outside the nested dataset: a heavy function there costs ~40 ms at a
+        pipeline's first batch)."""
         run = tf.data.Dataset.from_tensors((first, tf.gather(self.tensors()[0], shard), count, offset, size))
-        fast = run.map(self._run).ignore_errors()  # one element or none
-        return fast.concatenate(run.map(self._run_again)).take(1)  # the second made only if needed
+        parsed = run.map(self._run).ignore_errors().concatenate(run.map(self._run_again)).take(1) \
+            .get_single_element()  # the second made only if the first failed
+        return self._check(first + tf.range(count), parsed)
 
     def _run(self, first, path, count, offset, size):
-        records = self._records(path, count, offset, size)
-        return self._check(first + tf.range(count), tf.vectorized_map(self.parse, records))
+        return self._parse_vector(self._records(path, count, offset, size))
 
     def _run_again(self, first, path, count, offset, size):
         """The run read again, after a look for a corrupt record (bad data, named), and parsed record by
@@ -391,7 +398,8 @@ class TFRecordSource(Source):
             records = self._records(path, count, offset, size)
         indices = first + tf.range(count)
         each = tf.data.Dataset.from_tensor_slices((indices, records)).map(
-            lambda index, record: (index, self.parse(record))).ignore_errors()
+            lambda index, record: (index, tf.nest.map_structure(lambda t: t[0], self._parse_vector(record[None])))
+        ).ignore_errors()
         empty = tf.nest.map_structure(lambda spec: tf.zeros([0] + [d or 0 for d in spec.shape], spec.dtype),
                                       each.element_spec)
         parsed_indices, parsed = each.batch(count).concatenate(tf.data.Dataset.from_tensors(empty)).take(1) \
@@ -403,13 +411,13 @@ class TFRecordSource(Source):
             "a record that does not parse in TFRecord file", path, "at byte",
             tf.strings.as_string(tf.gather(self.tensors()[2], unparsed))])
         with tf.control_dependencies([parsed_all]):
-            return self._check(tf.identity(indices), parsed)
+            return tf.nest.map_structure(tf.identity, parsed)
 
     @staticmethod
     def _records(path, count, offset, size) -> tf.Tensor:
         """The run's `count` serialized records. TFRecordDatasetV2 starts at a byte offset with a seek
         (tf.data.TFRecordDataset has no offset; FixedLengthRecordDataset reads up to it); it lives only
-        inside the interleave, where TF never has to serialize it (its graph form drops the offsets). A
+        inside a run's function, where TF never has to serialize it (its graph form drops the offsets). A
         shard that ends early fails (FailedPreconditionError): it changed since it was indexed."""
         records = tf.data.experimental.from_variant(
             tf.raw_ops.TFRecordDatasetV2(filenames=path[None], compression_type="",
