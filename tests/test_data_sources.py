@@ -138,6 +138,43 @@ def test_a_record_that_does_not_parse_is_named(tmp_path):
         source.num_classes  # found on first use, by a pass over the labels
 
 
+def test_a_parse_function_per_record_or_batched_reads_the_same_and_names_a_bad_record(tmp_path, digits):
+    """A user's parse function goes through tf.vectorized_map; one marked `batched` takes the run's vector
+    itself. Both read what default_parse does, and a record that does not parse is named by its byte."""
+    features = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+                "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+
+    def per_record(record):
+        parsed = tf.io.parse_single_example(record, features)
+        return parsed["image/encoded"], parsed["image/class/label"] - 1  # 0-based
+
+    def batched(records):
+        parsed = tf.io.parse_example(records, features)
+        return parsed["image/encoded"], parsed["image/class/label"] - 1
+
+    batched.batched = True
+    (images, labels), _ = digits
+    data_files.write_tfrecords(tmp_path, "train", images[:40], labels[:40], shards=2)
+    order, keep = np.random.default_rng(0).permutation(40), (lambda x, y, seed: (x, y))
+    read = [list(data.pipeline(data.TFRecordSource(str(tmp_path / "train-*"), parse=parse, channels=1), order,
+                               8, preprocess=keep).as_numpy_iterator()) for parse in (per_record, batched)]
+    for got in read:
+        np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), images[:40][order])
+        np.testing.assert_array_equal(np.concatenate([y for _, y in got]), labels[:40][order])
+    bad = tmp_path / "train-00001-of-00002"
+    records = list(tf.data.TFRecordDataset(str(bad)).as_numpy_iterator())
+    with tf.io.TFRecordWriter(str(bad)) as writer:
+        for n, record in enumerate(records):
+            writer.write(b"not a tf.train.Example" if n == 3 else record)
+    offset = file_sources._record_offsets(str(bad))[0][3]
+    for parse in (per_record, batched):
+        source = data.TFRecordSource(str(tmp_path / "train-*"), parse=parse, channels=1, num_classes=10)
+        with pytest.raises(tf.errors.InvalidArgumentError) as error:
+            list(data.pipeline(source, np.arange(40), 8))
+        assert data.describe_error(error.value) == f"[a record that does not parse in TFRecord file] [{bad}] " \
+                                                    f"[at byte] [{offset}]"
+
+
 def test_a_label_outside_the_class_range_is_named(tmp_path, digits):
     (images, labels), _ = digits
     data_files.write_tfrecords(tmp_path, "train", images[:8], np.full(8, 12), shards=1)
