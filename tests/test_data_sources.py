@@ -138,41 +138,68 @@ def test_a_record_that_does_not_parse_is_named(tmp_path):
         source.num_classes  # found on first use, by a pass over the labels
 
 
-def test_a_parse_function_per_record_or_batched_reads_the_same_and_names_a_bad_record(tmp_path, digits):
-    """A user's parse function goes through tf.vectorized_map; one marked `batched` takes the run's vector
-    itself. Both read what default_parse does, and a record that does not parse is named by its byte."""
+def test_parse_functions_per_record_or_batched_read_the_same_and_name_a_bad_record(tmp_path, digits):
+    """A user's parse function runs record by record (here: a sparse feature, and images of different
+    sizes decoded and cropped in `parse`, which tf.vectorized_map cannot convert); one marked `batched`
+    takes the run's vector itself. Each reads what was written without a second try of any run, and a
+    record that does not parse is named by its byte; the shard's cached index stays (its bytes are fine)."""
     features = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
-                "image/class/label": tf.io.FixedLenFeature([], tf.int64)}
+                "image/class/label": tf.io.VarLenFeature(tf.int64)}
 
-    def per_record(record):
+    def sparse_label(record):
         parsed = tf.io.parse_single_example(record, features)
-        return parsed["image/encoded"], parsed["image/class/label"] - 1  # 0-based
+        return parsed["image/encoded"], parsed["image/class/label"].values[0] - 1  # 0-based
+
+    def cropped(record):
+        encoded, label = sparse_label(record)
+        return tf.io.decode_png(encoded, channels=1)[:16, :16], label
 
     def batched(records):
-        parsed = tf.io.parse_example(records, features)
+        parsed = tf.io.parse_example(records, dict(features, **{
+            "image/class/label": tf.io.FixedLenFeature([], tf.int64)}))
         return parsed["image/encoded"], parsed["image/class/label"] - 1
 
     batched.batched = True
+    tries = []
+
+    class Counted(data.TFRecordSource):
+        def _inspect_run(self, first, count):
+            tries.append(first)
+            return super()._inspect_run(first, count)
+
     (images, labels), _ = digits
-    data_files.write_tfrecords(tmp_path, "train", images[:40], labels[:40], shards=2)
-    order, keep = np.random.default_rng(0).permutation(40), (lambda x, y, seed: (x, y))
-    read = [list(data.pipeline(data.TFRecordSource(str(tmp_path / "train-*"), parse=parse, channels=1), order,
-                               8, preprocess=keep).as_numpy_iterator()) for parse in (per_record, batched)]
-    for got in read:
-        np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), images[:40][order])
+    sizes = [16 if n % 2 else 17 for n in range(40)]  # odd-sized images, cut back to 16 by `cropped`
+    written = [np.pad(image, ((0, size - 16), (0, size - 16), (0, 0))) for image, size in zip(images[:40], sizes)]
+    with tf.io.TFRecordWriter(str(tmp_path / "train-00000-of-00002")) as first, \
+            tf.io.TFRecordWriter(str(tmp_path / "train-00001-of-00002")) as second:
+        for n, image in enumerate(written):
+            (first if n < 20 else second).write(data_files.example(data_files.png(image), labels[n] + 1))
+    order, keep = np.random.default_rng(0).permutation(40), (lambda x, y, seed: (x[:16, :16], y))
+    for parse, decode in ((sparse_label, True), (cropped, False), (batched, True)):
+        source = Counted(str(tmp_path / "train-*"), parse=parse, channels=1, decode_images=decode)
+        got = list(data.pipeline(source, order, 8, preprocess=keep).as_numpy_iterator())
+        expected = [image[:16, :16] for image in written]
+        np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), np.stack(expected)[order])
         np.testing.assert_array_equal(np.concatenate([y for _, y in got]), labels[:40][order])
+    assert tries == []
+
     bad = tmp_path / "train-00001-of-00002"
     records = list(tf.data.TFRecordDataset(str(bad)).as_numpy_iterator())
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 3 else record)
-    offset = file_sources._record_offsets(str(bad))[0][3]
-    for parse in (per_record, batched):
-        source = data.TFRecordSource(str(tmp_path / "train-*"), parse=parse, channels=1, num_classes=10)
+    offset, cache = file_sources._record_offsets(str(bad))[0][3], tmp_path / "cache"
+    for parse in (sparse_label, batched):
+        source = Counted(str(tmp_path / "train-*"), parse=parse, channels=1, num_classes=10, cache_dir=str(cache))
         with pytest.raises(tf.errors.InvalidArgumentError) as error:
-            list(data.pipeline(source, np.arange(40), 8))
+            list(data.pipeline(source, np.arange(40), 8, preprocess=keep))
         assert data.describe_error(error.value) == f"[a record that does not parse in TFRecord file] [{bad}] " \
                                                     f"[at byte] [{offset}]"
+        assert len(list(cache.glob("*.npz"))) == 2
+    with pytest.raises(ConfigurationError, match=re.escape(
+            f"TFRecord file {bad} has a record that does not parse: Could not parse example input, "
+            "value: 'not a tf.train.Example'")):
+        data.TFRecordSource(str(bad), parse=batched).num_classes  # the label pass: the reason, not TF's prefix
 
 
 def test_a_label_outside_the_class_range_is_named(tmp_path, digits):

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import posixpath
+import re
 import struct
 import tempfile
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -79,6 +80,29 @@ def default_parse(records: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
 
 
 default_parse.batched = True  # takes a vector of records: a run is parsed in one op
+
+
+def _vector_parse(parse: Callable) -> Callable:
+    """`parse` over a vector of records: itself when it says it takes one (`parse.batched`), else record
+    by record in a tf.map_fn (any function a Dataset.map takes; tf.vectorized_map fails on sparse and
+    ragged features and on decoding images of different sizes). Autograph applies, as in a Dataset.map."""
+    function = tf.function(parse)
+    if getattr(parse, "batched", False):
+        return function
+
+    def each(records: tf.Tensor):
+        outputs = function.get_concrete_function(tf.TensorSpec([], tf.string)).structured_outputs
+        signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs)
+        return tf.map_fn(function, records, fn_output_signature=signature)
+
+    return each
+
+
+def _reason(error: tf.errors.OpError) -> str:
+    """An error's first line, without the prefix tf.data puts before an error in a user function."""
+    line = re.sub(r"^\{\{[^}]*\}\}\s*", "", str(error.message).strip()).splitlines()[0]
+    return re.sub(r"^Error in user-defined function passed to .*? transformation with iterator: \S+: ", "",
+                  line)[:300]
 
 
 CHUNK = 8 << 20  # bytes per read while indexing a shard
@@ -236,9 +260,9 @@ class TFRecordSource(Source):
     rotation of its records, so a worker's share of a global batch is a run of consecutive records, read
     with one file open from a seek to its first record (any other order works, only slower). A record
     that does not parse, or fails its checksum, fails the run with an error naming the shard and byte.
-    `parse(record) -> (encoded image, label)`, applied to a run's records at once with tf.vectorized_map;
-    a parse function that takes a vector of records itself says so with `parse.batched = True` (as
-    `default_parse` does) and skips the vectorization. Labels may start at 0 or 1 (ImageNet's TFRecords
+    `parse(record) -> (encoded image, label)`, run record by record over a run; a parse function that
+    takes a vector of records says so with `parse.batched = True` (as `default_parse` does) and parses a
+    run in one call. Labels may start at 0 or 1 (ImageNet's TFRecords
     reserve 0): without `num_classes` the class count is the largest label + 1, found by one pass
     over the labels on first use (`num_classes` may also be a function, e.g. another source's count).
     Nothing touches TF's runtime before first use (MWMS must configure it first)."""
@@ -250,8 +274,7 @@ class TFRecordSource(Source):
         if not self.files:
             raise ConfigurationError(f"no TFRecord files match {pattern}.")
         self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
-        self._parse_vector = parse if getattr(parse, "batched", False) else (
-            lambda records: tf.vectorized_map(parse, records))  # per record it would cost more than the read
+        self._parse_vector = _vector_parse(parse)
         self.cache = IndexCache(cache_dir) if cache_dir else None
         self.shard_reads = 0  # shards read whole (to index them or find their labels): not the cache's
         self._identities, self._labels, sizes, shard, offsets, ends = [], [], [], [], [], []
@@ -324,8 +347,8 @@ class TFRecordSource(Source):
 
     def _shard_largest_label(self, number: int) -> int:
         path, largest = self.files[number], -1
-        labels = tf.data.TFRecordDataset(path).batch(4096).map(lambda r: tf.cast(self._parse_vector(r)[1], tf.int64),
-                                                               num_parallel_calls=AUTOTUNE)
+        labels = tf.data.TFRecordDataset(path).batch(256).map(lambda r: tf.cast(self._parse_vector(r)[1], tf.int64),
+                                                              num_parallel_calls=AUTOTUNE)  # 28 MB of ImageNet
         try:
             for batch in labels:
                 low, high = int(tf.reduce_min(batch)), int(tf.reduce_max(batch))
@@ -334,13 +357,12 @@ class TFRecordSource(Source):
                 largest = max(largest, high)
         except tf.errors.InvalidArgumentError as error:
             raise ConfigurationError(f"TFRecord file {path} has a record that does not parse: "
-                                     f"{str(error).splitlines()[0][:300]}") from None
+                                     f"{_reason(error)}") from None
         except tf.errors.DataLossError as error:  # a checksum that fails, or a shard cut short under us
             if tf.io.gfile.stat(path).length != self.sizes[number]:
                 self._forget(number)
                 raise  # changed since it was indexed: a restart indexes it again
-            raise ConfigurationError(f"TFRecord file {path} has a corrupt record: "
-                                     f"{str(error).splitlines()[0][:300]}") from None
+            raise ConfigurationError(f"TFRecord file {path} has a corrupt record: {_reason(error)}") from None
         return largest
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
@@ -427,34 +449,40 @@ class TFRecordSource(Source):
             .get_single_element()
 
     def _corrupt_record(self, first: np.int64, count: np.int64) -> bytes:
-        """The run's first record whose checksum fails on the bytes the index expects, as a message; b""
-        when none does (the shard changed or does not read: the second try's own error tells). The shard's
-        cached index goes either way: if it is stale, the next start must not meet the same failure."""
+        """The run's first record whose checksum fails, as a message; b"" when none does. Unless the run's
+        bytes are what the index expects, the shard's cached index goes: the next start must not meet the
+        same failure (when the shard changed or does not read, the second try's own error tells)."""
         first, count = int(first), int(count)
+        message, as_indexed = self._inspect_run(first, count)
+        if not as_indexed:
+            self._forget(int(self.shard[first]))
+        return message
+
+    def _inspect_run(self, first: int, count: int) -> Tuple[bytes, bool]:
+        """(message naming the first corrupt record or b"", whether the bytes are as indexed)."""
         number = int(self.shard[first])
-        self._forget(number)
         path, begin, end = self.files[number], int(self.offsets[first]), int(self.ends[first + count - 1])
         try:
             if tf.io.gfile.stat(path).length != self.sizes[number]:
-                return b""
+                return b"", False
             with tf.io.gfile.GFile(path, "rb") as f:
                 f.seek(begin)
                 data = f.read(end - begin)
         except tf.errors.OpError:
-            return b""
+            return b"", False
         for index in range(first, first + count):
             at, length = int(self.offsets[index]) - begin, int(self.ends[index] - self.offsets[index]) - 16
             if at + length + 16 > len(data):
-                return b""  # read short
+                return b"", False  # read short
             (stored,) = struct.unpack_from("<Q", data, at)
             header_ok = masked_crc32c(data[at:at + 8]) == struct.unpack_from("<I", data, at + 8)[0]
             if header_ok and stored != length:
-                return b""  # another record than the index's: the shard changed
+                return b"", False  # another record than the index's: the shard changed
             if not header_ok or masked_crc32c(data[at + 12:at + 12 + length]) != struct.unpack_from(
                     "<I", data, at + 12 + length)[0]:
                 return (f"corrupt record (checksum mismatch) in TFRecord file {path} at byte "
-                        f"{self.offsets[index]}").encode()
-        return b""
+                        f"{self.offsets[index]}").encode(), False
+        return b"", True  # the first try met a transient error, or a record that does not parse
 
     def _check(self, indices, parsed):
         """A run's labels and images, checked together (per example it would cost more than reading). The
