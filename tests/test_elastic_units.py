@@ -1,5 +1,6 @@
 """The elastic runtime's pieces on their own: store, data plan, committed state, Keras fix, imports."""
 import json
+import re
 import socket
 from types import SimpleNamespace
 
@@ -332,3 +333,19 @@ def test_the_async_checkpoint_fix_is_installed_only_where_keras_creates_a_variab
         str(tmp_path / "ckpt-2")).assert_existing_objects_matched()
     for a, b in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_data_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
+    """Otherwise every epoch has no step, and the job "trains" to the end and exits 0 having learned nothing."""
+    model, _ = _training_setup()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    from tf_elastic import elastic
+    from tf_elastic.elastic.worker.errors import ConfigurationError
+
+    x, y = np.zeros((12, 4), np.float32), np.zeros(12, np.int64)
+    with pytest.raises(ConfigurationError, match=re.escape(
+            "the training data has 12 examples, fewer than one global batch of 16 (1 replicas)")):
+        elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
+                    config=elastic.FitConfig(epochs=2, per_replica_batch_size=16), verbose=0)
+    assert not (tmp_path / "checkpoints").exists()
+

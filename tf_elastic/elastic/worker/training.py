@@ -276,13 +276,17 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
     replicas = strategy.num_replicas_in_sync
     # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
     worker_batch = config.global_batch(replicas) // world.size
+    source = x if isinstance(x, Source) else ArraySource(x, y)
+    if source.num_examples < worker_batch * world.size:
+        raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
+                                 f"batch of {worker_batch * world.size} ({replicas} replicas): an epoch would "
+                                 "have no step. Use a smaller batch size (or more data).")
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
     state = CommittedState(world, run_dir, model, schedule, durable=durable,
                            durable_every_commits=config.durable_every_commits, events=events, background=True)
     sum_fn = sum_over_workers(strategy, world)
     group = GroupState(strategy, world, state.variables, sum_fn) if world.size > 1 else None
-    source = x if isinstance(x, Source) else ArraySource(x, y)
     trainer, previous = None, None
     try:
         _start_from_group(state, group, world, events)
