@@ -104,9 +104,10 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
                            num_parallel_calls=AUTOTUNE, deterministic=True)
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, num_parallel_calls=AUTOTUNE,
                             deterministic=True)
-    if drop_remainder:
-        # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch.
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(len(indices) // batch_size))
+    # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch, and
+    # warns that the input "ran out of data" after every evaluation.
+    batches = len(indices) // batch_size if drop_remainder else -(-len(indices) // batch_size)
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(batches))
     options = tf.data.Options()
     options.deterministic = True
     # Every stage is parallel and prefetched already; the default rewrites cost ~35 ms a pipeline (grappler
