@@ -277,10 +277,11 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
     # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
     worker_batch = config.global_batch(replicas) // world.size
     source = x if isinstance(x, Source) else ArraySource(x, y)
-    if source.num_examples < worker_batch * world.size:
+    global_batch = worker_batch * world.size
+    if source.num_examples < global_batch:
         raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
-                                 f"batch of {worker_batch * world.size} ({replicas} replicas): an epoch would "
-                                 "have no step. Use a smaller batch size (or more data).")
+                                 f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
+                                 "Use a smaller batch size (or more data).")
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
     state = CommittedState(world, run_dir, model, schedule, durable=durable,
