@@ -11,7 +11,8 @@ import tensorflow as tf
 
 from conftest import run_python
 from tf_elastic import LARS, BatchResizeSchedule
-from tf_elastic.elastic.worker import keras_compat
+from tf_elastic.elastic.worker import keras_compat, training
+from tf_elastic.elastic.worker import world as world_module
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.elastic.worker.data_plan import DataPlan, replica_batch_size
 from tf_elastic.elastic.agent.round import Round
@@ -349,3 +350,15 @@ def test_data_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
                     config=elastic.FitConfig(epochs=2, per_replica_batch_size=16), verbose=0)
     assert not (tmp_path / "checkpoints").exists()
 
+
+
+def test_fits_validation_batches_count_as_progress():
+    """An ImageNet validation inside `fit` takes minutes: the watchdog must see it move."""
+    before = world_module._progress["progress"]
+    training._ElasticCallback(trainer=None).on_test_batch_end(0)
+    assert world_module._progress["progress"] == before + 1
+
+
+def test_a_global_batch_the_world_does_not_divide_names_the_agents_flag():
+    with pytest.raises(ValueError, match="--world_size_divides=12 divided by the replicas per worker"):
+        replica_batch_size("global", 8, None, 12)

@@ -66,6 +66,7 @@ AGENT_BAD = [
     (["--host_id=rack1/node3"], "--host_id='rack1/node3': use 1-128 letters"),
     (["--host_id=" + "h" * 300], "use 1-128 letters"),
     (["--preemption_signals=SIGFOO"], "--preemption_signals: unknown signal"),
+    (["--preemption_signals=SIGTERM,SIGKILL"], "--preemption_signals: SIGKILL cannot be caught"),
     (["--advertise_addr=no-such-host.invalid"], "--advertise_addr='no-such-host.invalid' does not resolve"),
 ]
 
@@ -87,3 +88,6 @@ def test_agent_help_lists_the_agents_flags():
                           text=True, timeout=60)
     for flag in ("--nproc", "--max_workers", "--progress_timeout", "--preemption_notice_url"):
         assert flag in proc.stdout, proc.stdout[-2000:]
+    help_text = " ".join(proc.stdout.split())  # (absl wraps lines)
+    assert "visible to every user in ps" in help_text  # --job_token
+    assert "password crosses the network in clear text" in help_text  # --rdzv_user without TLS

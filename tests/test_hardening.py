@@ -5,6 +5,7 @@ import fcntl
 import http.server
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,10 +14,15 @@ import time
 
 import pytest
 
+from tf_elastic.elastic.agent import workers
+from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent, RoundResult
+from tf_elastic.elastic.agent.job_record import JobRecord
 from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous
 from tf_elastic.elastic.agent.round import Round, Timeouts
-from tf_elastic.elastic.protocol import Event
-from tf_elastic.elastic.store import StoreError
+from tf_elastic.elastic.events import EventLog, read_events
+from tf_elastic.elastic.protocol import Event, Heartbeat, HostDir, write_heartbeat
+from tf_elastic.elastic.store import StoreError, StoreOptions
+from tf_elastic.elastic.store.etcd import EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.testing import audit
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
@@ -60,6 +66,27 @@ def test_file_store_lock_held_by_a_stuck_process_is_an_error_not_a_hang(tmp_path
         os.close(holder)
     store.set("/job/k", "w")
     assert store.get("/job/k") == "w"
+
+
+def test_a_lock_the_filesystem_refuses_is_a_store_error(tmp_path, monkeypatch):
+    """NFS without a lock daemon answers ENOLCK: the agent must train on as through any store outage."""
+    store = FileStore(str(tmp_path / "rdzv"))
+
+    def refused(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    with pytest.raises(StoreError, match="cannot lock the file store.*No locks available"):
+        store.set("/job/k", "v")
+
+
+def test_a_store_root_of_ours_that_others_may_read_is_made_private(tmp_path):
+    root = tmp_path / "rdzv"
+    root.mkdir(mode=0o755)
+    root.chmod(0o755)
+    FileStore(str(root)).set("/job/k", "v")
+    assert root.stat().st_mode & 0o777 == 0o700
+    assert (root / ".lock").stat().st_mode & 0o777 == 0o600
 
 
 def test_file_store_disk_errors_are_store_errors_and_files_are_synced_before_the_rename(tmp_path, monkeypatch):
@@ -118,8 +145,12 @@ def _round_record(**change):
 @pytest.mark.parametrize("text", [
     _round_record(number="3"), _round_record(participants={"a": {}}), _round_record(opened="soon"),
     _round_record(expected=[1]), _round_record(assignment={"a": ["0"]}), "[]", "null",
+    _round_record(opened=float("nan")),
+    _round_record(participants={"a": {"nproc": 2, "addr": "x", "ports": [1], "joined": 1.0, "previous_rank": None}}),
+    _round_record(participants={"a": {"nproc": 1, "addr": "x", "ports": [70000], "joined": 1.0,
+                                      "previous_rank": None}}),
 ], ids=["number as text", "empty participant", "opened as text", "expected ints", "ranks as text", "a list",
-        "null"])
+        "null", "opened NaN", "fewer ports than workers", "port out of range"])
 def test_malformed_round_records_are_store_errors_naming_the_field(text):
     with pytest.raises(StoreError, match="malformed rendezvous round record"):
         Round.from_json(text)
@@ -145,6 +176,63 @@ def test_a_second_live_agent_with_the_same_host_id_is_refused(tmp_path):
         stop.set()
         thread.join()
     _rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()  # once the first is gone, the id is free
+
+
+@pytest.mark.parametrize("raw", ["[]", "5", "null", '{"until": NaN}', '{"strikes": true}', "{"])
+def test_a_malformed_blacklist_record_is_a_store_error(tmp_path, raw):
+    store = FileStore(str(tmp_path))
+    store.set("/job/blacklist/a", raw)
+    with pytest.raises(StoreError, match="malformed blacklist record at /job/blacklist/a"):
+        JobRecord(store, "job", "a").blacklisted_for()
+
+
+def test_two_agents_started_at_once_with_one_host_id_get_one_claim(tmp_path):
+    """Containers started together with the same host name: both used to read 'free' and both claim."""
+    for attempt in range(3):
+        job = f"job{attempt}"
+        barrier, stop, outcomes = threading.Barrier(2), threading.Event(), []
+
+        def agent():
+            rendezvous = Rendezvous(FileStore(str(tmp_path)), job, "node1", nproc=1, addr="127.0.0.1",
+                                    min_workers=1, max_workers=2, max_restarts=3, timeouts=FAST)
+            barrier.wait()
+            try:
+                rendezvous.claim_host_id()
+                outcomes.append("claimed")
+                while not stop.is_set():  # a live agent renews its lease
+                    rendezvous.keepalive()
+                    time.sleep(0.05)
+            except HostIdTaken:
+                outcomes.append("refused")
+                stop.set()
+
+        threads = [threading.Thread(target=agent) for _ in range(2)]
+        [t.start() for t in threads]
+        deadline = time.time() + 10
+        while len(outcomes) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        [t.join() for t in threads]
+        assert sorted(outcomes) == ["claimed", "refused"], (attempt, outcomes)
+
+
+def test_an_agent_whose_lapsed_lease_was_taken_by_another_stops(tmp_path):
+    store = FileStore(str(tmp_path))
+    first = _rendezvous(store, "node1")
+    first.claim_host_id()
+    store.delete("/job/hosts/node1")  # as if its lease expired while it was stopped or cut off
+    _rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()
+    with pytest.raises(HostIdTaken, match="took --host_id='node1'"):
+        first.keepalive()
+
+
+def test_a_lease_that_lapsed_unclaimed_is_taken_back(tmp_path):
+    store = FileStore(str(tmp_path))
+    first = _rendezvous(store, "node1")
+    first.claim_host_id()
+    store.delete("/job/hosts/node1")
+    first.keepalive()
+    assert json.loads(store.get("/job/hosts/node1"))["incarnation"] == first.incarnation
 
 
 def test_two_agents_of_one_address_get_different_ports_from_a_port_range(tmp_path):
@@ -178,6 +266,131 @@ def test_losing_the_race_to_open_the_next_round_never_fails_the_job(tmp_path):
     assert a.job.outcome() is None
 
 
+
+
+# One agent, driven in this process, with real worker processes ----------------------------------------
+@pytest.fixture
+def agent(tmp_path):
+    """An agent whose store is an etcd that cannot be reached (a closed port on 127.0.0.1)."""
+    store = EtcdStore([f"127.0.0.1:{free_port()}"], StoreOptions(request_timeout=0.2))
+    made = ElasticAgent(AgentConfig(command=["true"], job_id="job", run_dir=str(tmp_path / "run"), host_id="a",
+                                    stop_grace=10, monitor_interval=0.05), store)
+    yield made
+    shutil.rmtree(made.host_dir.path, ignore_errors=True)
+
+
+def _trainer(tmp_path, name, wrapped):
+    """A worker that commits for 1 s on SIGTERM, then exits; behind `sh -c ... & wait` if `wrapped`.
+    Returns the Worker and the trainer's PID."""
+    code = (f"import pathlib, signal, sys, time, os\n"
+            f"def term(*_):\n    time.sleep(1.0)\n    pathlib.Path({str(tmp_path / name)!r}).write_text('committed')\n"
+            f"    sys.exit(0)\n"
+            f"signal.signal(signal.SIGTERM, term)\n"
+            f"pathlib.Path({str(tmp_path / (name + '.pid'))!r}).write_text(str(os.getpid()))\n"
+            f"time.sleep(600)\n")
+    script = tmp_path / f"{name}.py"
+    script.write_text(code)
+    command = ["sh", "-c", f"{sys.executable} {script} & wait"] if wrapped else [sys.executable, str(script)]
+    process = workers.spawn(command, dict(os.environ), warm=False)
+    pid_file = tmp_path / f"{name}.pid"
+    deadline = time.time() + 30
+    while not pid_file.exists() and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)  # (the handler is installed before the PID is written)
+    return workers.Worker(0, process, tmp_path / f"{name}.heartbeat"), int(pid_file.read_text())
+
+
+def test_a_wrapped_trainer_is_waited_for_and_never_outlives_its_worker(tmp_path, agent):
+    """`sh -c` dies at SIGTERM at once: the agent used to move on while the trainer behind it still
+    committed (and then overlapped the next round); and a wrapper that exited left its child running."""
+    worker, trainer = _trainer(tmp_path, "wrapped", wrapped=True)
+    agent._stop([worker])
+    assert (tmp_path / "wrapped").read_text() == "committed"  # waited for the trainer's commit
+    assert not running(trainer)
+    orphaned = workers.spawn(["sh", "-c", f"sleep 600 & echo $! > {tmp_path / 'sleep.pid'}; exit 1"], dict(os.environ),
+                             warm=False)
+    assert orphaned.wait(timeout=10) == 1
+    child = int((tmp_path / "sleep.pid").read_text())
+    assert running(child)
+    workers.Worker(0, orphaned, tmp_path / "hb").close()
+    assert not running(child)
+
+
+def test_a_notice_while_the_store_is_unreachable_still_stops_and_commits(tmp_path, agent):
+    """The agent used to retry the store forever before stopping its workers, who trained on."""
+    worker, trainer = _trainer(tmp_path, "plain", wrapped=False)
+    round_ = Round(0, "frozen", "start", 0, time.time(), {}, [], {"a": [0]}, ["127.0.0.1:1"])
+    agent._on_leave_signal(signal.SIGTERM, None)
+    assert agent._check_round(round_, [worker], changed=True) is RoundResult.LEFT
+    assert (tmp_path / "plain").read_text() == "committed" and not running(trainer)
+    assert [e["event"] for e in read_events(tmp_path / "run")] == [Event.PREEMPTION_NOTICE.value, Event.LEAVE.value]
+
+
+def test_a_notice_signal_never_waits_for_the_event_log(tmp_path, agent):
+    """The handler runs on the main thread, which may hold the event log's lock at that moment: writing
+    the event from the handler would wait for itself forever."""
+    log = EventLog(tmp_path / "run", "test")
+    with open(log.path, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the interrupted main thread would hold it
+        handler = threading.Thread(target=agent._on_leave_signal, args=(signal.SIGUSR1, None), daemon=True)
+        handler.start()
+        handler.join(timeout=5)
+        assert not handler.is_alive() and agent._leaving
+    agent._report_notice()
+    notices = [e for e in read_events(tmp_path / "run") if e["event"] == Event.PREEMPTION_NOTICE.value]
+    assert [e["notice"] for e in notices] == ["signal SIGUSR1"]
+
+
+def test_the_heartbeat_outlives_disk_errors_and_workers_ignore_notice_signals_until_fit(tmp_path):
+    """A heartbeat write that failed (a full or vanished disk) used to end the heartbeat thread, and with
+    it the watch on the agent; a worker signalled by Slurm before training used to die of SIGUSR1."""
+    heartbeat = tmp_path / "later" / "heartbeat"
+    code = ("import os, signal, time\n"
+            "from tf_elastic.elastic.worker.world import World, report_progress, start_heartbeat\n"
+            "world = World.from_env()\n"
+            "thread = start_heartbeat(world, interval=0.05)\n"
+            "report_progress(1)\n"  # the first step's write, on the main thread: fails, must not raise
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "time.sleep(0.3)\n"
+            f"os.mkdir({str(heartbeat.parent)!r})\n"
+            "time.sleep(0.5)\n"
+            "print('alive', thread.is_alive())\n")
+    env = dict(repo_env(), TF_ELASTIC_HEARTBEAT_FILE=str(heartbeat), TF_ELASTIC_STOP_SIGNALS="SIGTERM,SIGUSR1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "alive True" in proc.stdout
+    assert "cannot write the heartbeat file" in proc.stderr
+    assert Heartbeat.from_text(heartbeat.read_text()).step == 1
+
+
+def test_the_derived_progress_timeout_measures_the_longest_wait_for_progress(tmp_path):
+    beat = tmp_path / "heartbeat"
+    worker = workers.Worker(0, subprocess.Popen(["true"]), beat)
+    for progress, pause in [(1, 0.0), (2, 0.05), (3, 0.4), (4, 0.05)]:
+        time.sleep(pause)
+        write_heartbeat(beat, Heartbeat(step=progress, progress=progress, beat=progress))
+        worker.observe()
+    worker.process.wait()
+    assert 0.35 < worker.longest_gap < 1.0
+
+
+def test_host_dirs_of_live_agents_are_kept_whatever_their_pid(tmp_path, monkeypatch):
+    """Agents in other PID namespaces (containers sharing /tmp) have PIDs this one cannot see: a dead PID
+    does not make a directory dead; only a lock nobody holds does."""
+    monkeypatch.setattr(workers.tempfile, "gettempdir", lambda: str(tmp_path))
+    live = tmp_path / f"{HostDir.PREFIX}999999999-live"  # a PID that does not exist here
+    dead = tmp_path / f"{HostDir.PREFIX}999999998-dead"
+    for path in (live, dead):
+        path.mkdir()
+        os.utime(path, (time.time() - 3600, time.time() - 3600))
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # (another open file description: as another process would hold it)
+    try:
+        assert workers.sweep_dead_agents_dirs() == [str(dead)]
+        assert live.exists() and not dead.exists()
+    finally:
+        os.close(held)
 
 
 # With real agents and workers ------------------------------------------------------------------------
@@ -267,6 +480,21 @@ def test_a_third_host_waits_as_standby_and_takes_a_freed_place(job):
     assert not job.events(Event.EXIT)  # nobody gave up waiting
 
 
+@pytest.mark.slow
+def test_only_worlds_whose_size_divides_the_given_number_form(job):
+    """With --batch_policy=global a world of 3 cannot split a global batch of 4: it must never form."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    job.agent_args = ["--nowarm_start", "--min_workers=1", "--max_workers=3", "--last_call=0.5",
+                      "--world_size_divides=4"]
+    for host in "abc":
+        job.start_agent(host, command=sleeper)
+    job.wait_for(lambda: any(e["world_size"] == 2 for e in job.events(Event.RENDEZVOUS)), timeout=60,
+                 what="a world of two")
+    time.sleep(2.0)  # time enough for a world of three to form, if it could
+    assert {e["world_size"] for e in job.events(Event.RENDEZVOUS)} <= {1, 2}
+    assert not job.events(Event.EXIT)
+
+
 class _Notices(http.server.BaseHTTPRequestHandler):
     """A metadata-server stand-in: 404 (no notice) until `notice` is set, as AWS's spot endpoint does."""
     notice = None
@@ -303,6 +531,7 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
         job.first_step_after(noticed, world_size=2)
         signalled = time.time()
         job.agents["b"].send_signal(signal.SIGUSR1)
+        signal_pid(job.worker_pid("b"), signal.SIGUSR1)  # Slurm signals every process of the step
         job.first_step_after(signalled, world_size=1)
         stuck = time.time()
         signal_pid(job.worker_pid("a"), signal.SIGUSR2)

@@ -41,13 +41,17 @@ def test_compare_and_set_list_and_leases(store, job):
     assert store.compare_and_set(f"/{job}/round", "1", "2") and store.get(f"/{job}/round") == "2"
     store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
     store.set(f"/{job}/hosts/b", "{}")
-    assert set(store.list(f"/{job}/hosts")) == {f"/{job}/hosts/a", f"/{job}/hosts/b"}  # as `get` takes them
+    assert store.compare_and_set(f"/{job}/hosts/c", None, "{}", ttl=1.0)  # a lease taken by compare-and-set
+    assert not store.compare_and_set(f"/{job}/hosts/c", None, "{}", ttl=1.0)
+    assert set(store.list(f"/{job}/hosts")) == {f"/{job}/hosts/{h}" for h in "abc"}  # as `get` takes them
     for _ in range(12):  # renewed every 0.1 s: stays for longer than its TTL
         store.set(f"/{job}/hosts/a", "{}", ttl=1.0)
+        store.set(f"/{job}/hosts/c", "{}", ttl=1.0)
         time.sleep(0.1)
-    assert store.get(f"/{job}/hosts/a") == "{}"
+    assert store.get(f"/{job}/hosts/a") == "{}" and store.get(f"/{job}/hosts/c") == "{}"
     time.sleep(2.2)
-    assert store.get(f"/{job}/hosts/a") is None and set(store.list(f"/{job}/hosts")) == {f"/{job}/hosts/b"}
+    assert store.get(f"/{job}/hosts/a") is None and store.get(f"/{job}/hosts/c") is None
+    assert set(store.list(f"/{job}/hosts")) == {f"/{job}/hosts/b"}
     store.delete(f"/{job}/hosts/b")
     assert store.list(f"/{job}/hosts") == {}
 

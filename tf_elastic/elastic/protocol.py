@@ -23,6 +23,9 @@ class Env:
     LOCAL_RANK = "TF_ELASTIC_LOCAL_RANK"
     HOST_ID = "TF_ELASTIC_HOST_ID"  # names the host's commit directory: hosts may share a run dir, or not
     AGENT_PID = "TF_ELASTIC_AGENT_PID"  # a worker ends itself once its agent is gone (even when it was SIGKILLed)
+    # The agent's preemption signals (names, comma-separated): a worker that receives one itself (Slurm's
+    # --signal reaches every process of a step) commits and stops as on SIGTERM instead of dying of it.
+    STOP_SIGNALS = "TF_ELASTIC_STOP_SIGNALS"
     TEST_FAULTS = "TF_ELASTIC_TEST_FAULTS"  # test only: SIGUSR2 blocks the worker's main thread (a stuck step)
     # Test only: a directory; while it holds a file named after a point of a commit ("local": files written,
     # state file not yet; "durable": a copy's files written, marker not yet), commits wait there.
@@ -152,9 +155,9 @@ class RunDir:
 
 
 class HostDir:
-    """An agent's host-local directory (never shared): its workers' heartbeats and warm-start markers. Its
-    name carries the agent's PID so that a later agent on the host can remove what a SIGKILLed one left
-    (`HostDir.PREFIX` + pid + "-")."""
+    """An agent's host-local directory (never shared): its workers' heartbeats and warm-start markers.
+    Named `HostDir.PREFIX` + the agent's PID + "-"; the agent holds a lock on it while it lives, so that a
+    later agent on the host can remove what a SIGKILLed one left."""
 
     PREFIX = "tf_elastic-agent"
 

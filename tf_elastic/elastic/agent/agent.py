@@ -80,7 +80,9 @@ class ElasticAgent:
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
         self.host_dir = workers.make_host_dir()
         self._leaving = False
-        self._notice: Optional[Tuple[float, str]] = None  # (when, what) of a preemption notice
+        # (monotonic, wall clock, what) of a preemption notice; reported from the main loop, not the handler
+        self._notice: Optional[Tuple[float, datetime.datetime, str]] = None
+        self._notice_reported = False
         self._warm: Dict[int, Spare] = {}  # local slot -> its warm worker
         self._warm_spawned = 0
         self._own_failures = 0  # failures of this host's own workers, in a row
@@ -111,7 +113,8 @@ class ElasticAgent:
                 except RendezvousTimeout as timeout:
                     return self._exit(AgentExit.FAILED, str(timeout))
                 if round_ is None:
-                    self.rendezvous.leave()
+                    self._report_notice()
+                    self._release_lease()
                     return self._exit(AgentExit.OK, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
                 self.events.write(Event.RENDEZVOUS, round=round_.number, world_size=round_.world_size, ranks=ranks,
@@ -201,7 +204,8 @@ class ElasticAgent:
         the slot's devices (set before the worker imports TensorFlow: a warm worker has done so already)."""
         env = {k: v for k, v in os.environ.items() if k not in Env.SECRETS}  # workers never need them
         env.update(self.config.extra_env or {})
-        env.update({Env.AGENT_PID: str(os.getpid()), Env.LOCAL_RANK: str(slot)})
+        env.update({Env.AGENT_PID: str(os.getpid()), Env.LOCAL_RANK: str(slot),
+                    Env.STOP_SIGNALS: ",".join(signal.Signals(s).name for s in self.config.preemption_signals)})
         if self.config.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
         return env
@@ -371,31 +375,45 @@ class ElasticAgent:
         return worker.silent_for() > limit
 
     def _leave(self, round_: Round, running: List[Worker]) -> RoundResult:
-        current = self.rendezvous.current()
-        if current is not None and current.number == round_.number:
-            self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
+        """Opens the next round without this host (so the others stop at an agreed step too), then stops
+        our workers, who commit. With the store unreachable the workers still stop and commit: the others
+        see this host go once its lease expires."""
+        self._report_notice()
+        try:
+            current = self.rendezvous.current()
+            if current is not None and current.number == round_.number:
+                self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
+        except StoreError as error:
+            logging.warning("leaving while the rendezvous store is unreachable (%s)", error)
         self._stop(running)
-        self.rendezvous.leave()
+        self._release_lease()
         noticed = self._notice and round(time.monotonic() - self._notice[0], 2)
         self.events.write(Event.LEAVE, round=round_.number, host=self.host_id, seconds_after_notice=noticed)
         return RoundResult.LEFT
+
+    def _release_lease(self) -> None:
+        try:
+            self.rendezvous.leave()
+        except StoreError:
+            pass  # unreachable: the lease expires within host_ttl
 
     # Processes ---------------------------------------------------------------------------------------
     def _stop(self, running: List[Worker]) -> None:
         """SIGTERM (workers commit at their next step boundary and exit), SIGKILL after the grace period."""
         for worker in running:
-            if worker.process.poll() is None:
+            if worker.running():
                 workers.signal_group(worker.process, signal.SIGTERM)
         self._await_exit(running, self.config.stop_grace)
         for worker in running:
-            if worker.process.poll() is None:
+            if worker.running():
                 logging.warning("rank %d ignored SIGTERM for %.0fs; killing it", worker.rank, self.config.stop_grace)
         self._kill(running)
 
     def _await_exit(self, running: List[Worker], grace: float) -> None:
-        """Waits up to `grace` seconds for the workers to exit, renewing this host's lease meanwhile."""
+        """Waits up to `grace` seconds for the workers (their whole process groups) to exit, renewing this
+        host's lease meanwhile."""
         deadline = time.monotonic() + grace
-        while any(w.process.poll() is None for w in running) and time.monotonic() < deadline:
+        while any(w.running() for w in running) and time.monotonic() < deadline:
             try:
                 self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
             except StoreError:
@@ -412,14 +430,22 @@ class ElasticAgent:
         self._on_notice(f"signal {signal.Signals(signum).name}")
 
     def _on_notice(self, what: str) -> None:
-        """A preemption notice (a signal, or the notice URL): commit and leave, once."""
+        """A preemption notice (a signal, or the notice URL): commit and leave, once. Only flags are set
+        here: a signal handler that wrote the event log could wait forever on the log's lock, held by
+        the very main thread it interrupted."""
         if self._notice is None:
-            self._notice = (time.monotonic(), what)
-            left = preemption.seconds_left(what, datetime.datetime.now(datetime.timezone.utc))
-            self.events.write(Event.PREEMPTION_NOTICE, host=self.host_id, notice=what, seconds_left=left)
+            self._notice = (time.monotonic(), datetime.datetime.now(datetime.timezone.utc), what)
         self._leaving = True
 
+    def _report_notice(self) -> None:
+        if self._notice is not None and not self._notice_reported:
+            self._notice_reported = True
+            _, when, what = self._notice
+            self.events.write(Event.PREEMPTION_NOTICE, host=self.host_id, notice=what,
+                              seconds_left=preemption.seconds_left(what, when))
+
     def _exit(self, code: AgentExit, reason: str) -> int:
+        self._report_notice()
         self.events.write(Event.EXIT, code=int(code), reason=reason, host=self.host_id)
         (logging.info if code == AgentExit.OK else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
         return int(code)

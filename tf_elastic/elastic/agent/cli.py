@@ -26,7 +26,8 @@ flags.DEFINE_integer("min_workers", 1, "Fewest workers the job trains with.", lo
 flags.DEFINE_integer("max_workers", 1, "Most workers the job trains with.", lower_bound=1)
 flags.DEFINE_string("rdzv", None, "Rendezvous store URL: file:///SHARED/DIR or etcd://HOST:PORT[,HOST:PORT...] "
                     f"(schemes: {', '.join(sorted(BACKENDS))}).")
-flags.DEFINE_string("rdzv_user", None, f"etcd user name (with --rdzv_password or {Env.RDZV_PASSWORD}).")
+flags.DEFINE_string("rdzv_user", None, f"etcd user name (with --rdzv_password or {Env.RDZV_PASSWORD}). Without "
+                    f"TLS (--rdzv_ca_cert) the password crosses the network in clear text.")
 flags.DEFINE_string("rdzv_password", None, f"etcd password; prefer {Env.RDZV_PASSWORD} (argv is visible in ps).")
 flags.DEFINE_string("rdzv_ca_cert", None, "TLS: CA certificate to verify etcd with (switches to https).")
 flags.DEFINE_string("rdzv_cert", None, "TLS: client certificate for etcd (with --rdzv_key).")
@@ -36,7 +37,7 @@ flags.DEFINE_float("rdzv_request_timeout", 2.0, "Seconds per store request befor
 flags.DEFINE_string("job_token", None, f"Shared secret every agent of the job presents; an agent with another "
                     f"token is refused. Prefer {Env.JOB_TOKEN}: a flag's value is visible to every user in ps.")
 flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
-flags.DEFINE_string("run_dir", None, "Run directory (checkpoints, events.jsonl); shared by all hosts.")
+flags.DEFINE_string("run_dir", None, "Run directory (commits, events.jsonl): host-local, or shared by the hosts.")
 flags.DEFINE_integer("max_restarts", 3, "Failures tolerated before the job fails (joins and leaves are free).",
                      lower_bound=0)
 flags.DEFINE_float("heartbeat_timeout", 3.0,
@@ -70,8 +71,9 @@ flags.DEFINE_string("preemption_notice_url", None, "A metadata URL polled for a 
                     ".../instance/preempted or .../maintenance-event, AWS .../spot/instance-action).")
 flags.DEFINE_float("preemption_poll_interval", 1.0, "Seconds between polls of --preemption_notice_url.",
                    lower_bound=0.1)
-flags.DEFINE_integer("world_size_divides", None, "Form only worlds whose size divides this number (your global "
-                     "batch with --batch_policy=global); extra workers wait as standby.", lower_bound=1)
+flags.DEFINE_integer("world_size_divides", None, "Form only worlds whose number of workers divides this number; "
+                     "extra workers wait as standby. With --batch_policy=global: the global batch divided by the "
+                     "replicas each worker trains (1 a worker unless it drives several devices).", lower_bound=1)
 flags.DEFINE_bool("warm_start", True, "Start each next worker ahead of its round (imports done before a restart).")
 flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indices they train on.")
 FLAGS = flags.FLAGS
@@ -150,10 +152,15 @@ def _advertise_addr() -> str:
 
 def _signals() -> Tuple[int, ...]:
     try:
-        return tuple(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
-                     for name in FLAGS.preemption_signals)
+        chosen = tuple(signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+                       for name in FLAGS.preemption_signals)
     except KeyError as error:
         raise app.UsageError(f"--preemption_signals: unknown signal {error} (e.g. SIGTERM,SIGUSR1).") from None
+    uncatchable = [s.name for s in chosen if s in (signal.SIGKILL, signal.SIGSTOP)]
+    if uncatchable:
+        raise app.UsageError(f"--preemption_signals: {', '.join(uncatchable)} cannot be caught, so it cannot "
+                             f"start a graceful leave; use a catchable signal (e.g. SIGTERM,SIGUSR1).")
+    return chosen
 
 
 def main(argv: List[str]) -> int:

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import hmac
 import json
+import math
 import time
 from typing import Dict, Optional
 
@@ -124,9 +125,12 @@ class JobRecord:
         raw = self.store.get(key)
         try:
             record = json.loads(raw) if raw else {}
-            numbers = all(isinstance(record.get(k, 0), (int, float)) for k in ("strikes", "until"))
-            if isinstance(record, dict) and numbers:
-                return record
         except ValueError:
-            pass
+            record = None
+        if isinstance(record, dict) and all(_finite(record.get(k, 0)) for k in ("strikes", "until")):
+            return record
         raise StoreError(f"malformed blacklist record at {key}: {raw[:200]!r}")
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

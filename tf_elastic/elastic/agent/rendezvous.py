@@ -50,13 +50,16 @@ class Rendezvous:
     # Leases ---------------------------------------------------------------------------------------
     def claim_host_id(self) -> None:
         """Takes this host id's lease, or raises `HostIdTaken` if another agent keeps renewing it. A lease
-        left by a dead agent (SIGKILL, then a restart) expires within `host_ttl`: we wait that out."""
+        left by a dead agent (SIGKILL, then a restart) expires within `host_ttl`: we wait that out. The
+        lease is taken by compare-and-set: of two agents started together with one id, one wins."""
         key = self.keys.host(self.host_id)
         deadline = time.monotonic() + 3 * self.timeouts.host_ttl + 1.0
         while True:
             raw = self.store.get(key)
-            holder = _incarnation(raw)
-            if raw is None or holder == self.incarnation:
+            if raw is None and self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl):
+                self._claimed = True
+                return
+            if raw is not None and _incarnation(raw) == self.incarnation:
                 self._claimed = True
                 return self.keepalive()
             if time.monotonic() > deadline:
@@ -65,8 +68,21 @@ class Rendezvous:
             time.sleep(self.timeouts.host_ttl / 4)
 
     def keepalive(self) -> None:
-        lease = {"addr": self.addr, "nproc": self.nproc, "incarnation": self.incarnation}
-        self.store.set(self.keys.host(self.host_id), json.dumps(lease), ttl=self.timeouts.host_ttl)
+        """Renews this host's lease; raises `HostIdTaken` if another agent took the id meanwhile (ours
+        lapsed while this agent was stopped or cut off from the store)."""
+        key = self.keys.host(self.host_id)
+        raw = self.store.get(key)
+        if raw is None:
+            if self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl):
+                return
+            raw = self.store.get(key)
+        if raw is not None and _incarnation(raw) != self.incarnation:
+            raise HostIdTaken(f"another agent took --host_id={self.host_id!r} in job {self.job.job_id!r} while "
+                              f"this one's lease had lapsed; this agent stops its workers and exits")
+        self.store.set(key, self._lease(), ttl=self.timeouts.host_ttl)
+
+    def _lease(self) -> str:
+        return json.dumps({"addr": self.addr, "nproc": self.nproc, "incarnation": self.incarnation})
 
     def leave(self) -> None:
         self.store.delete(self.keys.host(self.host_id))

@@ -3,6 +3,7 @@ that govern rounds."""
 import dataclasses
 import enum
 import json
+import math
 from typing import Dict, List, Optional
 
 from tf_elastic.elastic.store import StoreError
@@ -65,6 +66,10 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check(ok: bool, field: str) -> None:
     if not ok:
         raise ValueError(f"bad {field}")
@@ -75,13 +80,14 @@ def _check_types(round_: Round) -> None:
     _check(round_.phase in tuple(Phase), "phase")
     _check(isinstance(round_.reason, str), "reason")
     _check(_is_int(round_.restarts) and round_.restarts >= 0, "restarts")
-    _check(isinstance(round_.opened, (int, float)), "opened")
+    _check(_is_number(round_.opened), "opened")
     _check(isinstance(round_.expected, list) and all(isinstance(h, str) for h in round_.expected), "expected")
     _check(isinstance(round_.participants, dict), "participants")
     for host, info in round_.participants.items():
         _check(isinstance(info, dict) and _is_int(info.get("nproc")) and info["nproc"] > 0
-               and isinstance(info.get("addr"), str) and isinstance(info.get("joined"), (int, float))
-               and isinstance(info.get("ports"), list) and all(_is_int(p) for p in info["ports"])
+               and isinstance(info.get("addr"), str) and _is_number(info.get("joined"))
+               and isinstance(info.get("ports"), list) and len(info["ports"]) >= info["nproc"]
+               and all(_is_int(p) and 0 < p < 65536 for p in info["ports"])
                and (info.get("previous_rank") is None or _is_int(info["previous_rank"])), f"participant {host!r}")
     if round_.assignment is not None:
         _check(isinstance(round_.assignment, dict) and all(

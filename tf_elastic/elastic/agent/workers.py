@@ -5,6 +5,7 @@ Heartbeats are timed on the agent's own monotonic clock (when did the content la
 a file's mtime against the wall clock, and live in the agent's host-local directory.
 """
 import dataclasses
+import fcntl
 import json
 import os
 import shutil
@@ -19,18 +20,38 @@ from tf_elastic.elastic.protocol import Heartbeat, HostDir, read_heartbeat
 
 
 def make_host_dir() -> HostDir:
-    """A fresh host-local directory for this agent (see `HostDir`)."""
-    return HostDir(tempfile.mkdtemp(prefix=f"{HostDir.PREFIX}{os.getpid()}-"))
+    """A fresh host-local directory for this agent (see `HostDir`), locked while the agent lives."""
+    path = tempfile.mkdtemp(prefix=f"{HostDir.PREFIX}{os.getpid()}-")
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
+    _held_locks.append(fd)
+    return HostDir(path)
+
+
+_held_locks: List[int] = []
+_SWEEP_AFTER = 60.0  # seconds unchanged: a directory just made may not be locked yet
 
 
 def sweep_dead_agents_dirs() -> List[str]:
-    """Removes the host directories of agents on this host that died without cleaning up (SIGKILL)."""
+    """Removes the host directories of agents on this host that died without cleaning up (SIGKILL).
+
+    An agent's directory is dead when nobody holds its lock: a PID would not do, since agents in other
+    PID namespaces (containers sharing /tmp) have PIDs this one cannot see."""
     removed = []
     for path in Path(tempfile.gettempdir()).glob(f"{HostDir.PREFIX}*-*"):
-        pid = path.name[len(HostDir.PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(str(path))
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if time.time() - path.stat().st_mtime > _SWEEP_AFTER:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(str(path))
+        except OSError:
+            pass  # locked: its agent lives
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -47,6 +68,32 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def group_running(process: subprocess.Popen) -> bool:
+    """Whether anything of the process's group still runs, zombies aside: a wrapper (`sh -c`, `conda run`)
+    may be gone while the trainer it started still commits."""
+    if process.poll() is None:
+        return True
+    try:
+        os.killpg(process.pid, 0)  # the common case: the group is empty
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return True  # no /proc: a member exists, zombie or not
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                state, _, group = stat.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        if int(group) == process.pid and state != b"Z":
+            return True
+    return False
 
 
 def kill(process: subprocess.Popen) -> None:
@@ -111,9 +158,17 @@ class Worker:
         """Seconds since the main thread last made progress (0 before the first step)."""
         return time.monotonic() - self.progress_at if self.training else 0.0
 
-    def close(self) -> None:
-        """Kills the group if it still runs; removes the heartbeat."""
-        if self.process.poll() is None:
+    def running(self) -> bool:
+        """The worker's process, or anything it started, still runs."""
+        return group_running(self.process)
+
+    def close(self, wait: float = 2.0) -> None:
+        """Kills the group if anything of it still runs, and waits up to `wait` seconds for it to go (a
+        trainer behind a wrapper must not overlap the next round); removes the heartbeat."""
+        if self.running():
             signal_group(self.process, signal.SIGKILL)
         self.process.wait()
+        deadline = time.monotonic() + wait
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.heartbeat.unlink(missing_ok=True)

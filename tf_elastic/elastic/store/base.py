@@ -39,8 +39,9 @@ class Store(abc.ABC):
         """Writes `value`; with `ttl` the key disappears `ttl` seconds after its last write."""
 
     @abc.abstractmethod
-    def compare_and_set(self, key: str, expected: Optional[str], value: str) -> bool:
-        """Writes `value` only if the current value is `expected` (None: absent); True if written."""
+    def compare_and_set(self, key: str, expected: Optional[str], value: str, ttl: Optional[float] = None) -> bool:
+        """Writes `value` only if the current value is `expected` (None: absent); True if written. With
+        `ttl`, as `set`'s."""
 
     @abc.abstractmethod
     def list(self, prefix: str) -> Dict[str, str]:

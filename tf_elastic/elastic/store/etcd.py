@@ -65,15 +65,21 @@ class EtcdStore(Store):
         self._call("/v3/kv/put", request)
         self._written[key] = (value, lease)
 
-    def compare_and_set(self, key: str, expected: Optional[str], value: str) -> bool:
+    def compare_and_set(self, key: str, expected: Optional[str], value: str, ttl: Optional[float] = None) -> bool:
         name = _b64(ROOT + key)
         if expected is None:
             compare = {"key": name, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
         else:
             compare = {"key": name, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
-        reply = self._call("/v3/kv/txn", {"compare": [compare],
-                                          "success": [{"request_put": {"key": name, "value": _b64(value)}}]})
-        return bool(reply.get("succeeded"))
+        put = {"key": name, "value": _b64(value)}
+        lease = self._lease(ttl) if ttl is not None else ""
+        if lease:
+            put["lease"] = lease
+        reply = self._call("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
+        if reply.get("succeeded"):
+            self._written[key] = (value, lease)
+            return True
+        return False
 
     def list(self, prefix: str) -> Dict[str, str]:
         start = ROOT + prefix.rstrip("/") + "/"

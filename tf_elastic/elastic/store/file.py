@@ -40,6 +40,11 @@ class FileStore(Store):
         if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise StoreError(f"the file store {root!r} is writable by group or others (mode "
                              f"{stat.S_IMODE(info.st_mode):o}); chmod 700 it: whoever can write it controls the job")
+        if info.st_mode & 0o077:
+            try:  # ours, made by someone else's umask or an older version: others may not read it either
+                self.root.chmod(0o700)
+            except OSError as error:
+                raise StoreError(f"cannot make the file store {root!r} private (chmod 700): {error}") from None
         self._lock_path = self.root / ".lock"
         # path -> (version, when this reader first saw it), on this process's monotonic clock
         self._seen: Dict[Path, Tuple[str, float]] = {}
@@ -51,12 +56,12 @@ class FileStore(Store):
         with self._locked():
             self._write(self._path(key), value, ttl)
 
-    def compare_and_set(self, key: str, expected: Optional[str], value: str) -> bool:
+    def compare_and_set(self, key: str, expected: Optional[str], value: str, ttl: Optional[float] = None) -> bool:
         with self._locked():
             path = self._path(key)
             if self._read(path) != expected:
                 return False
-            self._write(path, value, None)
+            self._write(path, value, ttl)
             return True
 
     def list(self, prefix: str) -> Dict[str, str]:
@@ -140,6 +145,7 @@ class FileStore(Store):
         hung must not block every agent's keepalive forever."""
         try:
             fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.fchmod(fd, 0o600)
         except OSError as error:
             raise StoreError(f"cannot open the file store's lock {self._lock_path}: {error}") from None
         try:
@@ -153,10 +159,12 @@ class FileStore(Store):
                         raise StoreError(f"the file store's lock {self._lock_path} is held by another process "
                                          f"for over {self.lock_timeout:g}s") from None
                     time.sleep(0.005)
+                except OSError as error:  # ENOLCK (NFS without a lock daemon), EIO
+                    raise StoreError(f"cannot lock the file store's {self._lock_path}: {error}") from None
             try:
                 yield
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)  # cannot fail on a lock this descriptor holds
         finally:
             os.close(fd)
 

@@ -24,7 +24,9 @@ def replica_batch_size(policy: str, replicas: int, per_replica: Optional[int], g
             raise ValueError(f"--global_batch_size must be > 0 with --batch_policy=global; got {global_batch}.")
         if global_batch % replicas:
             raise ValueError(f"--global_batch_size={global_batch} is not divisible by the {replicas} replicas of "
-                             f"this world (--batch_policy=global needs equal per-replica batches).")
+                             f"this world (--batch_policy=global needs equal per-replica batches). Give the "
+                             f"agents --world_size_divides={global_batch} divided by the replicas per worker, so "
+                             f"that only worlds that divide the global batch form.")
         return global_batch // replicas
     raise ValueError(f"--batch_policy must be one of {', '.join(BATCH_POLICIES)}; got {policy!r}.")
 

@@ -82,8 +82,8 @@ class ProgressCallback(keras.callbacks.Callback):
         report_activity()
 
 
-class _ElasticCallback(keras.callbacks.Callback):
-    """Hands Keras's epoch and batch boundaries to the trainer."""
+class _ElasticCallback(ProgressCallback):
+    """Hands Keras's epoch and batch boundaries to the trainer; `fit`'s validation batches are progress."""
 
     def __init__(self, trainer: "_ElasticTrainer"):
         super().__init__()
@@ -288,12 +288,13 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
                            durable_every_commits=config.durable_every_commits, events=events, background=True)
     sum_fn = sum_over_workers(strategy, world)
     group = GroupState(strategy, world, state.variables, sum_fn) if world.size > 1 else None
-    trainer, previous = None, None
+    trainer, previous = None, {}
     try:
         _start_from_group(state, group, world, events)
         trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
                                   state=state, config=config, worker_batch=worker_batch, events=events, sum_fn=sum_fn)
-        previous = signal.signal(signal.SIGTERM, lambda *_: setattr(trainer, "stop_requested", True))
+        previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
+                    for sig in world.stop_signals}
         if schedule is not None:
             schedule.resize(state.step, trainer.global_batch)
         for begin, end in trainer.epoch_spans(config.epochs):
@@ -317,7 +318,8 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray
                                  f"{describe_error(error)}") from None
     finally:
         if trainer:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             trainer.close()
         state.close()
     digest = group.digest() if group else None

@@ -11,7 +11,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Tuple
+
+from absl import logging
 
 from tf_elastic.elastic.protocol import Env, Heartbeat, write_heartbeat
 
@@ -30,6 +32,7 @@ class World:
     agent_pid: Optional[int] = None
     local_rank: int = 0
     host_id: Optional[str] = None
+    stop_signals: Tuple[int, ...] = (signal.SIGTERM,)  # each asks for a commit and a stop
 
     @property
     def keeps_commits(self) -> bool:
@@ -86,11 +89,12 @@ class World:
             agent_pid=int(env[Env.AGENT_PID]) if env.get(Env.AGENT_PID) else None,
             local_rank=int(env.get(Env.LOCAL_RANK, 0)),
             host_id=env.get(Env.HOST_ID) or None,
+            stop_signals=_signals(env.get(Env.STOP_SIGNALS)),
         )
 
 
 _progress = {"step": 0, "progress": 0}
-_heart = {"path": None, "beats": 0}  # the heartbeat file, once started, and beats written
+_heart = {"path": None, "beats": 0, "failing": False}  # the heartbeat file, once started, beats written
 _heart_lock = threading.Lock()  # the heartbeat thread and the first step's write share the file
 
 
@@ -115,7 +119,15 @@ def _beat() -> None:
     with _heart_lock:
         if _heart["path"] is not None:
             _heart["beats"] += 1
-            write_heartbeat(_heart["path"], Heartbeat(_progress["step"], _progress["progress"], _heart["beats"]))
+            try:
+                write_heartbeat(_heart["path"], Heartbeat(_progress["step"], _progress["progress"], _heart["beats"]))
+                _heart["failing"] = False
+            except OSError as error:
+                # A full or vanished host-local disk: the agent hears silence and restarts this worker.
+                # Neither the training step nor the heartbeat thread (which also watches the agent) dies of it.
+                if not _heart["failing"]:
+                    logging.warning("cannot write the heartbeat file %s: %s", _heart["path"], error)
+                _heart["failing"] = True
 
 
 def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
@@ -129,6 +141,9 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     if not world.heartbeat_file:
         return None
     _heart["path"] = Path(world.heartbeat_file)
+    for sig in world.stop_signals:
+        if sig != signal.SIGTERM:  # until `fit` handles them: a notice before training must not kill us
+            signal.signal(sig, signal.SIG_IGN)
     if os.environ.get(Env.TEST_FAULTS) == "1":
         signal.signal(signal.SIGUSR2, lambda *_: threading.Event().wait())  # test only: a stuck main thread
 
@@ -172,6 +187,15 @@ def _alive(pid: int) -> bool:
             return False
         except PermissionError:
             return True
+
+
+def _signals(names: Optional[str]) -> Tuple[int, ...]:
+    if not names:
+        return (signal.SIGTERM,)
+    try:
+        return tuple(signal.Signals[name.strip()] for name in names.split(",") if name.strip())
+    except KeyError as error:
+        raise ValueError(f"{Env.STOP_SIGNALS}={names!r}: unknown signal {error}") from None
 
 
 def exit_now(code: int) -> None:
