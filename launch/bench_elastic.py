@@ -25,8 +25,9 @@ from typing import Dict, List
 
 from absl import app, flags
 
+from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Env, Event
-from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, stop_jobs_on_sigterm
 
 flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
 flags.DEFINE_list("rdzv", ["file", "etcd"], "Store backends to run the fault sequence on, side by side (etcd: a "
@@ -42,6 +43,7 @@ flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings
 flags.DEFINE_integer("epochs", 8, "Epochs of the fault-free steady-state runs (~2.5 s each; those after the "
                      "warm spares are up count).", lower_bound=2)
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 # `synthetic` ships in the code: the benchmark needs no download (28x28 like MNIST, 5000 examples).
 TRAIN = ["--dataset=synthetic", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd"]
@@ -149,9 +151,13 @@ def _round_times(root: Path, agents: int, rdzv: str = None, rounds: int = 3) -> 
 
 def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
     job = _job(root, epochs, "--last_call=30")
-    job.start_agent("a")
-    job.start_agent("b")
-    job.wait_agents(timeout=600)
+    try:
+        job.start_agent("a")
+        job.start_agent("b")
+        if any(job.wait_agents(timeout=600).values()):
+            raise RuntimeError(f"the steady-state job failed: {job.exit_reasons()}")
+    finally:
+        job.cleanup()
     # Not the first epoch (tracing), nor one that overlapped the agents' warm spares starting up (a TF
     # import each, on the same cores: measured up to 2x the step time).
     ready = max((e["time"] for e in job.events(Event.SPARE_READY)), default=0.0)
@@ -234,6 +240,7 @@ def main(argv: List[str]) -> None:
     if FLAGS.mode == "plain_worker":
         plain_worker()
         return
+    stop_jobs_on_sigterm()
     from tf_elastic.testing.etcd_server import EtcdServer
 
     root = Path(FLAGS.rdzv_dir or tempfile.mkdtemp(prefix="tf_elastic-bench-"))

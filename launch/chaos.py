@@ -1,9 +1,11 @@
 """A fault-injection soak: an elastic job on this machine under random faults, then invariants.
 
 Faults (each at a random moment, after the group recovered from the previous one): SIGKILL a worker,
-SIGKILL a whole host, SIGSTOP a worker, SIGTERM an agent (graceful leave), start a new agent, SIGKILL
-the chief while it commits, corrupt the newest checkpoint (then kill the chief so the group restores),
-and with etcd, stop and restart the store. Afterwards, from events.jsonl, the index logs and the
+SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its heartbeat goes on (the
+progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and its worker a preemption
+notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
+corrupt the newest checkpoint (then kill the chief so the group restores), and with etcd, stop and
+restart the store. Every kind is drawn once before any repeats. Afterwards, from events.jsonl, the index logs and the
 processes: the job finished with the accuracy of a fault-free run of the same seed and length,
 committed progress never went backwards (but to the previous commit when the newest was corrupted),
 every example was used exactly once per epoch, and no process, temp dir or port was left behind.
@@ -17,6 +19,8 @@ from typing import List
 
 from absl import app, flags
 
+from tf_elastic.elastic.flag_checks import require_finite_floats
+from tf_elastic.testing.local_job import stop_jobs_on_sigterm
 from tf_elastic.testing.soak import failed_invariants, run_soak, table
 
 flags.DEFINE_integer("faults", 10, "Faults to inject.", lower_bound=1)
@@ -29,10 +33,12 @@ flags.DEFINE_float("accuracy_tolerance", 0.03, "Largest accepted drop of test ac
 flags.DEFINE_bool("wait_for_spares", True, "Inject the next fault only once every host has a warm worker again.")
 flags.DEFINE_string("out", None, "Directory for the runs (default: a temp dir).")
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 
 def main(argv: List[str]) -> int:
     del argv
+    stop_jobs_on_sigterm()
     root = Path(FLAGS.out or tempfile.mkdtemp(prefix="tf_elastic-chaos-"))
     result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs, FLAGS.max_gap, FLAGS.wait_for_spares)
     (root / "chaos.json").write_text(json.dumps(result, indent=1))

@@ -22,7 +22,7 @@ from absl import app, flags
 from launch import report
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import datasets
-from tf_elastic.testing.local_job import LocalJob
+from tf_elastic.testing.local_job import LocalJob, stop_jobs_on_sigterm
 
 flags.DEFINE_string("run_dir", None, "Root of the job: the store, each host's run dir, the durable copies and "
                     "the plot (default: a new temp dir).")
@@ -74,6 +74,7 @@ def run_job(root: Path) -> LocalJob:
 
 def main(argv: List[str]) -> int:
     del argv
+    stop_jobs_on_sigterm()
     root = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="tf_elastic-main-"))
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)

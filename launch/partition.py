@@ -19,8 +19,9 @@ from typing import Dict
 
 from absl import app, flags
 
+from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.testing.etcd_server import EtcdServer
-from tf_elastic.testing.local_job import LocalJob
+from tf_elastic.testing.local_job import LocalJob, stop_jobs_on_sigterm
 from tf_elastic.testing.soak import TRAIN
 
 CUT = "127.0.0.3"  # the partitioned host's address
@@ -31,6 +32,7 @@ flags.DEFINE_string("root", None, "Directory for the job's run dir and logs.", r
 flags.DEFINE_float("partition_seconds", 10.0, "Least time the host stays cut off (and at least until the others "
                    "train without it).", lower_bound=1.0)
 flags.DEFINE_integer("epochs", 40, "Epochs of the job (digits: about two seconds each).", lower_bound=10)
+require_finite_floats(__name__)
 
 
 def _ip_rules(*commands: str) -> None:
@@ -86,6 +88,7 @@ def run(root: Path, partition_seconds: float, epochs: int) -> Dict[str, float]:
 
 def main(argv):
     del argv
+    stop_jobs_on_sigterm()
     result = run(Path(FLAGS.root), FLAGS.partition_seconds, FLAGS.epochs)
     print(json.dumps(result))
 

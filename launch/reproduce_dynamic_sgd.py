@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Tuple
 
 from absl import app, flags, logging
+from tf_elastic.elastic.flag_checks import require_finite_floats
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402  (after the log level)
@@ -59,6 +60,7 @@ flags.DEFINE_integer("spike_smoothing", 5, "Steps in the running mean of the los
 flags.DEFINE_bool("quick", False, "A minute-long version (mnist_cnn on MNIST, 1000 examples, 2 seeds), for the "
                   "test suite.")
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 MOMENTUM = 0.9
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Tuple
 
 from absl import app, flags, logging
+from tf_elastic.elastic.flag_checks import require_finite_floats
 
 from launch import reproduction
 
@@ -45,6 +46,7 @@ flags.DEFINE_integer("validation_examples", 10000, "Examples held out of the tra
                      lower_bound=1)
 flags.DEFINE_bool("quick", False, "A minute-long version: 2000 examples, 1 epoch, 2-point grids, 1 seed.")
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 
 class Trial(NamedTuple):

@@ -82,6 +82,17 @@ def test_agent_flag_errors_name_the_flag(tmp_path, arguments, fragment):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("script,argument", [
+    ("chaos", "--max_gap=nan"), ("bench_elastic", "--progress_timeout=nan"),
+    ("partition", "--root=/nonexistent --partition_seconds=inf"), ("reproduce_dynamic_sgd", "--phase_epochs=nan"),
+    ("reproduce_lars", "--weight_decay=nan")])
+def test_every_launch_script_refuses_non_finite_floats(script, argument):
+    proc = subprocess.run([sys.executable, "-m", f"launch.{script}", *argument.split()], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    name = argument.split()[-1].split("=")[0]
+    assert proc.returncode != 0 and f"{name} must be a finite number" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_agent_help_lists_the_agents_flags():
     """`--help` used to print only "Try --helpfull": absl lists the program file's key flags."""
     proc = subprocess.run([sys.executable, "-m", "launch.elastic_run", "--help"], cwd=REPO, capture_output=True,

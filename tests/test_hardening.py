@@ -21,10 +21,11 @@ from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.events import EventLog, read_events
 from tf_elastic.elastic.protocol import Event, Heartbeat, HostDir, write_heartbeat
-from tf_elastic.elastic.store import StoreError, StoreOptions
+from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
 from tf_elastic.elastic.store.etcd import EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.testing import audit
+from tf_elastic.testing.etcd_server import EtcdServer
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
 from tf_elastic.testing.net import free_port
 
@@ -214,6 +215,20 @@ def test_two_agents_started_at_once_with_one_host_id_get_one_claim(tmp_path):
         stop.set()
         [t.join() for t in threads]
         assert sorted(outcomes) == ["claimed", "refused"], (attempt, outcomes)
+
+
+def test_a_dead_agents_lease_that_etcd_lengthened_is_waited_out():
+    """etcd raises a lease below 1.5 election timeouts to that minimum (3 s here, for a 0.4 s --host_ttl):
+    an agent restarted after a SIGKILL used to give up on its own old lease after 2.2 s (exit 2)."""
+    server = EtcdServer(election_timeout_ms=2000).start()
+    try:
+        dead = _rendezvous(open_store(server.url), "node1")
+        dead.claim_host_id()  # then SIGKILLed: nobody renews its lease
+        started = time.monotonic()
+        _rendezvous(open_store(server.url), "node1").claim_host_id()
+        assert time.monotonic() - started > 2.0  # it waited for the old lease to expire
+    finally:
+        server.close()
 
 
 def test_an_agent_whose_lapsed_lease_was_taken_by_another_stops(tmp_path):
@@ -417,6 +432,21 @@ def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
     with pytest.raises(AssertionError, match=r"every agent exited .*'a': .1: rank 0 stopped on a configuration"):
         job.wait_for(lambda: job.events(Event.FIRST_STEP), timeout=600, what="a first step")
     # (the message is the early exit's: waiting out the timeout would have said "timed out after 600s")
+
+
+def test_sigterm_ends_a_job_script_through_its_cleanup():
+    """`kill PID` of a soak or benchmark used to end it at once, its agents and workers training on."""
+    code = ("import sys, time\n"
+            "from tf_elastic.testing.local_job import stop_jobs_on_sigterm\n"
+            "stop_jobs_on_sigterm()\n"
+            "try:\n    print('ready', flush=True)\n    time.sleep(60)\n"
+            "finally:\n    print('cleaned up', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=repo_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert "cleaned up" in out and "KeyboardInterrupt: signal SIGTERM" in err
 
 
 @pytest.mark.slow

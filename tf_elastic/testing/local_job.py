@@ -131,6 +131,15 @@ class LocalJob:
             signal_pid(pid, signal.SIGKILL)
 
 
+def stop_jobs_on_sigterm() -> None:
+    """Makes SIGTERM end a script that runs jobs as Ctrl-C does, through the `finally` that stops what it
+    started: by default SIGTERM ends the script at once and its agents and workers train on."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def running(pid: int) -> bool:
     """Is `pid` running (not gone, not a zombie waiting to be reaped)?"""
     try:

@@ -1,9 +1,11 @@
 """The fault-injection soak behind `launch.chaos`: an elastic job under random faults, then invariants.
 
 Faults (each at a random moment, after the group recovered from the previous one): SIGKILL a worker,
-SIGKILL a whole host, SIGSTOP a worker, SIGTERM an agent (graceful leave), start a new agent, SIGKILL
-the chief while it commits, corrupt the newest checkpoint (then kill the chief so the group restores),
-and with etcd, stop and restart the store.
+SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its heartbeat goes on (the
+progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and its worker a preemption
+notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
+corrupt the newest checkpoint (then kill the chief so the group restores), and with etcd, stop and
+restart the store. Every kind is drawn once before any repeats.
 """
 import dataclasses
 import glob
@@ -109,8 +111,12 @@ class Soak:
             signal_pid(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
         elif kind == "stall_worker":
             signal_pid(job.worker_pid(host), signal.SIGUSR2)  # its main thread blocks; its heartbeat goes on
-        elif kind in ("term_agent", "preempt_agent"):
-            job.agents[host].send_signal(signal.SIGTERM if kind == "term_agent" else signal.SIGUSR1)
+        elif kind == "term_agent":
+            job.agents[host].send_signal(signal.SIGTERM)
+            self.live.remove(host)
+        elif kind == "preempt_agent":  # as Slurm's --signal=USR1@90: every process of the host's step
+            job.agents[host].send_signal(signal.SIGUSR1)
+            signal_pid(job.worker_pid(host), signal.SIGUSR1)
             self.live.remove(host)
         elif kind == "start_agent":
             fault.target = self.start_host()

@@ -53,7 +53,8 @@ class Rendezvous:
         left by a dead agent (SIGKILL, then a restart) expires within `host_ttl`: we wait that out. The
         lease is taken by compare-and-set: of two agents started together with one id, one wins."""
         key = self.keys.host(self.host_id)
-        deadline = time.monotonic() + 3 * self.timeouts.host_ttl + 1.0
+        lease = self.store.lease_seconds(self.timeouts.host_ttl)  # etcd may raise it (to 1.5 election timeouts)
+        deadline = time.monotonic() + 3 * lease + 1.0
         while True:
             raw = self.store.get(key)
             if raw is None and self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl):
@@ -65,7 +66,7 @@ class Rendezvous:
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
                                   f"{self.job.job_id!r}; give each agent its own --host_id")
-            time.sleep(self.timeouts.host_ttl / 4)
+            time.sleep(lease / 4)
 
     def keepalive(self) -> None:
         """Renews this host's lease; raises `HostIdTaken` if another agent took the id meanwhile (ours

@@ -51,6 +51,10 @@ class Store(abc.ABC):
     def delete(self, key: str) -> None:
         """Removes `key` if present."""
 
+    def lease_seconds(self, ttl: float) -> float:
+        """How long a key written with `ttl` lives unrenewed here (a backend may raise it to its minimum)."""
+        return ttl
+
     def wait(self, prefix: str, timeout: float) -> bool:
         """Blocks until a key under `prefix` may have changed (True) or `timeout` passed (False).
 

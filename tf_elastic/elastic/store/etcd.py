@@ -107,6 +107,10 @@ class EtcdStore(Store):
         self._session.close()
 
     # Leases ----------------------------------------------------------------------------------------
+    def lease_seconds(self, ttl: float) -> float:
+        self._lease(ttl)
+        return float(self._leases[max(1, math.ceil(ttl))][1])
+
     def _lease(self, ttl: float) -> str:
         """A lease for `ttl` seconds, renewed when a third of it has passed; a new one once it expired."""
         wanted = max(1, math.ceil(ttl))
