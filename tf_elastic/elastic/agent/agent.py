@@ -246,6 +246,8 @@ class ElasticAgent:
         unreachable_since = None
         changed = True
         while True:
+            if self._leaving:  # before any store call: a notice must be acted on while the store is down
+                return self._leave(round_, running)
             try:
                 self.rendezvous.keepalive()
                 result = self._check_round(round_, running, changed)
@@ -268,8 +270,6 @@ class ElasticAgent:
     def _check_round(self, round_: Round, running: List[Worker], changed: bool) -> Optional[RoundResult]:
         """One look: observe (worker exit codes, heartbeats, and the store if it `changed`), let
         `decisions` judge, act on the verdict."""
-        if self._leaving:
-            return self._leave(round_, running)
         codes = {w.rank: w.process.poll() for w in running}
         own = decisions.own_failure(codes)
         current = round_
@@ -416,8 +416,8 @@ class ElasticAgent:
         while any(w.running() for w in running) and time.monotonic() < deadline:
             try:
                 self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
-            except StoreError:
-                pass  # the monitor reports the outage; waiting goes on
+            except (StoreError, HostIdTaken):
+                pass  # reported where the agent next needs the store; the workers still commit and exit
             time.sleep(self.config.monitor_interval)
 
     @staticmethod

@@ -69,24 +69,24 @@ class Rendezvous:
             time.sleep(lease / 4)
 
     def keepalive(self) -> None:
-        """Renews this host's lease; raises `HostIdTaken` if another agent took the id meanwhile (ours
-        lapsed while this agent was stopped or cut off from the store)."""
-        key = self.keys.host(self.host_id)
-        raw = self.store.get(key)
-        if raw is None:
-            if self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl):
-                return
-            raw = self.store.get(key)
-        if raw is not None and _incarnation(raw) != self.incarnation:
-            raise HostIdTaken(f"another agent took --host_id={self.host_id!r} in job {self.job.job_id!r} while "
-                              f"this one's lease had lapsed; this agent stops its workers and exits")
-        self.store.set(key, self._lease(), ttl=self.timeouts.host_ttl)
+        """Renews this host's lease, or takes it again if it lapsed and nobody took it; raises `HostIdTaken`
+        if another agent took the id meanwhile (ours lapsed while this agent was stopped or cut off).
+        Both by compare-and-set: a renewal never overwrites a newcomer's lease."""
+        key, lease, ttl = self.keys.host(self.host_id), self._lease(), self.timeouts.host_ttl
+        if self.store.compare_and_set(key, lease, lease, ttl=ttl) or self.store.compare_and_set(key, None, lease,
+                                                                                                  ttl=ttl):
+            return
+        raise HostIdTaken(f"another agent took --host_id={self.host_id!r} in job {self.job.job_id!r} while this "
+                          f"one's lease had lapsed; this agent stops its workers and exits")
 
     def _lease(self) -> str:
         return json.dumps({"addr": self.addr, "nproc": self.nproc, "incarnation": self.incarnation})
 
     def leave(self) -> None:
-        self.store.delete(self.keys.host(self.host_id))
+        """Gives up this host's lease, if it holds it (never another agent's with the same id)."""
+        key = self.keys.host(self.host_id)
+        if self._claimed and _incarnation(self.store.get(key)) == self.incarnation:
+            self.store.delete(key)
 
     def alive_hosts(self) -> List[str]:
         return [key.rsplit("/", 1)[-1] for key in self.store.list(self.keys.hosts)]

@@ -23,8 +23,11 @@ def make_host_dir() -> HostDir:
     """A fresh host-local directory for this agent (see `HostDir`), locked while the agent lives."""
     path = tempfile.mkdtemp(prefix=f"{HostDir.PREFIX}{os.getpid()}-")
     fd = os.open(path, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
-    _held_locks.append(fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel when this process ends, however it ends
+        _held_locks.append(fd)
+    except OSError:  # a filesystem without flock (NFS, Lustre): sweepers cannot lock it either, so keep it
+        os.close(fd)
     return HostDir(path)
 
 
@@ -132,13 +135,17 @@ class Worker:
     beat_at: float = 0.0  # when the beat counter last changed (monotonic)
     progress_at: float = 0.0  # when the progress counter last changed
     longest_gap: float = 0.0  # the longest wait for progress seen since the first step
+    _gone: bool = False  # the whole group has exited
 
     @property
     def training(self) -> bool:
         return bool(self.last and self.last.step)
 
     def observe(self) -> None:
-        """Reads the heartbeat and notes, on this clock, when its beat and its progress last moved."""
+        """Reads the heartbeat and notes, on this clock, when its beat and its progress last moved; notes
+        when the group is gone, while that is fresh."""
+        if self.process.poll() is not None:
+            self.running()
         now, seen = time.monotonic(), read_heartbeat(self.heartbeat)
         if seen is None:
             return
@@ -159,8 +166,10 @@ class Worker:
         return time.monotonic() - self.progress_at if self.training else 0.0
 
     def running(self) -> bool:
-        """The worker's process, or anything it started, still runs."""
-        return group_running(self.process)
+        """The worker's process, or anything it started, still runs. Once seen gone, never asked again: the
+        group's number could later be another process's."""
+        self._gone = self._gone or not group_running(self.process)
+        return not self._gone
 
     def close(self, wait: float = 2.0) -> None:
         """Kills the group if anything of it still runs, and waits up to `wait` seconds for it to go (a

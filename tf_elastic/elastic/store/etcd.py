@@ -75,6 +75,11 @@ class EtcdStore(Store):
         lease = self._lease(ttl) if ttl is not None else ""
         if lease:
             put["lease"] = lease
+        if lease and expected == value and self._written.get(key) == (value, lease):
+            # Our own value on the lease just renewed: check it is still there, without a write (a write
+            # would wake every agent's watch at each keepalive).
+            still = {"key": name, "target": "LEASE", "result": "EQUAL", "lease": lease}
+            return bool(self._call("/v3/kv/txn", {"compare": [compare, still], "success": []}).get("succeeded"))
         reply = self._call("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
         if reply.get("succeeded"):
             self._written[key] = (value, lease)

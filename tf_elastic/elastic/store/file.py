@@ -46,6 +46,10 @@ class FileStore(Store):
             except OSError as error:
                 raise StoreError(f"cannot make the file store {root!r} private (chmod 700): {error}") from None
         self._lock_path = self.root / ".lock"
+        try:
+            self._lock_path.chmod(0o600)  # one left by an older version or another umask
+        except OSError:
+            pass  # not there yet (created 0600), or not ours: the lock still works
         # path -> (version, when this reader first saw it), on this process's monotonic clock
         self._seen: Dict[Path, Tuple[str, float]] = {}
 
@@ -145,7 +149,6 @@ class FileStore(Store):
         hung must not block every agent's keepalive forever."""
         try:
             fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.fchmod(fd, 0o600)
         except OSError as error:
             raise StoreError(f"cannot open the file store's lock {self._lock_path}: {error}") from None
         try:

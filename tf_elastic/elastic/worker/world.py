@@ -190,12 +190,12 @@ def _alive(pid: int) -> bool:
 
 
 def _signals(names: Optional[str]) -> Tuple[int, ...]:
-    if not names:
-        return (signal.SIGTERM,)
+    """SIGTERM always (the agent's own graceful stop), and the agent's preemption signals."""
     try:
-        return tuple(signal.Signals[name.strip()] for name in names.split(",") if name.strip())
+        named = [signal.Signals[name.strip()] for name in (names or "").split(",") if name.strip()]
     except KeyError as error:
         raise ValueError(f"{Env.STOP_SIGNALS}={names!r}: unknown signal {error}") from None
+    return tuple(dict.fromkeys([signal.SIGTERM, *named]))
 
 
 def exit_now(code: int) -> None:
