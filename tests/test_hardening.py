@@ -493,6 +493,26 @@ def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
     # (the message is the early exit's: waiting out the timeout would have said "timed out after 600s")
 
 
+def test_a_jobs_cleanup_kills_its_own_workers_only(tmp_path):
+    """Cleanup used to SIGKILL every PID its events ever named, long after those workers exited: a PID
+    taken by another process since (another job's worker) was killed, and counted as an orphan."""
+    job = LocalJob(tmp_path, [])
+    job.agents["a"] = subprocess.Popen(["sleep", "60"])
+    worker = subprocess.Popen(["sleep", "60"], env=dict(os.environ, TF_ELASTIC_AGENT_PID=str(job.agents["a"].pid)))
+    stranger = subprocess.Popen(["sleep", "60"])  # as if it had reused an exited worker's PID
+    log = EventLog(job.run_dir, "agent:a")
+    for process in (worker, stranger):
+        log.write(Event.WORKER_START, round=0, rank=0, worker_pid=process.pid)
+    try:
+        assert job.worker_pids_alive() == [worker.pid]
+        job.cleanup()
+        assert worker.wait(timeout=10) == -signal.SIGKILL and stranger.poll() is None
+    finally:
+        for process in (worker, stranger):
+            process.kill()
+            process.wait()
+
+
 def test_sigterm_ends_a_job_script_through_its_cleanup():
     """`kill PID` of a soak or benchmark used to end it at once, its agents and workers training on."""
     code = ("import sys, time\n"

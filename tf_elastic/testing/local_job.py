@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from tf_elastic.elastic.events import read_events
-from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.protocol import Env, Event
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: agents run `launch/` scripts from it
 
@@ -121,13 +121,20 @@ class LocalJob:
                        for p in self.tmp.glob("agent-*.log"))
         return "\n".join(lines[-60:]) + logs
 
+    def worker_pids_alive(self) -> List[int]:
+        """The job's workers still running: by the events' PIDs, each checked to be a worker of one of
+        this job's agents (a PID long gone may be another process's now)."""
+        marks = {f"{Env.AGENT_PID}={proc.pid}".encode() for proc in self.agents.values()}
+        return [pid for pid in {e["worker_pid"] for e in self.events() if "worker_pid" in e}
+                if running(pid) and marks & set(_environment(pid))]
+
     def cleanup(self) -> None:
-        pids = [e["worker_pid"] for e in self.events(Event.WORKER_START)]
+        workers = self.worker_pids_alive()
         for proc in self.agents.values():
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for pid in pids:
+        for pid in workers:
             signal_pid(pid, signal.SIGKILL)
 
 
@@ -138,6 +145,14 @@ def stop_jobs_on_sigterm() -> None:
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, interrupt)
+
+
+def _environment(pid: int) -> List[bytes]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            return environ.read().split(b"\0")
+    except OSError:
+        return []
 
 
 def running(pid: int) -> bool:

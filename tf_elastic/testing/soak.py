@@ -214,8 +214,7 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
             skipped = [s for s in events if s["event"] == Event.CHECKPOINT_SKIPPED and s["round"] == e["round"]]
             if not skipped:
                 backwards.append((e["round"], e["step"], max(commits)))
-    pids = [e["worker_pid"] for e in events if "worker_pid" in e] + [p.pid for p in job.agents.values()]
-    orphans = [pid for pid in pids if running(pid)]
+    orphans = job.worker_pids_alive() + [p.pid for p in job.agents.values() if running(p.pid)]
     # The job's processes have a TMPDIR of their own. A SIGKILLed host cannot clean up (a real dead host
     # takes its /tmp with it); the next agent started on a host sweeps what dead agents left.
     killed = {soak.job.agents[f.target].pid for f in soak.faults if f.kind == "kill_host"}
