@@ -124,7 +124,7 @@ class Soak:
             fault.note = "hit a commit" if _wait_for_commit_in_progress(job.run_dir, 10.0) else "missed"
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "corrupt_checkpoint":
-            fault.note = _corrupt_newest(job.run_dir)
+            fault.note = _corrupt_newest(job.run_dir, self.live)
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "restart_store":
             self.etcd.stop()
@@ -167,10 +167,11 @@ def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
     return False
 
 
-def _corrupt_newest(run_dir: Path) -> str:
-    """Truncates the newest commit of every host (each keeps its own copy), so that the group goes back
-    to the previous one."""
-    states = [Path(p) for p in glob.glob(str(RunDir(run_dir).host_commits("*") / "checkpoint"))]
+def _corrupt_newest(run_dir: Path, hosts: List[str]) -> str:
+    """Truncates the newest commit of every host in the job (each keeps its own copy), so that the group
+    goes back to the previous one. (Hosts that left keep their old commits: those are left alone.)"""
+    states = [RunDir(run_dir).host_commits(h) / "checkpoint" for h in hosts]
+    states = [state for state in states if state.exists()]
     if not states:
         return "no commit yet"
     names = set()
