@@ -5,8 +5,8 @@ SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its h
 progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and its worker a preemption
 notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
 corrupt the newest checkpoint (then kill the chief so the group restores), and with etcd, stop and
-restart the store. Every kind is drawn once before any repeats. Afterwards, from events.jsonl, the index logs and the
-processes: the job finished with the accuracy of a fault-free run of the same seed and length,
+restart the store. Every kind is drawn once before any repeats. Afterwards, from events.jsonl, the
+index logs and the processes: the job finished with the accuracy of a fault-free run of the same seed and length,
 committed progress never went backwards (but to the previous commit when the newest was corrupted),
 every example was used exactly once per epoch, and no process, temp dir or port was left behind.
 

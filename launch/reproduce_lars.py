@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple, Tuple
 
 from absl import app, flags, logging
-from tf_elastic.elastic.flag_checks import require_finite_floats
 
 from launch import reproduction
+from tf_elastic.elastic.flag_checks import require_finite_floats
 
 flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data, else a download).")
 flags.DEFINE_string("out_dir", "runs/lars", "Where the tables, raw results and plot are written.")

@@ -6,10 +6,10 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import math
 import time
 from typing import Dict, Optional
 
+from tf_elastic.elastic.agent.round import is_finite_number
 from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import Store, StoreError
 
@@ -127,10 +127,7 @@ class JobRecord:
             record = json.loads(raw) if raw else {}
         except ValueError:
             record = None
-        if isinstance(record, dict) and all(_finite(record.get(k, 0)) for k in ("strikes", "until")):
+        if isinstance(record, dict) and all(is_finite_number(record.get(k, 0)) for k in ("strikes", "until")):
             return record
         raise StoreError(f"malformed blacklist record at {key}: {raw[:200]!r}")
 
-
-def _finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

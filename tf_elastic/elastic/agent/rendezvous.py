@@ -56,13 +56,10 @@ class Rendezvous:
         lease = self.store.lease_seconds(self.timeouts.host_ttl)  # etcd may raise it (to 1.5 election timeouts)
         deadline = time.monotonic() + 3 * lease + 1.0
         while True:
-            raw = self.store.get(key)
-            if raw is None and self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl):
+            if (self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl)
+                    or _incarnation(self.store.get(key)) == self.incarnation):
                 self._claimed = True
                 return
-            if raw is not None and _incarnation(raw) == self.incarnation:
-                self._claimed = True
-                return self.keepalive()
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
                                   f"{self.job.job_id!r}; give each agent its own --host_id")

@@ -66,7 +66,7 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
+def is_finite_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -80,12 +80,12 @@ def _check_types(round_: Round) -> None:
     _check(round_.phase in tuple(Phase), "phase")
     _check(isinstance(round_.reason, str), "reason")
     _check(_is_int(round_.restarts) and round_.restarts >= 0, "restarts")
-    _check(_is_number(round_.opened), "opened")
+    _check(is_finite_number(round_.opened), "opened")
     _check(isinstance(round_.expected, list) and all(isinstance(h, str) for h in round_.expected), "expected")
     _check(isinstance(round_.participants, dict), "participants")
     for host, info in round_.participants.items():
         _check(isinstance(info, dict) and _is_int(info.get("nproc")) and info["nproc"] > 0
-               and isinstance(info.get("addr"), str) and _is_number(info.get("joined"))
+               and isinstance(info.get("addr"), str) and is_finite_number(info.get("joined"))
                and isinstance(info.get("ports"), list) and len(info["ports"]) >= info["nproc"]
                and all(_is_int(p) and 0 < p < 65536 for p in info["ports"])
                and (info.get("previous_rank") is None or _is_int(info["previous_rank"])), f"participant {host!r}")

@@ -57,8 +57,6 @@ class EtcdStore(Store):
 
     def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
         lease = self._lease(ttl) if ttl is not None else ""
-        if ttl is not None and self._written.get(key) == (value, lease):
-            return  # the lease renewal above kept it alive
         request = {"key": _b64(ROOT + key), "value": _b64(value)}
         if lease:
             request["lease"] = lease
