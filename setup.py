@@ -1,4 +1,5 @@
-"""Installs the `tf_elastic` library only; `models/` and `launch/` run from the checkout."""
+"""Installs `tf_elastic`, with the checkout's `models/` and `launch/` mapped into it as `tf_elastic.models` and
+`tf_elastic.launch`: an installed wheel trains without the checkout, and has no top-level `models` or `launch`."""
 from setuptools import find_packages, setup
 
 setup(
@@ -9,7 +10,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["tf_elastic", "tf_elastic.*"]),
+    packages=find_packages(include=["tf_elastic", "tf_elastic.*"]) + ["tf_elastic.models", "tf_elastic.launch"],
+    package_dir={"tf_elastic.models": "models", "tf_elastic.launch": "launch"},
     install_requires=[
         "tensorflow>=2.20,<2.22",
         "keras>=3.10,<4",
@@ -27,8 +29,9 @@ setup(
                  "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography"],
     },
     entry_points={
-        # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout).
-        "console_scripts": ["tf-elastic-run=tf_elastic.elastic.agent.cli:run"],
+        # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout) and the trainer.
+        "console_scripts": ["tf-elastic-run=tf_elastic.elastic.agent.cli:run",
+                            "tf-elastic-train=tf_elastic.launch.train:run"],
     },
     license="Apache-2.0",
 )

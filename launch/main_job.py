@@ -19,7 +19,7 @@ from typing import List
 
 from absl import app, flags
 
-from launch import report
+from . import report
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing.local_job import LocalJob, stop_jobs_on_sigterm

@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402  (after the log level)
 from keras import ops  # noqa: E402
 
-from launch import reproduction  # noqa: E402
+from . import reproduction  # noqa: E402
 from tf_elastic.elastic.flag_checks import require_finite_floats  # noqa: E402
 
 CONFIGS = ("static", "immediate", "ramp", "equal_lr", "momentum")

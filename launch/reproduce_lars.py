@@ -20,7 +20,7 @@ from typing import Dict, List, NamedTuple, Tuple
 
 from absl import app, flags, logging
 
-from launch import reproduction
+from . import reproduction
 from tf_elastic.elastic.flag_checks import require_finite_floats
 
 flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data, else a download).")

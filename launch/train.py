@@ -7,20 +7,19 @@
 """
 import os
 import sys
-import traceback
 from typing import List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-import models  # noqa: E402
+from . import models  # noqa: E402
 from tf_elastic.elastic.events import EventLog  # noqa: E402
 from tf_elastic.elastic.flag_checks import require_finite_floats  # noqa: E402
 from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402
 from tf_elastic.elastic.worker import cluster, data_plan, datasets, errors, strategy as strategies  # noqa: E402
 from tf_elastic.elastic.worker.data import preprocess as preprocessing  # noqa: E402
-from tf_elastic.elastic.worker.world import World, exit_now, start_heartbeat  # noqa: E402
+from tf_elastic.elastic.worker.world import World  # noqa: E402
 from tf_elastic.schedules.batch_resize import SCALINGS, TRANSITIONS  # noqa: E402
 
 # Model and data.
@@ -149,13 +148,13 @@ class SummaryCallback:
         return _Summaries()
 
 
-def main(argv: List[str]) -> None:
-    del argv
+def prepare():
+    """What does not depend on the world (a warm-started worker does it before its round): TF's threads and
+    devices, the dtype policy, the data sources. Nothing here may touch TF's runtime (a tensor, a dataset)."""
     import keras
     import tensorflow as tf
 
-    from tf_elastic import BatchResizeSchedule
-    from tf_elastic import elastic
+    from tf_elastic.elastic.worker import data
 
     if FLAGS.threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
@@ -164,44 +163,48 @@ def main(argv: List[str]) -> None:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * FLAGS.cpu_devices)
     keras.mixed_precision.set_global_policy(FLAGS.dtype_policy)
-    from tf_elastic.elastic.worker import data
-
     train, test = datasets.sources(FLAGS.dataset, FLAGS.data_dir or datasets.DEFAULT_DATA_DIR,
                                    cache_dir=FLAGS.index_cache_dir or None)
     if FLAGS.train_examples:
         train = data.Head(train, FLAGS.train_examples)
+    return train, test
+
+
+def train(sources) -> None:
+    """Builds, trains and evaluates inside `elastic.run` (the world and strategy are its)."""
+    import keras
+    import tensorflow as tf
+
+    from tf_elastic import BatchResizeSchedule
+    from tf_elastic import elastic
+    from tf_elastic.elastic.worker import data
+
+    train_source, test = sources
+    context = elastic.current()
+    world, strategy, run_dir = context.world, context.strategy, FLAGS.run_dir or context.run_dir
     train_preprocess = preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=True)
-    # Everything above is independent of the world: a warm-started worker has done it before its round.
-    # Nothing above may touch TF's runtime (a tensor, a dataset): MWMS must configure it first.
-    world = elastic.resolve_world(FLAGS.cluster_resolver, FLAGS.port_base, FLAGS.k8s_selector)
-    start_heartbeat(world)
-    run_dir = FLAGS.run_dir or world.run_dir or "runs/train"
-    strategy = elastic.make_strategy(world, FLAGS.strategy, FLAGS.collective, FLAGS.tpu)
-    input_shape = data.pipeline(train, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
+    input_shape = data.pipeline(train_source, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
     if not input_shape.is_fully_defined():
         raise ValueError(f"--dataset={FLAGS.dataset} has images of different sizes: set --image_size.")
     keras.utils.set_random_seed(FLAGS.seed)
-    config = elastic.FitConfig(
-        epochs=FLAGS.epochs, per_replica_batch_size=FLAGS.per_replica_batch_size,
-        global_batch_size=FLAGS.global_batch_size, batch_policy=FLAGS.batch_policy,
-        commit_every_steps=FLAGS.commit_every_steps, commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed,
-        checkpoint_dir=FLAGS.checkpoint_dir, durable_every_commits=FLAGS.durable_every_commits)
-    global_batch = config.global_batch(strategy.num_replicas_in_sync)
+    batches = dict(batch_size=FLAGS.global_batch_size) if FLAGS.batch_policy == "global" else dict(
+        per_replica_batch_size=FLAGS.per_replica_batch_size)
+    global_batch = elastic.global_batch_size(strategy.num_replicas_in_sync, **batches)
     peak = FLAGS.learning_rate if FLAGS.learning_rate is not None else {
         "lars": 0.1, "sgd": 0.05, "adam": 0.001, "lamb": 0.001}[FLAGS.optimizer]
-    with strategy.scope():
-        model = models.get(FLAGS.model, tuple(input_shape), train.num_classes)
-        schedule = BatchResizeSchedule(
-            base_schedule(peak, train.num_examples // FLAGS.reference_batch_size, keras), FLAGS.reference_batch_size,
-            batch_size=global_batch, scaling=FLAGS.scaling, transition=FLAGS.transition,
-            transition_steps=FLAGS.transition_steps, momentum=FLAGS.momentum)
-        optimizer = build_optimizer(schedule, keras)
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        optimizer.build(model.trainable_variables)  # eagerly, before tracing (keras#23085)
+    model = models.get(FLAGS.model, tuple(input_shape), train_source.num_classes)
+    schedule = BatchResizeSchedule(
+        base_schedule(peak, train_source.num_examples // FLAGS.reference_batch_size, keras),
+        FLAGS.reference_batch_size, batch_size=global_batch, scaling=FLAGS.scaling, transition=FLAGS.transition,
+        transition_steps=FLAGS.transition_steps, momentum=FLAGS.momentum)
+    model.compile(optimizer=build_optimizer(schedule, keras),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    config = elastic.FitConfig(
+        commit_every_steps=FLAGS.commit_every_steps, commit_every_seconds=FLAGS.commit_every_seconds, seed=FLAGS.seed,
+        checkpoint_dir=FLAGS.checkpoint_dir, durable_every_commits=FLAGS.durable_every_commits)
     callbacks = [SummaryCallback(run_dir, world, global_batch, keras, tf)] if world.is_chief else []
-    elastic.fit(model, train, world=world, strategy=strategy, run_dir=run_dir, config=config,
-                preprocess=train_preprocess, schedule=schedule, callbacks=callbacks,
+    elastic.fit(model, train_source, epochs=FLAGS.epochs, **batches, config=config, run_dir=run_dir,
+                preprocess=train_preprocess, callbacks=callbacks,
                 verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
     # Every worker evaluates, streaming the whole split: under MWMS evaluation runs collectives.
     evaluation = data.evaluation(test, 256, preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=False))
@@ -215,24 +218,20 @@ def main(argv: List[str]) -> None:
         print(f"test accuracy {accuracy:.4f} after {steps} steps", flush=True)
 
 
-def run(argv: List[str]) -> None:
-    """Runs `main` and ends the process at once with the code the agent expects (MWMS has no clean
-    shutdown): 0 when done, `errors.exit_code` for what `fit` raised, 1 for anything unexpected."""
-    try:
-        main(argv)
-        code = 0
-    except (errors.StopRequested, errors.PeerFailure) as error:
-        print(f"launch.train: {error}", file=sys.stderr, flush=True)
-        code = errors.exit_code(error)
-    except (ValueError, FileNotFoundError) as error:
-        # Bad input: one clear line, and a code that tells the agent not to restart.
-        print(f"launch.train: error: {error}", file=sys.stderr, flush=True)
-        code = errors.exit_code(error)
-    except Exception:  # noqa: BLE001 - reported, then a non-zero exit the agent counts as a failure
-        traceback.print_exc()
-        code = 1
-    exit_now(code)
+def main(argv: List[str]) -> None:
+    """Runs the trainer as one worker of the job (`elastic.run`: world, heartbeat, strategy, exit code)."""
+    del argv
+    from tf_elastic import elastic
+
+    elastic.run(train, prepare=prepare, strategy=FLAGS.strategy, collective=FLAGS.collective,
+                cluster_resolver=FLAGS.cluster_resolver, port_base=FLAGS.port_base, k8s_selector=FLAGS.k8s_selector,
+                tpu=FLAGS.tpu, run_dir=FLAGS.run_dir or "runs/train")
+
+
+def run() -> None:
+    """The console script's entry point (`tf-elastic-train`)."""
+    app.run(main)
 
 
 if __name__ == "__main__":
-    app.run(run)
+    run()

@@ -223,7 +223,7 @@ def _fit(shards: Path, run_dir: Path, epochs: int, source=None) -> None:
     model.optimizer.build(model.trainable_variables)
     source = source or data.TFRecordSource(f"{shards}/train-*", channels=1, num_classes=11)
     elastic.fit(model, source, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
-                config=elastic.FitConfig(epochs=epochs, per_replica_batch_size=8), verbose=0)
+                epochs=epochs, per_replica_batch_size=8, verbose=0)
 
 
 def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp_path, digits):

@@ -151,7 +151,7 @@ def test_a_commit_less_than_a_global_batch_before_the_epoch_end_resumes_at_the_n
     model.optimizer.build(model.trainable_variables)
     CommittedState(World(), str(tmp_path), model).commit(epoch=0, samples=59, step=7, global_batch=8)
     elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
-                config=elastic.FitConfig(epochs=2, per_replica_batch_size=16), callbacks=[EpochsBegun()], verbose=0)
+                epochs=2, per_replica_batch_size=16, callbacks=[EpochsBegun()], verbose=0)
     assert EpochsBegun.begun == [1]
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["epoch"], e["samples"]) for e in events if e["event"] == "remainder_skipped"][0] == (0, 5)
@@ -241,9 +241,10 @@ def test_sigterm_commits_at_a_step_boundary_and_a_rerun_resumes_there_with_user_
     def run(callback):
         model, schedule = _training_setup()
         model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        config = elastic.FitConfig(epochs=3, per_replica_batch_size=16, commit_every_steps=0, sync_every_steps=5)
+        config = elastic.FitConfig(commit_every_steps=0, sync_every_steps=5)
         elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
-                    config=config, schedule=schedule, callbacks=[callback], verbose=0)
+                    epochs=3, per_replica_batch_size=16, config=config, schedule=schedule, callbacks=[callback],
+                    verbose=0)
         return model
 
     first = UserCallback(preempt_at=17)  # epoch 1, its 5th batch; the next agreement is at step 20
@@ -347,7 +348,7 @@ def test_data_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigurationError, match=re.escape(
             "the training data has 12 examples, fewer than one global batch of 16 (1 replicas)")):
         elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
-                    config=elastic.FitConfig(epochs=2, per_replica_batch_size=16), verbose=0)
+                    epochs=2, per_replica_batch_size=16, verbose=0)
     assert not (tmp_path / "checkpoints").exists()
 
 

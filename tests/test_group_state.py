@@ -56,19 +56,11 @@ def test_bits_survive_the_integer_packing_of_the_broadcast():
               np.array([np.pi, -0.0], np.float64), np.array([True, False]), np.array([-128, 127], np.int8)]
     for value in values:
         variable = tf.Variable(value)
-        bits = group._to_int32(tf.convert_to_tensor(variable))
-        assert bits.dtype == tf.int32 and bits.shape[0] == group._words(variable)
-        back = group._from_int32(bits + tf.zeros_like(bits), variable)
+        bits = group.to_int32(tf.convert_to_tensor(variable))
+        assert bits.dtype == tf.int32 and bits.shape[0] == group.words(variable)
+        back = group.from_int32(bits + tf.zeros_like(bits), variable)
         raw = lambda t: tf.io.serialize_tensor(tf.convert_to_tensor(t)).numpy()  # noqa: E731
         assert raw(back) == raw(variable), value
-
-
-def test_group_variables_are_deduplicated():
-    """LARS lists the schedule's state among its own variables: it must travel once."""
-    model, schedule = _setup()
-    listed = [*model.weights, *model.optimizer.variables, schedule.state]
-    assert sum(v is schedule.state for v in listed) == 2
-    assert len(group._unique(listed)) == len(listed) - 1
 
 
 def test_the_newest_commit_is_the_highest_generation_then_the_highest_step():

@@ -1,5 +1,5 @@
-"""The worker side: world, strategy, committed state and `fit`. Everything here but `world`, `errors`
-and `data_plan` imports TensorFlow, so names load on first use."""
+"""The worker side: `run` (a worker's life), world, strategy, committed state and `fit`. Everything here
+but `world`, `errors` and `data_plan` imports TensorFlow, so names load on first use."""
 import importlib
 
 _NAMES = {
@@ -7,8 +7,8 @@ _NAMES = {
     "ConfigurationError": "errors", "PeerFailure": "errors", "StopRequested": "errors", "exit_code": "errors",
     "resolve_world": "cluster", "RESOLVERS": "cluster",
     "make_strategy": "strategy", "STRATEGIES": "strategy", "COLLECTIVES": "strategy",
-    "CommittedState": "commit",
-    "fit": "training", "FitConfig": "training", "ProgressCallback": "training",
+    "CommittedState": "commit", "run": "entry", "current": "entry",
+    "fit": "training", "FitConfig": "training", "ProgressCallback": "training", "global_batch_size": "training",
     "install_fit_fix": "keras_compat",
     "BATCH_POLICIES": "data_plan",
 }

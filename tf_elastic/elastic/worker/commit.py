@@ -50,12 +50,16 @@ class CommittedState:
         self.world, self.events = world, events
         # epoch, samples, step, global batch, generation
         self.progress = tf.Variable(np.zeros(5, np.int64), trainable=False, name="elastic_progress")
+        self.model, self.schedule = model, schedule
         items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
-        self.variables = [*model.weights, *model.optimizer.variables, self.progress]
         if schedule is not None:
             items["batch_history"] = schedule.state
-            self.variables.append(schedule.state)
-        self.checkpoint = tf.train.Checkpoint(**items)
+        # What Keras does not make trackable (a SeedGenerator's state: dropout's and augmentation's random
+        # stream) is added by position, so that a restart resumes every random stream where it was. (At
+        # construction: an asynchronous write leaves out what is assigned to a checkpoint afterwards.)
+        untracked = _untracked(tf.train.Checkpoint(**items), self._listed())
+        self.checkpoint = tf.train.Checkpoint(**items, **({"untracked": untracked} if untracked else {}))
+        self.variables, self.names = _named(self._listed() + _saved_variables(self.checkpoint))
         layout = RunDir(run_dir)
         self.directory = str(layout.host_commits(world.host_id) if world.host_id else layout.checkpoints)
         self.durable = durable if world.is_chief and durable_every_commits else None
@@ -86,6 +90,22 @@ class CommittedState:
         self._write = lambda prefix: self.checkpoint.write(prefix, options=options)
         if self._pool is not None and world.keeps_commits:
             self._warm_up()
+
+    def _listed(self) -> List:
+        """What training reads and writes: every model variable (weights, statistics, random seeds; not
+        metrics), every optimizer variable (slots, `iterations`, loss scale, EMA copies), and ours."""
+        return [*self.model.variables, *self.model.optimizer.variables, self.progress,
+                *([self.schedule.state] if self.schedule is not None else [])]
+
+    def check_unchanged(self) -> None:
+        """Raises `ConfigurationError` naming any model or optimizer variable created after this state was
+        captured: it would be neither committed, nor transferred, nor checked."""
+        known = {id(v) for v in self.variables}
+        new = [_name(v) for v in self._listed() if id(_tf_variable(v)) not in known]
+        if new:
+            raise ConfigurationError(f"{len(new)} variable(s) appeared after fit captured the state to commit: "
+                                     f"{', '.join(new[:8])}. Build the model (keras.Input, or model.build) and "
+                                     "create every layer before fit, which builds the optimizer itself.")
 
     def _warm_up(self) -> None:
         """Two asynchronous writes to memory before training. TensorFlow makes its host-memory copies of
@@ -273,3 +293,33 @@ class CommittedState:
 def _describe(error: BaseException) -> str:
     text = getattr(error, "message", None) or str(error)
     return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def _tf_variable(variable):
+    """The TensorFlow variable behind a Keras one."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _name(variable) -> str:
+    return getattr(variable, "path", None) or variable.name
+
+
+def _named(variables: List) -> Tuple[List[tf.Variable], List[str]]:
+    """Each TensorFlow variable once (LARS lists the schedule's state among its own), with its name."""
+    seen, unique, names = set(), [], []
+    for variable in variables:
+        if id(_tf_variable(variable)) not in seen:
+            seen.add(id(_tf_variable(variable)))
+            unique.append(_tf_variable(variable))
+            names.append(_name(variable))
+    return unique, names
+
+
+def _saved_variables(checkpoint: tf.train.Checkpoint) -> List:
+    """Every variable `checkpoint` writes (so that the group's check covers all that a commit holds)."""
+    return [t for t in tf.train.TrackableView(checkpoint).descendants() if isinstance(t, (tf.Variable, keras.Variable))]
+
+
+def _untracked(checkpoint: tf.train.Checkpoint, variables: List) -> List:
+    saved = {id(_tf_variable(v)) for v in _saved_variables(checkpoint)}
+    return [v for v in variables if id(_tf_variable(v)) not in saved]

@@ -9,14 +9,13 @@ holds the same bits as the source. Storage is only for durability (`durable.py`)
 import dataclasses
 import hashlib
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, Sequence
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_elastic.elastic.worker.durable import CommitId
-from tf_elastic.elastic.worker.errors import PeerFailure
+from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure
 from tf_elastic.elastic.worker.world import World
 
 SumOverWorkers = Callable[[Sequence[float]], np.ndarray]
@@ -56,19 +55,7 @@ def newest_holder(held: Sequence[CommitId]) -> int:
     return max(range(len(held)), key=lambda rank: (held[rank], -rank))
 
 
-def _unique(variables: Sequence) -> List[tf.Variable]:
-    """The TensorFlow variables behind Keras ones, each once: LARS also lists the schedule's state among
-    the optimizer's variables."""
-    seen, unique = set(), []
-    for variable in variables:
-        variable = variable.value if isinstance(variable, keras.Variable) else variable
-        if id(variable) not in seen:
-            seen.add(id(variable))
-            unique.append(variable)
-    return unique
-
-
-def _to_int32(value: tf.Tensor) -> tf.Tensor:
+def to_int32(value: tf.Tensor) -> tf.Tensor:
     """The bits of `value` as a flat int32 vector: floats are bit-cast, never converted, so that the
     all-reduce's `x + 0` keeps every bit (-0.0 and NaN payloads included)."""
     width = value.dtype.size
@@ -81,7 +68,7 @@ def _to_int32(value: tf.Tensor) -> tf.Tensor:
     return tf.reshape(tf.bitcast(value, tf.int32), [-1])  # 4 bytes: as is; 8 bytes: two int32 each
 
 
-def _from_int32(bits: tf.Tensor, like: tf.Variable) -> tf.Tensor:
+def from_int32(bits: tf.Tensor, like: tf.Variable) -> tf.Tensor:
     dtype, shape = like.dtype, like.shape
     width = dtype.size
     if dtype == tf.bool:
@@ -93,8 +80,8 @@ def _from_int32(bits: tf.Tensor, like: tf.Variable) -> tf.Tensor:
     return tf.reshape(tf.bitcast(bits, dtype), shape)
 
 
-def _words(variable: tf.Variable) -> int:
-    """int32 words `_to_int32` makes of this variable."""
+def words(variable: tf.Variable) -> int:
+    """int32 words `to_int32` makes of this variable."""
     return variable.shape.num_elements() * max(1, variable.dtype.size // 4)
 
 
@@ -103,23 +90,45 @@ class GroupState:
 
     MultiWorkerMirroredStrategy has no public broadcast, so it is built from the all-reduce (SUM) it has:
     the source's first replica contributes its values, every other replica zeros. All variables travel
-    as one int32 vector (their bits, see `_to_int32`), so a transfer is a single collective. Afterwards a
+    as one int32 vector (their bits, see `to_int32`), so a transfer is a single collective. Afterwards a
     SHA-256 of every variable's bits, summed into a vector with one slot per rank, shows every worker
     what each one holds; any difference from the source is a `PeerFailure` and the round starts again.
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, world: World, variables: Sequence,
+    def __init__(self, strategy: tf.distribute.Strategy, world: World, variables: Sequence, names: Sequence[str],
                  sum_fn: SumOverWorkers):
         self.strategy, self.world, self._sum = strategy, world, sum_fn
-        self.variables = _unique(variables)
-        self.bytes = 4 * sum(_words(v) for v in self.variables)
+        self.variables, self.names = list(variables), list(names)
+        if len({id(v) for v in self.variables}) != len(self.variables) or len(self.names) != len(self.variables):
+            raise ValueError("GroupState needs each TensorFlow variable once, with one name each")
+        self.bytes = 4 * sum(words(v) for v in self.variables)
+        self._offsets = np.cumsum([0] + [words(v) for v in self.variables])
         self._local_replicas = strategy.num_replicas_in_sync // world.size
-        self._pack = tf.function(lambda: tf.concat([_to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
+        self._pack = tf.function(lambda: tf.concat([to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
         self._broadcast = tf.function(self._broadcast_graph)  # one function: one trace at a round's start
 
     def digest(self) -> str:
         """SHA-256 (hex) of every variable's bits, as this worker holds them."""
         return hashlib.sha256(self._pack().numpy().tobytes()).hexdigest()
+
+    def hashes(self) -> np.ndarray:
+        """48 bits of a hash of each variable's bits, as this worker holds them (exact in float64)."""
+        packed = self._pack().numpy()
+        return np.array([int.from_bytes(hashlib.blake2b(packed[a:b].tobytes(), digest_size=6).digest(), "big")
+                         for a, b in zip(self._offsets[:-1], self._offsets[1:])], np.float64)
+
+    def check(self, when: str) -> None:
+        """Raises `ConfigurationError` naming every variable that some worker holds other bits of than the
+        chief (two sums over the workers: the chief's hashes, then how many workers differ on each)."""
+        mine = self.hashes()
+        chief = self._sum(mine if self.world.is_chief else np.zeros_like(mine))
+        differ = self._sum((mine != chief).astype(np.float64))
+        names = [name for name, count in zip(self.names, differ) if count > 0]
+        if names:
+            shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise ConfigurationError(f"the replicas hold different values of {len(names)} variable(s) {when}: "
+                                     f"{shown}. A layer keeps per-replica state that is neither trained nor a "
+                                     "floating statistic that fit averages; it was not committed.")
 
     def agree(self, held: CommitId, floor: int = 0) -> Agreement:
         """Finds the newest commit any worker holds (`held`: `NO_COMMIT` for none) and gives it to all; the
@@ -158,16 +167,16 @@ class GroupState:
         """The source's values, all-reduced with zeros from every other replica, assigned everywhere."""
         def contribute():
             context = tf.distribute.get_replica_context()
-            bits = tf.concat([_to_int32(v.read_value()) for v in self.variables], 0)
+            bits = tf.concat([to_int32(v.read_value()) for v in self.variables], 0)
             is_source = tf.equal(context.replica_id_in_sync_group, source_replica)
             return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(is_source, bits, tf.zeros_like(bits)))
 
         bits = self.strategy.experimental_local_results(self.strategy.run(contribute))[0]
         offset = 0
         for variable in self.variables:
-            words = _words(variable)
-            variable.assign(_from_int32(bits[offset:offset + words], variable))
-            offset += words
+            size = words(variable)
+            variable.assign(from_int32(bits[offset:offset + size], variable))
+            offset += size
 
 
 def _short(digest: str) -> float:

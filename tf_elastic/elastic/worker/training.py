@@ -6,6 +6,7 @@ committed), `PeerFailure` when a collective fails, `ConfigurationError` for bad 
 """
 import dataclasses
 import json
+import os
 import signal
 import time
 from typing import Dict, List, Optional, Sequence, TextIO, Tuple, Union
@@ -16,37 +17,30 @@ import tensorflow as tf
 from absl import logging
 
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.protocol import Event, ExitCode, RunDir
-from tf_elastic.elastic.worker import keras_compat
+from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir
+from tf_elastic.elastic.worker import entry, keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
-from tf_elastic.elastic.worker.data import ArraySource, Preprocess, Source, describe_error, pipeline
-from tf_elastic.elastic.worker.data_plan import BATCH_POLICIES, DataPlan, replica_batch_size
+from tf_elastic.elastic.worker.data import (ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation,
+                                           pipeline)
+from tf_elastic.elastic.worker.data_plan import DataPlan, replica_batch_size
+from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
+from tf_elastic.elastic.worker.replicas import StatisticsAverage, statistics
 from tf_elastic.elastic.worker.world import World, report_activity, report_progress
 from tf_elastic.schedules import BatchResizeSchedule
 
-# What a collective raises when a peer died or hung (PLATFORM.md).
-COLLECTIVE_FAILURES = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError, tf.errors.CancelledError,
-                       tf.errors.AbortedError, tf.errors.InternalError)
-
-
 @dataclasses.dataclass(frozen=True)
 class FitConfig:
-    """How `fit` batches, commits and agrees; everything else comes from the model and the world.
+    """How `fit` commits and agrees, beyond what `model.fit` takes.
 
-    `batch_policy`: `per_replica` (the global batch follows the world, the paper's Dynamic SGD) or
-    `global` (a constant global batch, which the world size must divide). Commits happen every
-    `commit_every_steps` (0: only at epoch ends) and, if set, once `commit_every_seconds` passed;
-    workers agree on stops and time-based commits every `sync_every_steps`. The chief copies every
-    `durable_every_commits`-th commit (0: none) and the last one to `checkpoint_dir` (any `tf.io.gfile`
-    filesystem; default `RUN_DIR/durable`), for a restart of the whole job.
+    Commits happen every `commit_every_steps` (0: only at epoch ends) and, if set, once
+    `commit_every_seconds` passed; workers agree on stops and time-based commits every `sync_every_steps`.
+    `seed` orders the data. The chief copies every `durable_every_commits`-th commit (0: none) and the last
+    one to `checkpoint_dir` (any `tf.io.gfile` filesystem; default `RUN_DIR/durable`), for a restart of the
+    whole job.
     """
-    epochs: int
-    per_replica_batch_size: Optional[int] = None
-    global_batch_size: Optional[int] = None
-    batch_policy: str = "per_replica"
     commit_every_steps: int = 100
     commit_every_seconds: Optional[float] = None
     sync_every_steps: int = 5
@@ -55,20 +49,12 @@ class FitConfig:
     durable_every_commits: int = 10
 
     def __post_init__(self):
-        if self.batch_policy not in BATCH_POLICIES:
-            raise ConfigurationError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}; "
-                                     f"got {self.batch_policy!r}.")
-        if (self.epochs < 1 or self.commit_every_steps < 0 or self.sync_every_steps < 1
-                or self.durable_every_commits < 0):
-            raise ConfigurationError(f"epochs >= 1, commit_every_steps >= 0, sync_every_steps >= 1 and "
-                                     f"durable_every_commits >= 0 are needed; got {self.epochs}, "
-                                     f"{self.commit_every_steps}, {self.sync_every_steps}, "
+        if self.commit_every_steps < 0 or self.sync_every_steps < 1 or self.durable_every_commits < 0:
+            raise ConfigurationError(f"commit_every_steps >= 0, sync_every_steps >= 1 and durable_every_commits >= 0 "
+                                     f"are needed; got {self.commit_every_steps}, {self.sync_every_steps}, "
                                      f"{self.durable_every_commits}.")
-
-    def global_batch(self, replicas: int) -> int:
-        """The global batch of a world with `replicas` replicas in sync."""
-        return replica_batch_size(self.batch_policy, replicas, self.per_replica_batch_size,
-                                  self.global_batch_size) * replicas
+        if self.commit_every_seconds is not None and not self.commit_every_seconds > 0:
+            raise ConfigurationError(f"commit_every_seconds must be > 0 (or None); got {self.commit_every_seconds}.")
 
 
 class ProgressCallback(keras.callbacks.Callback):
@@ -96,7 +82,7 @@ class _ElasticCallback(ProgressCallback):
         self.trainer.end_step(logs or {})
 
     def on_epoch_end(self, epoch, logs=None):
-        self.trainer.end_epoch(epoch)
+        self.trainer.end_epoch(epoch, logs if logs is not None else {})
 
 
 class _ElasticTrainer:
@@ -104,16 +90,19 @@ class _ElasticTrainer:
 
     def __init__(self, *, model: keras.Model, source: Source, preprocess: Optional[Preprocess], world: World,
                  strategy: tf.distribute.Strategy, state: CommittedState, config: FitConfig, worker_batch: int,
-                 events: EventLog, sum_fn: SumOverWorkers):
+                 events: EventLog, sum_fn: SumOverWorkers, group: Optional[GroupState],
+                 schedule: Optional[BatchResizeSchedule]):
         self.model, self.source, self.preprocess = model, source, preprocess
+        self.group, self.schedule = group, schedule
+        self.average_statistics = StatisticsAverage(strategy, statistics(model.variables))
+        self.validation = _Validation(None, 1)
         self.world, self.strategy = world, strategy
         self.state, self.config, self.events = state, config, events
         self.sum_over_workers = sum_fn
         self.plan = DataPlan(source.num_examples, config.seed, lambda epoch: source.epoch_order(config.seed, epoch))
         self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
         self.global_batch = worker_batch * world.size
-        self.step = state.step
-        self.epoch, self.epoch_start = state.epoch, state.samples
+        self.step = self.epoch = self.epoch_start = 0  # from the agreed commit, at `restored`
         self.batches: List[np.ndarray] = []
         self.batch_in_epoch = 0  # batches of `self.batches` trained so far
         self.last_commit = time.time()
@@ -128,7 +117,13 @@ class _ElasticTrainer:
             path = RunDir(world.run_dir).index_log(world.round, world.rank)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._index_log = open(path, "a", encoding="utf-8")
+
+    def restored(self) -> None:
+        """The group agreed on its starting commit: positions and the schedule's batch history follow it."""
+        self.step, self.epoch, self.epoch_start = self.state.step, self.state.epoch, self.state.samples
         self.set_batches(self.epoch, self.epoch_start)
+        if self.schedule is not None:
+            self.schedule.resize(self.state.step, self.global_batch)
 
     def set_batches(self, epoch: int, start: int) -> None:
         self.epoch, self.epoch_start, self.batch_in_epoch = epoch, start, 0
@@ -172,9 +167,12 @@ class _ElasticTrainer:
         if self.stopped:
             self.model.stop_training = True
 
-    def end_epoch(self, epoch: int) -> None:
+    def end_epoch(self, epoch: int, logs: Dict) -> None:
         if self.stopped:
             return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
+        if self.validation.due(epoch):
+            self.average_statistics()  # every worker evaluates the same model
+            logs.update(self.validation.run(self.model))
         if self.world.is_chief:
             seconds = time.time() - self.epoch_began
             self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.batch_in_epoch,
@@ -205,6 +203,10 @@ class _ElasticTrainer:
             def on_kept(blocked: float, in_force: float) -> None:  # on the commit thread
                 fields.update(seconds=round(blocked, 4), in_force_seconds=round(in_force, 4))
 
+        self.state.check_unchanged()
+        self.average_statistics()
+        if self.group is not None:
+            self.group.check(f"before the commit of step {self.step}")
         self.state.commit(epoch, samples, self.step, self.global_batch, on_kept=on_kept)
         if on_kept is not None:
             self._unannounced.append((self.state.commits_made, started, fields))
@@ -257,79 +259,217 @@ class _ElasticTrainer:
             self._index_log.close()
 
 
-def fit(model: keras.Model, x: Union[np.ndarray, Source], y: Optional[np.ndarray] = None, *, world: World,
-        strategy: tf.distribute.Strategy, run_dir: str, config: FitConfig, preprocess: Optional[Preprocess] = None,
-        schedule: Optional[BatchResizeSchedule] = None, callbacks: Sequence[keras.callbacks.Callback] = (),
-        verbose="auto") -> None:
-    """Trains a compiled model with `model.fit` from the last committed state until `config.epochs`.
+def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int]]], y: Optional[np.ndarray] = None,
+        *, batch_size: Optional[int] = None, per_replica_batch_size: Optional[int] = None, epochs: int = 1,
+        verbose="auto", callbacks: Optional[Sequence[keras.callbacks.Callback]] = None, validation_data=None,
+        validation_freq: Union[int, Sequence[int]] = 1, class_weight: Optional[Dict[int, float]] = None,
+        preprocess: Optional[Preprocess] = None, validation_preprocess: Optional[Preprocess] = None,
+        config: Optional[FitConfig] = None, schedule: Optional[BatchResizeSchedule] = None,
+        world: Optional[World] = None, strategy: Optional[tf.distribute.Strategy] = None,
+        run_dir: Optional[str] = None) -> keras.callbacks.History:
+    """`model.fit` for a compiled model, from the last commit, at any world size; returns the `History`.
 
-    `x`: in-memory features with labels `y`, or a `data.Source` (`y` None) read example by example in the
-    tf.data graph; `preprocess(features, label, seed)` runs per example before batching (default: integer
-    images to float in [0, 1]).
+    As in `model.fit`: `epochs`, `verbose`, `callbacks`, `validation_data` (an `(x, y)` tuple of arrays, a
+    `Source`, or any batched `tf.data.Dataset`; each worker evaluates all of it), `validation_freq`,
+    `class_weight`, and `batch_size`, the global batch, constant at every world size (which must divide
+    it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default: a global
+    batch of 32. The returned `History` holds the epochs this process trained: after a restart, from the
+    restored epoch on (a partial epoch's logs cover its rest only); `events.jsonl` has the whole run.
 
-    Returns when training is done. Raises `StopRequested` after a SIGTERM (committed at the next agreed
-    step), `PeerFailure` when a collective failed (another worker died or hung: this process's TF runtime
-    is unusable, end it) and `ConfigurationError` for input a restart cannot fix.
+    `x`: in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source`
+    (`y` None). A `tf.data.Dataset` is refused for training: fit must know which examples each worker
+    read to resume exactly. `preprocess(features, label, seed)` runs per example before batching (default:
+    none for arrays, integer images to float in [0, 1] for sources); `validation_preprocess` likewise.
+
+    The world, strategy and run dir are `elastic.run`'s (pass them to run without it); the schedule is the
+    optimizer's learning rate when it is a `BatchResizeSchedule`. The optimizer is built here, before the
+    state to commit is captured. Raises `StopRequested` after a SIGTERM (committed at the next agreed
+    step), `PeerFailure` when a collective failed and `ConfigurationError` for input a restart cannot fix.
     """
     keras_compat.install_fit_fix()
-    events = EventLog(run_dir, source=f"worker:{world.rank}")
+    world, strategy, run_dir = _context(world, strategy, run_dir)
+    config, schedule = config or FitConfig(), schedule_of(model.optimizer, schedule)
+    source = _training_source(x, y)
+    preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
     replicas = strategy.num_replicas_in_sync
     # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
-    worker_batch = config.global_batch(replicas) // world.size
-    source = x if isinstance(x, Source) else ArraySource(x, y)
-    global_batch = worker_batch * world.size
+    global_batch = global_batch_size(replicas, batch_size, per_replica_batch_size)
     if source.num_examples < global_batch:
         raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
                                  f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
                                  "Use a smaller batch size (or more data).")
+    if epochs < 1:
+        raise ConfigurationError(f"epochs must be >= 1; got {epochs}.")
+    validation = _validation_dataset(validation_data, global_batch // world.size, validation_preprocess)
+    _build_optimizer(model, strategy)
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
+    events = EventLog(run_dir, source=f"worker:{world.rank}")
     state = CommittedState(world, run_dir, model, schedule, durable=durable,
                            durable_every_commits=config.durable_every_commits, events=events, background=True)
     sum_fn = sum_over_workers(strategy, world)
-    group = GroupState(strategy, world, state.variables, sum_fn) if world.size > 1 else None
-    trainer, previous = None, {}
+    group = GroupState(strategy, world, state.variables, state.names, sum_fn) if world.size > 1 else None
+    history = _History()
+    trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
+                              state=state, config=config, worker_batch=global_batch // world.size, events=events,
+                              sum_fn=sum_fn, group=group, schedule=schedule)
+    trainer.validation = _Validation(validation, validation_freq)
+    fit_args = dict(verbose=verbose, class_weight=class_weight,
+                    callbacks=[_ElasticCallback(trainer), *(callbacks or ()), history])
+    _train(trainer, group, epochs, fit_args)
+    return history
+
+
+def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int, fit_args: Dict) -> None:
+    """Restores, trains the remaining epochs, and says how this worker ended (an event, or what it raises)."""
+    state, world, events, model = trainer.state, trainer.world, trainer.events, trainer.model
+    previous = {}
     try:
         _start_from_group(state, group, world, events)
-        trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
-                                  state=state, config=config, worker_batch=worker_batch, events=events, sum_fn=sum_fn)
+        trainer.restored()
         previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
                     for sig in world.stop_signals}
-        if schedule is not None:
-            schedule.resize(state.step, trainer.global_batch)
-        for begin, end in trainer.epoch_spans(config.epochs):
-            if trainer.stopped:
+        for begin, end in trainer.epoch_spans(epochs):
+            if trainer.stopped or model.stop_training:
                 break
-            model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, verbose=verbose, shuffle=False,
-                      callbacks=[_ElasticCallback(trainer), *callbacks])
+            model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, shuffle=False, **fit_args)
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
     except COLLECTIVE_FAILURES as error:
-        step = trainer.step if trainer else state.step
         events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
-                     step=step)
+                     step=trainer.step)
         first_line = str(error).splitlines()[0] if str(error) else ""
-        logging.error("collective failure at step %d (%s): %s", step, type(error).__name__, first_line)
-        raise PeerFailure(step, f"{type(error).__name__}: {first_line}") from None
+        logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__, first_line)
+        raise PeerFailure(trainer.step, f"{type(error).__name__}: {first_line}") from None
     except (tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError, tf.errors.UnauthenticatedError) as error:
         # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
         # may not read: the error names the file; a restart would only meet it again (on every host).
-        raise ConfigurationError(f"bad input at step {trainer.step if trainer else state.step}: "
-                                 f"{describe_error(error)}") from None
+        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(error)}") from None
     finally:
-        if trainer:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            trainer.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        trainer.close()
         state.close()
     digest = group.digest() if group else None
-    if trainer.stopped:
-        events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.STOPPED),
-                     step=trainer.step, state_digest=digest)
-        raise StopRequested(trainer.step)
-    state.close(final=True)
-    events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(ExitCode.DONE), step=trainer.step,
+    code = ExitCode.STOPPED if trainer.stopped else ExitCode.DONE
+    if not trainer.stopped:
+        state.close(final=True)
+    events.write(Event.WORKER_EXIT, round=world.round, rank=world.rank, code=int(code), step=trainer.step,
                  state_digest=digest)
+    if trainer.stopped:
+        raise StopRequested(trainer.step)
+
+
+def global_batch_size(replicas: int, batch_size: Optional[int] = None,
+                      per_replica_batch_size: Optional[int] = None) -> int:
+    """The global batch of a world of `replicas` replicas: `batch_size` (the same at every size), or
+    `per_replica_batch_size` times `replicas`; neither: 32, as `model.fit`."""
+    if batch_size is not None and per_replica_batch_size is not None:
+        raise ConfigurationError("give batch_size (a constant global batch) or per_replica_batch_size (a global "
+                                 f"batch that follows the world), not both; got {batch_size} and "
+                                 f"{per_replica_batch_size}.")
+    if per_replica_batch_size is not None:
+        return replica_batch_size("per_replica", replicas, per_replica_batch_size, None) * replicas
+    return replica_batch_size("global", replicas, None, 32 if batch_size is None else batch_size) * replicas
+
+
+def schedule_of(optimizer: keras.optimizers.Optimizer,
+                given: Optional[BatchResizeSchedule] = None) -> Optional[BatchResizeSchedule]:
+    """The `BatchResizeSchedule` that is `optimizer`'s learning rate (inside a `LossScaleOptimizer` too)."""
+    inner = optimizer
+    while isinstance(inner, keras.optimizers.LossScaleOptimizer):
+        inner = inner.inner_optimizer
+    found = getattr(inner, "_learning_rate", None)
+    found = found if isinstance(found, BatchResizeSchedule) else None
+    if given is not None and found is not None and given is not found:
+        raise ConfigurationError("schedule is not the optimizer's learning rate: leave it out, fit finds it.")
+    return given or found
+
+
+def _context(world: Optional[World], strategy: Optional[tf.distribute.Strategy],
+             run_dir: Optional[str]) -> Tuple[World, tf.distribute.Strategy, str]:
+    """What `elastic.run` made, else what was passed, else a world of one."""
+    context = entry.current()
+    if context is None and world is None and os.environ.get(Env.HEARTBEAT_FILE):
+        raise ConfigurationError("under the elastic agent, start the worker with elastic.run(main) (or pass "
+                                 "world=, strategy= and run_dir= after starting the heartbeat yourself).")
+    world = world or (context.world if context else World())
+    strategy = strategy or (context.strategy if context else tf.distribute.get_strategy())
+    run_dir = run_dir or (context.run_dir if context else world.run_dir or "runs/train")
+    return world, strategy, run_dir
+
+
+def _training_source(x, y) -> Source:
+    if isinstance(x, Source):
+        return x
+    if isinstance(x, tf.data.Dataset):
+        raise ConfigurationError("x: a tf.data.Dataset cannot be resumed at an exact example; pass arrays (x, y), "
+                                 "a list of (path, label) pairs, or a source of tf_elastic.elastic.worker.data: "
+                                 "ArraySource, ImageFiles, ImageFolder, TFRecordSource, TFDSSource.")
+    if y is None and isinstance(x, (list, tuple)) and x and all(isinstance(p, (list, tuple)) for p in x):
+        return ImageFiles([p for p, _ in x], [label for _, label in x])
+    if y is None:
+        raise ConfigurationError("y: labels are needed with in-memory features x (or pass a Source as x).")
+    return ArraySource(np.asarray(x), np.asarray(y))
+
+
+def _validation_dataset(validation_data, batch: int, preprocess: Optional[Preprocess]) -> Optional[tf.data.Dataset]:
+    if validation_data is None or isinstance(validation_data, tf.data.Dataset):
+        return validation_data
+    if isinstance(validation_data, Source):
+        return evaluation(validation_data, batch, preprocess)
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        return evaluation(ArraySource(np.asarray(validation_data[0]), np.asarray(validation_data[1])), batch,
+                          preprocess or _unchanged)
+    raise ConfigurationError(f"validation_data must be an (x, y) tuple of arrays, a Source or a batched "
+                             f"tf.data.Dataset; got {type(validation_data).__name__}.")
+
+
+def _build_optimizer(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+    """Builds the optimizer eagerly (keras#23085: not while tracing), so that its slots exist when the state
+    to commit, transfer and check is captured."""
+    if getattr(model, "optimizer", None) is None:
+        raise ConfigurationError("model: compile it (model.compile(optimizer=..., loss=...)) before fit.")
+    if not model.built or not model.trainable_variables:
+        raise ConfigurationError("model: it has no weights yet; build it before fit (keras.Input(shape) as its "
+                                 "first layer, or model.build(input_shape)).")
+    if not model.optimizer.built:
+        with strategy.scope():
+            model.optimizer.build(model.trainable_variables)
+
+
+def _unchanged(features: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Arrays reach the model as they are, as with `model.fit`."""
+    del seed
+    return features, label
+
+
+class _Validation:
+    """fit's validation pass: at the epochs `freq` names (an int: every `freq`-th; a list: those, from 1),
+    each worker evaluating the whole dataset. Its logs join the epoch's with `val_` before them."""
+
+    def __init__(self, dataset: Optional[tf.data.Dataset], freq: Union[int, Sequence[int]]):
+        if isinstance(freq, int) and freq < 1 or not isinstance(freq, int) and not all(
+                isinstance(e, int) and e >= 1 for e in freq):
+            raise ConfigurationError(f"validation_freq must be an int >= 1 or a list of epochs >= 1; got {freq!r}.")
+        self.dataset, self.freq = dataset, freq
+
+    def due(self, epoch: int) -> bool:
+        if self.dataset is None:
+            return False
+        return (epoch + 1) % self.freq == 0 if isinstance(self.freq, int) else epoch + 1 in self.freq
+
+    def run(self, model: keras.Model) -> Dict[str, float]:
+        logs = model.evaluate(self.dataset, verbose=0, callbacks=[ProgressCallback()], return_dict=True)
+        return {f"val_{name}": value for name, value in logs.items()}
+
+
+class _History(keras.callbacks.History):
+    """One `History` over the `model.fit` calls of a `fit` (a partial epoch is a call of its own)."""
+
+    def on_train_begin(self, logs=None):
+        if not hasattr(self, "epoch"):
+            self.epoch = []
 
 
 def _start_from_group(state: CommittedState, group: Optional[GroupState], world: World, events: EventLog) -> None:

@@ -36,7 +36,32 @@ def _decode(contents: tf.Tensor, path: tf.Tensor, channels: int) -> tf.Tensor:
         return tf.io.decode_image(contents, channels=channels, expand_animations=False)
 
 
-class ImageFolder(Source):
+class ImageFiles(Source):
+    """Image files you list, with their integer labels: `ImageFiles(paths, labels)` (any `tf.io.gfile` path;
+    JPEG, PNG, GIF, BMP). `num_classes`: default the largest label + 1."""
+
+    def __init__(self, paths: List[str], labels, channels: int = 3, num_classes: Optional[int] = None):
+        if len(paths) != len(labels) or not len(paths):
+            raise ConfigurationError(f"paths and labels need the same, non-zero length; got {len(paths)} and "
+                                     f"{len(labels)}.")
+        self.paths, self.labels = list(paths), np.asarray(labels, np.int32)
+        if self.labels.min() < 0:
+            raise ConfigurationError(f"labels must be >= 0; got {int(self.labels.min())}.")
+        self.channels, self.num_examples = channels, len(self.paths)
+        self.num_classes = int(num_classes if num_classes is not None else self.labels.max() + 1)
+        self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
+
+    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        # Tensors on first use: one made before the strategy would initialise TF's runtime too early for MWMS.
+        if self._tensors is None:
+            with tf.init_scope():  # eager tensors, captured by each traced function
+                self._tensors = tf.constant(self.paths), tf.constant(self.labels)
+        paths, labels = self._tensors
+        path = tf.gather(paths, index)
+        return _decode(tf.io.read_file(path), path, self.channels), tf.gather(labels, index)
+
+
+class ImageFolder(ImageFiles):
     """`root/<class>/<image>`: class index = position of the class folder name in sorted order."""
 
     def __init__(self, root: str, channels: int = 3, class_names: Optional[List[str]] = None):
@@ -58,18 +83,7 @@ class ImageFolder(Source):
                 raise ConfigurationError(f"class folder {folder} is missing or has no files.")
             paths += [posixpath.join(folder, f) for f in files]
             labels += [label] * len(files)
-        self.paths, self.labels = paths, np.asarray(labels, np.int32)
-        self.channels, self.num_examples, self.num_classes = channels, len(paths), len(self.class_names)
-        self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
-
-    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        # Tensors on first use: one made before the strategy would initialise TF's runtime too early for MWMS.
-        if self._tensors is None:
-            with tf.init_scope():  # eager tensors, captured by each traced function
-                self._tensors = tf.constant(self.paths), tf.constant(self.labels)
-        paths, labels = self._tensors
-        path = tf.gather(paths, index)
-        return _decode(tf.io.read_file(path), path, self.channels), tf.gather(labels, index)
+        super().__init__(paths, labels, channels, num_classes=len(self.class_names))
 
 
 def default_parse(records: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:

@@ -1,0 +1,77 @@
+"""What a commit holds: every variable that affects training, each once, named, and saved by the checkpoint."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_elastic import LARS, BatchResizeSchedule
+from tf_elastic.elastic.worker import commit
+from tf_elastic.elastic.worker.commit import CommittedState
+from tf_elastic.elastic.worker.errors import ConfigurationError
+from tf_elastic.elastic.worker.training import schedule_of
+from tf_elastic.elastic.worker.world import World
+
+
+def _model(dtype_policy: str = "float32"):
+    """LARS with EMA (inside a LossScaleOptimizer under mixed_float16), plain BatchNorm and dropout."""
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy(dtype_policy)
+    try:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
+                                  keras.layers.Dropout(0.2), keras.layers.Dense(2)])
+        schedule = BatchResizeSchedule(0.1, 16, batch_size=32, momentum=0.9)
+        model.compile(optimizer=LARS(schedule, momentum=0.9, use_ema=True), loss="mse")
+        model.optimizer.build(model.trainable_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return model, schedule
+
+
+@pytest.mark.parametrize("dtype_policy", ["float32", "mixed_float16"])
+def test_a_commit_holds_every_variable_once_and_the_checkpoint_saves_each(tmp_path, dtype_policy):
+    """Slots, EMA copies, `iterations`, the loss scale and its counter, BatchNorm statistics, dropout's seed
+    state and the schedule's history: dropping any one from the state is what this test is for."""
+    model, schedule = _model(dtype_policy)
+    state = CommittedState(World(), str(tmp_path), model, schedule_of(model.optimizer))
+    expected = {v.path for v in [*model.variables, *model.optimizer.variables]} | {"elastic_progress:0"}
+    assert set(state.names) == expected and len(state.names) == len(state.variables)
+    assert len({id(v) for v in state.variables}) == len(state.variables)
+    names = set(state.names)
+    assert {"sequential/batch_normalization/moving_mean", "seed_generator/seed_generator_state"} <= names
+    assert any(n.endswith("_average") for n in names) and any(n.endswith("_momentum") for n in names)
+    if dtype_policy == "mixed_float16":
+        assert {"loss_scale_optimizer/dynamic_scale", "loss_scale_optimizer/step_counter"} <= names
+    saved = {id(commit._tf_variable(v)) for v in commit._saved_variables(state.checkpoint)}
+    assert all(id(v) in saved for v in state.variables), [n for v, n in zip(state.variables, state.names)
+                                                         if id(v) not in saved]
+
+
+def test_every_variable_comes_back_bit_exact_from_a_commit(tmp_path):
+    model, schedule = _model()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    model.fit(x, x[:, :2], batch_size=16, epochs=2, verbose=0)
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    state.commit(epoch=2, samples=0, step=8, global_batch=16)
+    fresh, fresh_schedule = _model()
+    restored = CommittedState(World(), str(tmp_path), fresh, fresh_schedule)
+    restored.restore()
+    for name, a, b in zip(state.names, state.variables, restored.variables):
+        assert tf.io.serialize_tensor(a).numpy() == tf.io.serialize_tensor(b).numpy(), name
+
+
+def test_a_variable_created_after_the_state_was_captured_is_an_error_naming_it(tmp_path):
+    model, _ = _model()
+    state = CommittedState(World(), str(tmp_path), model)
+    state.check_unchanged()
+    model.optimizer.add_variable((3,), name="late_slot")
+    with pytest.raises(ConfigurationError, match="1 variable.*appeared after fit.*late_slot"):
+        state.check_unchanged()
+
+
+def test_the_schedule_is_found_on_the_optimizer_and_a_different_one_is_refused():
+    model, schedule = _model()
+    assert schedule_of(model.optimizer) is schedule
+    assert schedule_of(keras.optimizers.LossScaleOptimizer(model.optimizer)) is schedule
+    assert schedule_of(keras.optimizers.SGD(0.1)) is None
+    with pytest.raises(ConfigurationError, match="schedule is not the optimizer's learning rate"):
+        schedule_of(model.optimizer, BatchResizeSchedule(0.1, 16, batch_size=32))
