@@ -24,9 +24,10 @@ setup(
         # matplotlib: plots; scipy: the reproductions' intervals and paired t-tests; scikit-learn: the `digits`
         # dataset that ships offline; tensorflow-datasets (and importlib_resources, which its builders import):
         # the `tfds:NAME` datasets; ruff: the lint CI runs; gcp-storage-emulator (pinned: the harness works around
-        # one of its bugs) and cryptography: gs:// durable copies against a local emulator (tf_elastic.testing.gcs).
+        # one of its bugs) and cryptography: gs:// durable copies against a local emulator (tf_elastic.testing.gcs);
+        # wheel: tests/test_packaging.py builds the wheel without build isolation.
         "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn", "scipy", "tensorflow-datasets>=4.9",
-                 "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography"],
+                 "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography", "wheel"],
     },
     entry_points={
         # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout) and the trainer.

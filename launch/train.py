@@ -52,6 +52,8 @@ flags.DEFINE_float("learning_rate", None, "Peak learning rate at the reference b
                    "adam/lamb 0.001).", lower_bound=0.0)
 flags.DEFINE_float("momentum", 0.9, "Momentum (lars, sgd).", lower_bound=0.0, upper_bound=0.999)
 flags.DEFINE_float("trust_coefficient", 0.05, "LARS trust coefficient (eta).", lower_bound=0.0)
+flags.DEFINE_float("ema_momentum", 0.0, "Keep an exponential moving average of the weights with this momentum "
+                   "(Keras's use_ema; the model ends with the averages); 0: none.", lower_bound=0.0, upper_bound=0.9999)
 flags.DEFINE_float("weight_decay", 5e-4, "Weight decay (LARS: inside the trust ratio).", lower_bound=0.0)
 flags.DEFINE_enum("base_schedule", "constant", ["constant", "warmup_cosine", "warmup_poly"],
                   "Base schedule in reference-batch steps (warmup_poly: LARS/MLPerf).")
@@ -104,14 +106,15 @@ flags.register_multi_flags_validator(
 def build_optimizer(schedule, keras):
     from tf_elastic import LARS
 
+    ema = dict(use_ema=True, ema_momentum=FLAGS.ema_momentum) if FLAGS.ema_momentum else {}
     if FLAGS.optimizer == "lars":
         return LARS(schedule, momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay,
-                    trust_coefficient=FLAGS.trust_coefficient)
+                    trust_coefficient=FLAGS.trust_coefficient, **ema)
     if FLAGS.optimizer == "sgd":
-        return keras.optimizers.SGD(schedule, momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay or None)
+        return keras.optimizers.SGD(schedule, momentum=FLAGS.momentum, weight_decay=FLAGS.weight_decay or None, **ema)
     if FLAGS.optimizer == "adam":
-        return keras.optimizers.Adam(schedule)
-    return keras.optimizers.Lamb(schedule)
+        return keras.optimizers.Adam(schedule, **ema)
+    return keras.optimizers.Lamb(schedule, **ema)
 
 
 def base_schedule(peak: float, steps_per_epoch: int, keras):

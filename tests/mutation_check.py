@@ -28,6 +28,12 @@ class Mutation(NamedTuple):
 
 
 MUTATIONS = [
+    Mutation("commit: dropout's seed state not added to the checkpoint", "tf_elastic/elastic/worker/commit.py",
+             '**({"untracked": untracked} if untracked else {})', "",
+             "tests/test_commit.py"),
+    Mutation("commit: model weights only (BatchNorm statistics, seed states left out)",
+             "tf_elastic/elastic/worker/commit.py", "return [*self.model.variables,",
+             "return [*self.model.trainable_variables,", "tests/test_commit.py"),
     Mutation("LARS: weight decay left out of the trust ratio's denominator", "tf_elastic/optimizers/lars.py",
              "g_norm + beta * w_norm + self.epsilon", "g_norm + self.epsilon",
              "tests/test_lars.py -k reference"),

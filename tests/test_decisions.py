@@ -154,3 +154,12 @@ def test_each_local_worker_gets_its_own_share_of_the_gpus(visible, nproc, device
 def test_more_workers_than_gpus_is_refused():
     with pytest.raises(ValueError, match="--nproc=3 but only 2 GPUs are visible"):
         decisions.assign_devices(["0", "1"], 3)
+
+
+def test_a_start_failure_repeated_alike_ends_the_job_and_any_other_does_not():
+    error = "ModuleNotFoundError: No module named 'launch'"
+    assert decisions.repeated_start_failure([error, error]) == error
+    assert decisions.repeated_start_failure(["x", error, error]) == error
+    assert decisions.repeated_start_failure([error]) is None  # one failure may be the machine's
+    assert decisions.repeated_start_failure(["Killed", error]) is None
+    assert decisions.repeated_start_failure([None, None]) is None  # nothing said: not named, not ended

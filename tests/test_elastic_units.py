@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import run_python
-from tf_elastic import LARS, BatchResizeSchedule
+from tf_elastic import LARS, BatchResizeSchedule, elastic
 from tf_elastic.elastic.worker import keras_compat, training
 from tf_elastic.elastic.worker import world as world_module
 from tf_elastic.elastic.worker.world import World
@@ -363,3 +363,37 @@ def test_fits_validation_batches_count_as_progress():
 def test_a_global_batch_the_world_does_not_divide_names_the_agents_flag():
     with pytest.raises(ValueError, match="--world_size_divides=12 divided by the replicas per worker"):
         replica_batch_size("global", 8, None, 12)
+
+
+def test_fit_takes_what_model_fit_takes_and_returns_its_history(tmp_path):
+    """class_weight reaches the loss (all-zero weights: a zero loss), validation runs at the epochs
+    validation_freq names, from arrays or a tf.data.Dataset, and the History holds every epoch."""
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    model, _ = _training_setup()
+    model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    history = elastic.fit(model, x, y, batch_size=16, epochs=3, validation_data=(x[:20], y[:20]), validation_freq=2,
+                          class_weight={0: 0.0, 1: 0.0}, run_dir=str(tmp_path / "a"), verbose=0)
+    assert history.epoch == [0, 1, 2] and history.history["loss"] == [0.0, 0.0, 0.0], history.history
+    assert len(history.history["val_loss"]) == 1 and "val_accuracy" in history.history
+    validation = tf.data.Dataset.from_tensor_slices((x[:20], y[:20])).batch(10)
+    history = elastic.fit(model, x, y, per_replica_batch_size=16, epochs=2, validation_data=validation,
+                          run_dir=str(tmp_path / "b"), verbose=0)
+    assert len(history.history["val_loss"]) == 2 and history.history["loss"][0] > 0, history.history
+
+
+def test_fit_refuses_a_training_dataset_and_bad_arguments_naming_them(tmp_path):
+    model, _ = _training_setup()
+    x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.int64)
+    from tf_elastic.elastic.worker.errors import ConfigurationError
+
+    cases = [(dict(x=tf.data.Dataset.from_tensor_slices((x, y)), y=None), "x: a tf.data.Dataset.*ImageFiles"),
+             (dict(batch_size=16, per_replica_batch_size=8), "batch_size .* or per_replica_batch_size"),
+             (dict(epochs=0), "epochs must be >= 1"), (dict(validation_freq=0), "validation_freq must be"),
+             (dict(validation_data="val.csv"), "validation_data must be"), (dict(y=None), "y: labels are needed")]
+    for given, message in cases:
+        arguments = {"x": x, "y": y, "run_dir": str(tmp_path), "verbose": 0, **given}
+        with pytest.raises(ConfigurationError, match=message):
+            elastic.fit(model, **arguments)
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,6 +1,8 @@
 """The one place that knows how to XLA-compile optimizer math, per Keras backend.
 
-Whole-step `jit_compile` fails under tf.distribute strategies on CPU (see PLATFORM.md), so the optimizer
+Whole-step `jit_compile` fails under tf.distribute strategies on CPU (MirroredStrategy: "Trying to access
+resource .../replica_1 ... from device CPU:0"; MWMS: "Only compiling NCCL/auto collective is supported"),
+while a `tf.function(jit_compile=True)` around one variable's update works under both, so the optimizer
 compiles only its own per-variable math. On the JAX backend Keras already jits the whole train step, so
 there is nothing to add.
 """

@@ -170,3 +170,37 @@ def signal_pid(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def lose_the_chief_then_join(job: LocalJob, command: Optional[List[str]] = None, round_seconds: float = 0.0,
+                             **flags) -> Dict[str, object]:
+    """Agents a and b train; once they committed at world size 2 (and the round ran `round_seconds`), the
+    chief's host is SIGKILLed, the survivor trains alone, and host c joins (with an empty disk when the job
+    has a run dir per host). Returns the rounds and hosts involved: `first`, `joined` (the chiefs' first
+    steps at world size 2), `chief`, `survivor` and `killed_at`."""
+    job.start_agent("a", command=command, **flags)
+    job.start_agent("b", command=command, **flags)
+    first = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2],
+                         what="a commit at world size 2")[0]
+    began = job.events(Event.FIRST_STEP, round=first["round"], rank=0)[0]["time"]
+    job.wait_for(lambda: time.time() > began + round_seconds, what=f"a round of {round_seconds}s")
+    chief = job.events(Event.WORKER_START, round=first["round"], rank=0)[-1]["source"].split(":", 1)[1]
+    killed_at = time.time()
+    job.kill_host(chief)
+    alone = job.wait_for(lambda: [e for e in job.events(Event.FIRST_STEP, rank=0) if e["round"] > first["round"]],
+                         what="a first step without the chief")[0]
+    job.start_agent("c", command=command, **flags)
+    joined = job.wait_for(lambda: [e for e in job.events(Event.FIRST_STEP, rank=0)
+                                   if e["round"] > alone["round"] and e["world_size"] == 2],
+                          what="a first step with c")[0]
+    return {"first": first["round"], "joined": joined["round"], "chief": chief, "killed_at": killed_at,
+            "survivor": "b" if chief == "a" else "a"}
+
+
+def assert_replicas_identical(job: LocalJob, round_: int, size: int = 2) -> None:
+    """Every rank of `round_` started from the same bits of every committed variable and, if the round
+    ended, ended with them."""
+    for name in (Event.RESTORE, Event.WORKER_EXIT):
+        digests = {e["rank"]: e["state_digest"] for e in job.events(name, round=round_)}
+        if name is Event.RESTORE or digests:
+            assert len(digests) == size and len(set(digests.values())) == 1, (name, round_, digests)

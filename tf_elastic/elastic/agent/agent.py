@@ -86,6 +86,7 @@ class ElasticAgent:
         self._warm: Dict[int, Spare] = {}  # local slot -> its warm worker
         self._warm_spawned = 0
         self._own_failures = 0  # failures of this host's own workers, in a row
+        self._start_failures: List[Optional[str]] = []  # last error lines of workers failed before a step
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
@@ -337,14 +338,35 @@ class ElasticAgent:
             self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
                               code=verdict.code, host=self.host_id, counted=False)
             return RoundResult.FAILED
+        failed = next(w for w in running if w.rank == verdict.rank)
+        if self._failed_alike_before_start(failed, verdict, round_):
+            return RoundResult.FAILED
         if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
-            workers.kill(next(w for w in running if w.rank == verdict.rank).process)
+            workers.kill(failed.process)
             # A silent heartbeat is this worker's own; no progress is not always: one blocked main thread
             # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
             # the host keeps healthy peers out of the blacklist; the restart still counts.
             own = verdict.failure is Failure.HANG
         self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own)
         return RoundResult.RESTART
+
+    def _failed_alike_before_start(self, worker: Worker, verdict: WorkersVerdict, round_: Round) -> bool:
+        """Ends the job when this host's workers failed the same way before their first step on their last
+        tries (`decisions.repeated_start_failure`), naming the worker's last error line."""
+        if worker.training or verdict.failure is not Failure.WORKER_EXIT:
+            self._start_failures = []
+            return False
+        worker.process.wait()
+        self._start_failures.append(workers.last_error_line(worker.process))
+        line = decisions.repeated_start_failure(self._start_failures)
+        if line is None:
+            return False
+        tries = len(self._start_failures)
+        self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} on {self.host_id} exited with code {verdict.code} "
+                                          f"before its first step on {tries} tries in a row: {line}")
+        self.events.write(Event.FAILURE, round=round_.number, kind=Failure.WORKER_EXIT.value, rank=verdict.rank,
+                          code=verdict.code, host=self.host_id, counted=False, error=line)
+        return True
 
     def _count_own_failure(self, own: bool) -> None:
         """Blacklists this host after `blacklist_after` failures of its own workers in a row."""

@@ -156,6 +156,15 @@ def own_failure(codes: Dict[int, Optional[int]]) -> bool:
     return any(code not in (None, ExitCode.DONE, ExitCode.STOPPED, ExitCode.PEER_FAILURE) for code in codes.values())
 
 
+def repeated_start_failure(failures: List[Optional[str]], tries: int = 2) -> Optional[str]:
+    """The error that ended this host's workers before their first step on the last `tries` starts in a
+    row, the same each time (`failures`: each such start's last stderr line, oldest first; a start that
+    reached a step clears the list). An import error or a bad flag fails every restart alike: the job
+    should end at once, naming it, instead of after `max_restarts` and a blacklisted host."""
+    last = failures[-tries:]
+    return last[0] if len(last) == tries and last[0] and all(line == last[0] for line in last) else None
+
+
 def lost_hosts(round_: Round, alive: Set[str], me: str) -> List[str]:
     """Hosts with ranks in `round_` whose lease is gone."""
     return [h for h, ranks in (round_.assignment or {}).items() if ranks and h not in alive and h != me]

@@ -4,6 +4,7 @@ their own, watched through their heartbeat file, and signalled as a group.
 Heartbeats are timed on the agent's own monotonic clock (when did the content last change?), never by
 a file's mtime against the wall clock, and live in the agent's host-local directory.
 """
+import collections
 import dataclasses
 import fcntl
 import json
@@ -11,7 +12,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -60,9 +63,39 @@ def sweep_dead_agents_dirs() -> List[str]:
 
 def spawn(command: List[str], env: Dict[str, str], warm: bool) -> subprocess.Popen:
     """An argv list, never a shell; a session (and process group) of its own, so terminal signals reach
-    the agent only and the agent can signal everything the command started (`sh -c ...` included)."""
-    return subprocess.Popen(command, env=env, start_new_session=True,
-                            stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
+    the agent only and the agent can signal everything the command started (`sh -c ...` included). Its
+    stderr passes through the agent's, which keeps the last lines (`error_tail`) to name a failure."""
+    process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE,
+                               stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
+    process.error_tail = collections.deque(maxlen=ERROR_TAIL_LINES)
+    process.error_reader = threading.Thread(target=_pass_on, args=(process.stderr, process.error_tail), daemon=True,
+                                            name=f"tf_elastic-stderr-{process.pid}")
+    process.error_reader.start()
+    return process
+
+
+ERROR_TAIL_LINES = 20
+
+
+def _pass_on(pipe, tail: collections.deque) -> None:
+    """Copies a worker's stderr to the agent's line by line, keeping the last lines."""
+    for line in iter(pipe.readline, b""):
+        try:
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+        except (OSError, ValueError):  # the agent's stderr is gone: keep draining, or the worker blocks
+            pass
+        tail.append(line.decode(errors="replace").rstrip())
+    pipe.close()
+
+
+def last_error_line(process: subprocess.Popen, wait: float = 2.0) -> Optional[str]:
+    """The last non-blank line the exited worker wrote to stderr (None: nothing), once read to its end."""
+    reader = getattr(process, "error_reader", None)
+    if reader is not None:
+        reader.join(wait)
+    lines = [line for line in getattr(process, "error_tail", ()) if line.strip()]
+    return lines[-1][:500] if lines else None
 
 
 def signal_group(process: subprocess.Popen, sig: int) -> None:

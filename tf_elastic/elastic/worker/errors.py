@@ -1,7 +1,7 @@
 """What `fit` raises instead of ending the process, and the exit code each means to the agent.
 
-A user's own training script catches these like any Keras error; an entry point under the agent
-ends the process with `exit_code(error)` (see `launch/train.py`).
+`elastic.run(main)` ends a worker process with `exit_code(error)` for whatever `main` raised; a script
+that runs without it catches these like any Keras error.
 """
 from tf_elastic.elastic.protocol import ExitCode
 
@@ -21,7 +21,9 @@ class StopRequested(Exception):
 
 class PeerFailure(Exception):
     """A collective failed: another worker died or hung. TensorFlow's runtime cannot be reused in this
-    process (see PLATFORM.md); end it and let the agent restart the group from the last commit."""
+    process: MultiWorkerMirroredStrategy cannot be built again with another cluster (its first collective fails
+    or hangs, and its gRPC server has no clean shutdown); end it and let the agent restart the group from the
+    last commit."""
 
     def __init__(self, step: int, reason: str):
         super().__init__(f"peer failure at step {step}: {reason}")

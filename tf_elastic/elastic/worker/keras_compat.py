@@ -1,8 +1,11 @@
 """Version-guarded fixes for stock Keras 3: `model.fit` under MultiWorkerMirroredStrategy (keras#20585),
 and TensorFlow's asynchronous checkpoint of Keras variables.
 
-`fit`: two failure points (see PLATFORM.md): the symbolic build MEAN-reduces a tuple of PerReplica input
-batches, and scalar logs are reduced with `axis=0`. Async checkpoint: TF copies every variable to the
+`fit`: two failure points in Keras 3.15: `TensorFlowTrainer._maybe_symbolic_build` MEAN-reduces a tuple of
+PerReplica input batches ("Attempt to convert a value (PerReplica...) to a Tensor"), and `reduce_per_replica`
+reduces scalar logs with `axis=0` ("Invalid reduction dimension 0 for input with 0 dimensions"). The fix
+builds from the first local replica's batch and reduces scalars with `axis=None`; losses are then the same
+on every worker. Async checkpoint: TF copies every variable to the
 host in a `tf.function` on each write; Keras's `Variable._copy_trackable_to_cpu` creates a new
 `tf.Variable` on every call, which a `tf.function` refuses after its first trace ("only supports singleton
 tf.Variables"). Each patch is installed only when the installed Keras still has the faulty code, detected

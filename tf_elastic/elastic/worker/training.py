@@ -4,6 +4,7 @@ It feeds each worker its exact share of the rest of the epoch, commits on cadenc
 workers agree on, and raises instead of ending the process: `StopRequested` after a SIGTERM (state
 committed), `PeerFailure` when a collective fails, `ConfigurationError` for bad input.
 """
+import contextlib
 import dataclasses
 import json
 import os
@@ -178,7 +179,7 @@ class _ElasticTrainer:
             self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.batch_in_epoch,
                               seconds=round(seconds, 4), world_size=self.world.size)
             logging.info("epoch %d done: world size %d, global batch %d, learning rate %.4g, loss %.4f, %.1fs",
-                         epoch + 1, self.world.size, self.global_batch, float(self.model.optimizer.learning_rate),
+                         epoch + 1, self.world.size, self.global_batch, _learning_rate(self.model),
                          float(self.last_loss or 0.0), seconds)
         start = self.epoch_start + self.batch_in_epoch * self.global_batch
         skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
@@ -197,7 +198,7 @@ class _ElasticTrainer:
         if self.world.is_chief:
             fields = dict(round=self.world.round, step=self.step, epoch=epoch, samples=samples,
                           loss=None if self.last_loss is None else float(self.last_loss),
-                          learning_rate=float(self.model.optimizer.learning_rate), world_size=self.world.size,
+                          learning_rate=_learning_rate(self.model), world_size=self.world.size,
                           global_batch=self.global_batch)
 
             def on_kept(blocked: float, in_force: float) -> None:  # on the commit thread
@@ -300,7 +301,8 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                                  "Use a smaller batch size (or more data).")
     if epochs < 1:
         raise ConfigurationError(f"epochs must be >= 1; got {epochs}.")
-    validation = _validation_dataset(validation_data, global_batch // world.size, validation_preprocess)
+    validation = _Validation(_validation_dataset(validation_data, global_batch // world.size, validation_preprocess),
+                             validation_freq)
     _build_optimizer(model, strategy)
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
@@ -313,7 +315,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
                               state=state, config=config, worker_batch=global_batch // world.size, events=events,
                               sum_fn=sum_fn, group=group, schedule=schedule)
-    trainer.validation = _Validation(validation, validation_freq)
+    trainer.validation = validation
     fit_args = dict(verbose=verbose, class_weight=class_weight,
                     callbacks=[_ElasticCallback(trainer), *(callbacks or ()), history])
     _train(trainer, group, epochs, fit_args)
@@ -329,10 +331,12 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
         trainer.restored()
         previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
                     for sig in world.stop_signals}
-        for begin, end in trainer.epoch_spans(epochs):
+        spans = trainer.epoch_spans(epochs)
+        for begin, end in spans:
             if trainer.stopped or model.stop_training:
                 break
-            model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, shuffle=False, **fit_args)
+            with _averages_held_back(model.optimizer, hold=end < spans[-1][1]):
+                model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, shuffle=False, **fit_args)
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
     except COLLECTIVE_FAILURES as error:
@@ -436,6 +440,24 @@ def _build_optimizer(model: keras.Model, strategy: tf.distribute.Strategy) -> No
     if not model.optimizer.built:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
+
+
+@contextlib.contextmanager
+def _averages_held_back(optimizer: keras.optimizers.Optimizer, hold: bool):
+    """`model.fit` ends by copying an EMA optimizer's averages into the model's weights: right once training
+    ends, wrong after the partial epoch that the next `model.fit` call goes on from."""
+    if hold:
+        optimizer.finalize_variable_values = lambda variables: None
+    try:
+        yield
+    finally:
+        if hold:
+            del optimizer.finalize_variable_values
+
+
+def _learning_rate(model: keras.Model) -> float:
+    """The optimizer's current learning rate (a schedule's value, or its variable: mirrored under MWMS)."""
+    return float(tf.convert_to_tensor(model.optimizer.learning_rate))
 
 
 def _unchanged(features: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:

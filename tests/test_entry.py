@@ -1,0 +1,47 @@
+"""`elastic.run(main)` with the README's own-script example: a plain Keras script, three lines changed, under
+real agents, through the loss of the chief's host and the join of a host with an empty disk."""
+import re
+import sys
+
+import pytest
+
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.testing.local_job import REPO, LocalJob, assert_replicas_identical, lose_the_chief_then_join
+
+STARTUP_TIMEOUT = 15.0
+AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1",
+         f"--startup_timeout={STARTUP_TIMEOUT}"]
+
+
+def readme_script(epochs: int) -> str:
+    """The README's own-script example as written, but for the number of epochs."""
+    readme = (REPO / "README.md").read_text()
+    script = re.search(r"<!-- own-script -->\n```python\n(.*?)```", readme, re.S).group(1)
+    assert script.count("epochs=200") == 1, "the README's example changed: update this test"
+    return script.replace("epochs=200", f"epochs={epochs}")
+
+
+@pytest.mark.slow
+def test_the_readme_script_survives_losing_the_chief_host_and_an_empty_disk_join(tmp_path):
+    """The round of a and b outlives a shortened startup timeout (the heartbeat runs); every round of two
+    starts, commits and ends with the same bits of every variable on both ranks (momentum slots and
+    BatchNorm statistics included); validation and the returned History work under the agent."""
+    script = tmp_path / "train_digits.py"
+    script.write_text(readme_script(epochs=90))
+    (tmp_path / "job").mkdir()
+    job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True)
+    try:
+        seen = lose_the_chief_then_join(job, command=[sys.executable, str(script)], round_seconds=STARTUP_TIMEOUT + 5)
+        assert not [e for e in job.events(Event.FAILURE) if e["time"] < seen["killed_at"]], "taken for a hang"
+        received = job.events(Event.STATE_TRANSFER, round=seen["joined"])
+        assert [e["rank"] for e in received] == [1] and received[0]["bytes"] > 0, received
+        assert job.wait_agents(timeout=400) == {seen["chief"]: -9, seen["survivor"]: 0, "c": 0}, job.describe()
+    finally:
+        job.cleanup()
+    for round_ in (seen["first"], seen["joined"]):
+        assert_replicas_identical(job, round_)
+    assert job.events(Event.WORKER_EXIT, round=seen["joined"]), "the joined round trained to the end"
+    # Validation ran under the agent and fit returned its History (the script prints its last value).
+    logs = "".join((job.tmp / f"agent-{host}.log").read_text(errors="replace") for host in (seen["survivor"], "c"))
+    accuracies = [float(v) for v in re.findall(r"val_accuracy (\S+)", logs)]
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1] > 0.5, accuracies  # chance: 0.1

@@ -1,0 +1,72 @@
+"""setup.py: the built wheel trains without the checkout, and a worker command with a typo ends the job at once."""
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tf_elastic.testing.local_job import REPO
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory):
+    """A fresh venv holding only the built wheel; its dependencies (TensorFlow, Keras, ...) come from this
+    interpreter's site-packages through a plain path entry, so that no .pth of the checkout's editable
+    install is read: neither `launch`, nor `models`, nor the checkout's `tf_elastic` can be imported."""
+    root = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(root / "dist"), str(REPO)], check=True, cwd=root)
+    wheel = next((root / "dist").glob("tf_elastic-*.whl"))
+    venv.create(root / "venv", with_pip=True)
+    python = root / "venv" / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", str(wheel)], check=True, cwd=root)
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", PATH=f"{root / 'venv' / 'bin'}:{env.get('PATH', '')}")
+    (root / "elsewhere").mkdir()
+    return wheel, root, env
+
+
+def test_the_wheel_maps_launch_and_models_into_the_package(wheel_env):
+    wheel, root, env = wheel_env
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "tf_elastic/launch/train.py" in names and "tf_elastic/models/__init__.py" in names
+    assert not [n for n in names if n.split("/")[0] in ("launch", "models", "tests")], names
+    where = subprocess.run(["python", "-c", "import tf_elastic, importlib.util as u; print(tf_elastic.__file__, "
+                            "u.find_spec('launch'), u.find_spec('models'))"], cwd=root / "elsewhere", env=env,
+                           check=True, capture_output=True, text=True).stdout
+    assert str(root / "venv") in where and where.strip().endswith("None None"), where
+
+
+def _agent(root: Path, env, name: str, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["tf-elastic-run", "--nproc=1", "--min_workers=1", "--max_workers=1",
+                           f"--rdzv=file://{root / name / 'rdzv'}", f"--job_id={name}", f"--run_dir={root / name}",
+                           "--", *command], cwd=root / "elsewhere", env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_readme_single_host_agent_example_trains_from_the_wheel(wheel_env):
+    _, root, env = wheel_env
+    done = _agent(root, env, "train", "tf-elastic-train", "--dataset=digits", "--epochs=2", "--threads=1")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "test accuracy" in done.stdout + done.stderr
+
+
+def test_a_typo_in_the_worker_module_ends_the_job_in_seconds_naming_the_error(wheel_env):
+    _, root, env = wheel_env
+    started = time.monotonic()
+    failed = _agent(root, env, "typo", "python", "-m", "tf_elastic.launch.trainn", "--dataset=digits")
+    seconds = time.monotonic() - started
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert "before its first step on 2 tries in a row" in last and "ModuleNotFoundError" in last, last
+    assert "blacklisted" not in failed.stderr and seconds < 60, (seconds, failed.stderr[-3000:])
