@@ -30,7 +30,8 @@ from tf_elastic.elastic.protocol import Env, Event
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, stop_jobs_on_sigterm
 
 flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
-flags.DEFINE_list("rdzv", ["file", "etcd"], "Store backends to run the fault sequence on, side by side (etcd: a "
+flags.DEFINE_list("rdzv", ["file", "etcd"], "Store backends to run the fault sequence on, side by side (empty: "
+                  "the steady state only; etcd: a "
                   "throwaway etcd-server on 127.0.0.1).")
 flags.DEFINE_list("round_agents", ["2", "4", "8"], "Agent counts for the rendezvous round time (trivial workers).")
 flags.DEFINE_string("rdzv_dir", None, "Parent directory for stores and run dirs (default: a temp dir).")
@@ -39,6 +40,11 @@ flags.DEFINE_float("progress_timeout", 10.0, "The agents' --progress_timeout (a 
                    "falsely on a loaded 2-core machine (an epoch-end evaluation's first trace).", lower_bound=1.0)
 flags.DEFINE_integer("commit_every_steps", 100, "The workers' commit interval (launch.train's default).", lower_bound=0)
 flags.DEFINE_enum("mode", "bench", ["bench", "plain_worker"], "plain_worker: one plain-MWMS worker (internal).")
+flags.DEFINE_list("steady_models", ["mnist_cnn", "resnet20"], "Registry models of the steady-state comparison; for "
+                  "one with BatchNorm, plain MWMS also runs with synchronized BN (the alternative to fit's averaging "
+                  "of the statistics before each commit).")
+flags.DEFINE_string("model", "mnist_cnn", "plain_worker: the registry model (internal).")
+flags.DEFINE_bool("synchronized_bn", False, "plain_worker: BatchNormalization(synchronized=True) (internal).")
 flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings.")
 flags.DEFINE_integer("epochs", 8, "Epochs of the fault-free steady-state runs (~2.5 s each; those after the "
                      "warm spares are up count).", lower_bound=2)
@@ -49,9 +55,10 @@ require_finite_floats(__name__)
 TRAIN = ["--dataset=synthetic", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd"]
 
 
-def _job(root: Path, epochs: int, *agent_args: str, rdzv: str = None) -> LocalJob:
+def _job(root: Path, epochs: int, *agent_args: str, rdzv: str = None, model: str = "mnist_cnn") -> LocalJob:
     root.mkdir(parents=True)
-    return LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--commit_every_steps={FLAGS.commit_every_steps}"],
+    return LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--commit_every_steps={FLAGS.commit_every_steps}",
+                                   f"--model={model}"],
                     ["--min_workers=1", "--max_workers=2", f"--heartbeat_timeout={FLAGS.heartbeat_timeout}",
                      f"--progress_timeout={FLAGS.progress_timeout}", "--preemption_signals=SIGTERM,SIGUSR1",
                      "--max_restarts=10",  # three faults count; a spurious one on a loaded machine must not end it
@@ -149,8 +156,8 @@ def _round_times(root: Path, agents: int, rdzv: str = None, rounds: int = 3) -> 
     return times
 
 
-def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
-    job = _job(root, epochs, "--last_call=30")
+def _runtime_steady(root: Path, epochs: int, model: str) -> Dict[str, float]:
+    job = _job(root, epochs, "--last_call=30", model=model)
     try:
         job.start_agent("a")
         job.start_agent("b")
@@ -164,18 +171,20 @@ def _runtime_steady(root: Path, epochs: int) -> Dict[str, float]:
     epoch_ends = [e for e in job.events(Event.EPOCH_END)[1:] if e["time"] - e["seconds"] >= ready]
     if not epoch_ends:
         raise RuntimeError(f"no epoch of {epochs} began after the warm spares were ready: raise --epochs")
-    commits = sum(e["seconds"] for e in job.events(Event.COMMIT))
+    commits = sum(e["seconds"] + e.get("check_seconds", 0.0) for e in job.events(Event.COMMIT))
+    checks = [e.get("check_seconds", 0.0) for e in job.events(Event.COMMIT)]
     train_time = sum(e["seconds"] for e in job.events(Event.EPOCH_END))
     # The first two commits of a process set up TF's async checkpoint (an eager copy, then the trace of its
     # copy function): once per worker process.
-    first = sum(e["seconds"] for e in job.events(Event.COMMIT)[:2])
+    first = sum(e["seconds"] + e.get("check_seconds", 0.0) for e in job.events(Event.COMMIT)[:2])
     copies = [e["seconds"] for e in job.events(Event.DURABLE_COPY) if "seconds" in e]
     return {"step_ms": statistics.median(1e3 * e["seconds"] / e["steps"] for e in epoch_ends),
             "commit_share": commits / train_time, "commit_share_after_first": (commits - first) / train_time,
-            "first_commit_s": first, "durable_copies": len(copies), "durable_copy_s": max(copies, default=0.0)}
+            "first_commit_s": first, "durable_copies": len(copies), "durable_copy_s": max(copies, default=0.0),
+            "check_ms": 1e3 * statistics.median(checks) if checks else 0.0}
 
 
-def _plain_steady(root: Path, epochs: int) -> float:
+def _plain_steady(root: Path, epochs: int, model: str, synchronized_bn: bool = False) -> float:
     root.mkdir(parents=True)
     ports = []
     import socket
@@ -189,7 +198,7 @@ def _plain_steady(root: Path, epochs: int) -> float:
     for rank in range(2):
         env = repo_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
         procs.append(subprocess.Popen([sys.executable, "-m", "launch.bench_elastic", "--mode=plain_worker",
-                                       f"--epochs={epochs}",
+                                       f"--epochs={epochs}", f"--model={model}", f"--synchronized_bn={synchronized_bn}",
                                        f"--out={root / f'plain{rank}.json'}"], cwd=REPO, env=env,
                                       stdout=open(root / f"plain{rank}.log", "ab"), stderr=subprocess.STDOUT))
     for proc in procs:
@@ -198,12 +207,47 @@ def _plain_steady(root: Path, epochs: int) -> float:
     return statistics.median(1e3 * s / n for s, n in epochs_seconds[1:])
 
 
+def _steady_state(root: Path, model: str) -> Dict:
+    """Two fault-free runs of each: the runtime, plain MWMS, and (for a model with BatchNorm) plain MWMS with
+    synchronized BatchNorm."""
+    with_bn = model != "mnist_cnn"
+    return {"runtime": [_runtime_steady(root / f"steady{i}", FLAGS.epochs, model) for i in range(2)],
+            "plain": [_plain_steady(root / f"plain{i}", FLAGS.epochs, model) for i in range(2)],
+            "plain_sync_bn": [_plain_steady(root / f"sync{i}", FLAGS.epochs, model, True) for i in range(2)]
+            if with_bn else []}
+
+
+def _print_steady(model: str, results: Dict) -> None:
+    runtime, plain, sync = results["runtime"], results["plain"], results["plain_sync_bn"]
+    step_runtime, step_plain = statistics.median(r["step_ms"] for r in runtime), statistics.median(plain)
+    print(f"\nSteady state, {model} (file store, 2 workers): step under the runtime / plain MWMS = "
+          f"{step_runtime:.2f} / {step_plain:.2f} ms = {step_runtime / step_plain:.3f} x (target <= 1.03 x)")
+    if sync:
+        step_sync = statistics.median(sync)
+        print(f"  plain MWMS with BatchNormalization(synchronized=True): {step_sync:.2f} ms = "
+              f"{step_sync / step_plain:.3f} x plain BN; the runtime averages plain BN's statistics before each "
+              f"commit instead: {statistics.median(r['check_ms'] for r in runtime):.1f} ms a commit, averaging and "
+              "the per-variable check included")
+    share = [r["commit_share"] for r in runtime]
+    first = [r["first_commit_s"] for r in runtime]
+    after_first = [r["commit_share_after_first"] for r in runtime]
+    print(f"  Commit overhead at commit_every_steps={FLAGS.commit_every_steps}: {100 * statistics.median(share):.2f} % "
+          f"median, {100 * max(share):.2f} % max of {FLAGS.epochs} epochs' training time (target <= 1 %). "
+          f"The first two commits set up the async checkpoint once per process ({statistics.median(first):.2f} s); "
+          f"the commits after them cost {100 * statistics.median(after_first):.2f} % median, "
+          f"{100 * max(after_first):.2f} % max")
+    print(f"  Durable copies (background, every 10th commit and the last): "
+          f"{statistics.median(r['durable_copies'] for r in runtime):.0f} per run, the slowest "
+          f"{max(r['durable_copy_s'] for r in runtime):.3f} s")
+
+
 def plain_worker() -> None:
-    """Plain MWMS: the same model, data and per-replica batch, stock `model.fit` (plus the Keras fix)."""
+    """Plain MWMS: the same model, data and per-replica batch, stock `model.fit` (plus the Keras fix); plain
+    BatchNorm keeps its statistics per replica, `--synchronized_bn` all-reduces them in every step."""
     import keras
     import tensorflow as tf
 
-    import models
+    from launch import models
     from tf_elastic.elastic.worker import datasets
     from tf_elastic import elastic
 
@@ -216,7 +260,10 @@ def plain_worker() -> None:
     global_batch = 16 * strategy.num_replicas_in_sync
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(6000, seed=0).batch(global_batch, drop_remainder=True)
     with strategy.scope():
-        model = models.get("mnist_cnn", x.shape[1:], 10)
+        model = models.get(FLAGS.model, x.shape[1:], 10)
+        for layer in model._flatten_layers():
+            if isinstance(layer, keras.layers.BatchNormalization):
+                layer.synchronized = FLAGS.synchronized_bn
         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     timings = []
@@ -233,6 +280,37 @@ def plain_worker() -> None:
 
     model.fit(dataset, epochs=FLAGS.epochs, verbose=0, callbacks=[Timer()])
     Path(FLAGS.out).write_text(json.dumps(timings))
+
+
+def _print_faults(faults: Dict, rounds: Dict) -> None:
+    backends = list(faults)
+    print(f"\nElastic runtime, 2 agents x 1 worker on this machine, mnist_cnn on synthetic 28x28 data, "
+          f"{FLAGS.repeats} repetitions (heartbeat_timeout={FLAGS.heartbeat_timeout:g}s); median | max per store\n")
+    print("| measure | " + " | ".join(f"{b} median | {b} max" for b in backends) + " | target |")
+    print("|---|" + "---:|---:|" * len(backends) + "---|")
+    for name, key, unit, target in (
+            ("kill -> first step of the new group", "kill", "s", "<= 5 s"),
+            ("hang (SIGSTOP) -> first step", "hang", "s", "<= 8 s"),
+            (f"blocked main thread -> first step (progress_timeout={FLAGS.progress_timeout:g}s)", "stall", "s", ""),
+            ("preemption notice (SIGUSR1) -> graceful leave", "notice_leave", "s", ""),
+            ("preemption notice -> first step without the host", "notice_first_step", "s", ""),
+            ("steps lost by a preemption notice", "notice_lost_steps", "", "0"),
+            ("join (round opened) -> first step at the new size (joiner's disk empty: state transferred)", "join",
+             "s", "<= 8 s"),
+            ("  of which: the state transfer (broadcast, verification)", "transfer_s", "s", "<= 1 s"),
+            ("  the same join less the transfer (as if the state were local; derived)", "join_state_local", "s", ""),
+            ("  state transferred", "transfer_mb", "MB", ""),
+            ("new agent started -> first step at the new size (incl. its warm-up)", "join_from_agent_start", "s", ""),
+            ("steps lost by a join", "join_lost_steps", "", "0")):
+        row = " | ".join(_cells([f[key] for f in faults[b]], unit) for b in backends)
+        print(f"| {name} | {row} | {target} |")
+    for n in FLAGS.round_agents:
+        print(f"| rendezvous round, {n} agents (failure -> all in the next round) | " +
+              " | ".join(_cells(rounds[b][n], "s") for b in backends) + " | |")
+
+
+def _cells(values, unit):
+    return f"{statistics.median(values):.2f} {unit} | {max(values):.2f} {unit}"
 
 
 def main(argv: List[str]) -> None:
@@ -254,54 +332,12 @@ def main(argv: List[str]) -> None:
         finally:
             if etcd:
                 etcd.close()
-    runtime = [_runtime_steady(root / f"steady{i}", FLAGS.epochs) for i in range(2)]
-    plain = [_plain_steady(root / f"plain{i}", FLAGS.epochs) for i in range(2)]
-    (root / "results.json").write_text(json.dumps({"faults": faults, "rounds": rounds, "runtime": runtime,
-                                                   "plain": plain}))
-
-    def cells(values, unit):
-        return f"{statistics.median(values):.2f} {unit} | {max(values):.2f} {unit}"
-
-    backends = list(faults)
-    print(f"\nElastic runtime, 2 agents x 1 worker on this machine, mnist_cnn on synthetic 28x28 data, "
-          f"{FLAGS.repeats} repetitions (heartbeat_timeout={FLAGS.heartbeat_timeout:g}s); median | max per store\n")
-    print("| measure | " + " | ".join(f"{b} median | {b} max" for b in backends) + " | target |")
-    print("|---|" + "---:|---:|" * len(backends) + "---|")
-    for name, key, unit, target in (
-            ("kill -> first step of the new group", "kill", "s", "<= 5 s"),
-            ("hang (SIGSTOP) -> first step", "hang", "s", "<= 8 s"),
-            (f"blocked main thread -> first step (progress_timeout={FLAGS.progress_timeout:g}s)", "stall", "s", ""),
-            ("preemption notice (SIGUSR1) -> graceful leave", "notice_leave", "s", ""),
-            ("preemption notice -> first step without the host", "notice_first_step", "s", ""),
-            ("steps lost by a preemption notice", "notice_lost_steps", "", "0"),
-            ("join (round opened) -> first step at the new size (joiner's disk empty: state transferred)", "join",
-             "s", "<= 8 s"),
-            ("  of which: the state transfer (broadcast, verification)", "transfer_s", "s", "<= 1 s"),
-            ("  the same join less the transfer (as if the state were local; derived)", "join_state_local", "s", ""),
-            ("  state transferred", "transfer_mb", "MB", ""),
-            ("new agent started -> first step at the new size (incl. its warm-up)", "join_from_agent_start", "s", ""),
-            ("steps lost by a join", "join_lost_steps", "", "0")):
-        row = " | ".join(cells([f[key] for f in faults[b]], unit) for b in backends)
-        print(f"| {name} | {row} | {target} |")
-    for n in FLAGS.round_agents:
-        print(f"| rendezvous round, {n} agents (failure -> all in the next round) | " +
-              " | ".join(cells(rounds[b][n], "s") for b in backends) + " | |")
-    step_runtime = statistics.median(r["step_ms"] for r in runtime)
-    step_plain = statistics.median(plain)
-    print(f"\nSteady state (file store): step under the runtime / plain MWMS = "
-          f"{step_runtime:.2f} / {step_plain:.2f} ms "
-          f"= {step_runtime / step_plain:.3f} x (target <= 1.03 x)")
-    share = [r["commit_share"] for r in runtime]
-    first = [r["first_commit_s"] for r in runtime]
-    after_first = [r["commit_share_after_first"] for r in runtime]
-    print(f"Commit overhead at commit_every_steps={FLAGS.commit_every_steps}: {100 * statistics.median(share):.2f} % "
-          f"median, {100 * max(share):.2f} % max of {FLAGS.epochs} epochs' training time (target <= 1 %). "
-          f"The first two commits set up the async checkpoint once per process ({statistics.median(first):.2f} s); "
-          f"the commits after them cost {100 * statistics.median(after_first):.2f} % median, "
-          f"{100 * max(after_first):.2f} % max")
-    print(f"Durable copies (background, every 10th commit and the last): "
-          f"{statistics.median(r['durable_copies'] for r in runtime):.0f} per run, the slowest "
-          f"{max(r['durable_copy_s'] for r in runtime):.3f} s")
+    steady = {model: _steady_state(root / model, model) for model in FLAGS.steady_models}
+    (root / "results.json").write_text(json.dumps({"faults": faults, "rounds": rounds, "steady": steady}))
+    if faults:
+        _print_faults(faults, rounds)
+    for model, results in steady.items():
+        _print_steady(model, results)
     print(f"\nraw results: {root / 'results.json'}")
 
 

@@ -89,7 +89,7 @@ def test_keras_fit_fix_is_installed_only_where_the_bug_is():
     from keras.src.backend.tensorflow import trainer as tf_trainer
 
     installed = keras_compat.install_fit_fix()
-    assert installed == {"symbolic_build": True, "scalar_reduce": True}, keras.__version__
+    assert installed == {"symbolic_build": True, "scalar_reduce": True, "loss_scale_finite": True}, keras.__version__
     real = inspect.getsource(tf_trainer)
     build_fixed = real.replace('data_batch = self.distribute_strategy.reduce(\n                        "MEAN",\n'
                                '                        maybe_distributed_data_batch,',
@@ -101,6 +101,11 @@ def test_keras_fit_fix_is_installed_only_where_the_bug_is():
     assert keras_compat.bugs_in(real) == {"symbolic_build": True, "scalar_reduce": True}
     assert keras_compat.bugs_in(build_fixed) == {"symbolic_build": False, "scalar_reduce": True}
     assert keras_compat.bugs_in(reduce_fixed) == {"symbolic_build": True, "scalar_reduce": False}
+    from keras.src.optimizers import loss_scale_optimizer
+
+    source = inspect.getsource(loss_scale_optimizer)
+    fixed = source.replace("finite = distribution.experimental_local_results(", "finite = all_replicas_finite(")
+    assert fixed != source and keras_compat.local_finite_bug_in(source) and not keras_compat.local_finite_bug_in(fixed)
 
 
 def _training_setup():

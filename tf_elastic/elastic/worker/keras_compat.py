@@ -1,5 +1,6 @@
-"""Version-guarded fixes for stock Keras 3: `model.fit` under MultiWorkerMirroredStrategy (keras#20585),
-and TensorFlow's asynchronous checkpoint of Keras variables.
+"""Version-guarded fixes for stock Keras 3: `model.fit` under MultiWorkerMirroredStrategy (keras#20585), a
+`LossScaleOptimizer` (mixed_float16) that lets workers take different branches under it, and TensorFlow's
+asynchronous checkpoint of Keras variables.
 
 `fit`: two failure points in Keras 3.15: `TensorFlowTrainer._maybe_symbolic_build` MEAN-reduces a tuple of
 PerReplica input batches ("Attempt to convert a value (PerReplica...) to a Tensor"), and `reduce_per_replica`
@@ -17,6 +18,10 @@ from typing import Dict
 
 _SYMBOLIC_BUILD_BUG = re.compile(r'distribute_strategy\.reduce\(\s*"MEAN",\s*maybe_distributed_data_batch')
 _SCALAR_REDUCE_BUG = re.compile(r'strategy\.reduce\("MEAN",\s*v,\s*axis=0\)')
+# LossScaleOptimizer decides "finite gradients?" from the first local replica's gradients, taken to be all-reduced
+# already; under MWMS they are this worker's own, so workers may take different branches: one all-reduces its
+# gradients in the inner optimizer's apply, the other skips it, and both hang (or, with a timeout, diverge).
+_LOCAL_FINITE_BUG = re.compile(r"finite = distribution\.experimental_local_results\(\s*finite_per_replica\s*\)\[0\]")
 _ASYNC_COPY_BUG = re.compile(r'object_map\[self\]\s*=\s*tf\.Variable\(object_map\[self\.value\]\)')
 _installed: Dict[str, bool] = {}
 _async_fix: Dict[str, bool] = {}
@@ -93,5 +98,34 @@ def install_fit_fix() -> Dict[str, bool]:
 
         tf_trainer.reduce_per_replica = reduce_per_replica
 
-    _installed.update(symbolic_build=needs_build_fix, scalar_reduce=needs_reduce_fix)
+    _installed.update(symbolic_build=needs_build_fix, scalar_reduce=needs_reduce_fix,
+                      loss_scale_finite=_install_loss_scale_fix())
     return dict(_installed)
+
+
+def local_finite_bug_in(loss_scale_source: str) -> bool:
+    """Does the source of Keras's loss_scale_optimizer module decide finiteness from local gradients?"""
+    return bool(_LOCAL_FINITE_BUG.search(loss_scale_source))
+
+
+def _install_loss_scale_fix() -> bool:
+    """Makes `LossScaleOptimizer.check_finite` true only where every replica's gradients are finite (one
+    all-reduce of a flag), so that every worker takes the same branch at every step."""
+    import tensorflow as tf
+    from keras.src.optimizers import loss_scale_optimizer
+
+    if not local_finite_bug_in(inspect.getsource(loss_scale_optimizer)):
+        return False
+    optimizer_cls = loss_scale_optimizer.LossScaleOptimizer
+    original_check = optimizer_cls.check_finite
+
+    def check_finite(self, grads):
+        finite = original_check(self, grads)
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return finite
+        bad = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.float32))
+        return tf.equal(bad, 0.0)
+
+    optimizer_cls.check_finite = check_finite
+    return True

@@ -192,22 +192,23 @@ class _ElasticTrainer:
     def commit(self, epoch: int, samples: int) -> None:
         """Commits on every worker. The chief's `commit` event, the promise that this step survives the loss of
         any host, is written only once the commit is in force on every host that keeps commits (learnt at the
-        next agreement): `seconds` is what the training step paid, `in_force_seconds` the time until the chief's
-        state file named it, `everywhere_seconds` the time until it was known to be in force everywhere."""
+        next agreement): `seconds` is what the training step paid for the write, `check_seconds` for averaging
+        the replicas' statistics and comparing every variable across workers, `in_force_seconds` the time
+        until the chief's state file named it, `everywhere_seconds` until it was known in force everywhere."""
         on_kept, fields, started = None, {}, time.perf_counter()
-        if self.world.is_chief:
-            fields = dict(round=self.world.round, step=self.step, epoch=epoch, samples=samples,
-                          loss=None if self.last_loss is None else float(self.last_loss),
-                          learning_rate=_learning_rate(self.model), world_size=self.world.size,
-                          global_batch=self.global_batch)
-
-            def on_kept(blocked: float, in_force: float) -> None:  # on the commit thread
-                fields.update(seconds=round(blocked, 4), in_force_seconds=round(in_force, 4))
-
         self.state.check_unchanged()
         self.average_statistics()
         if self.group is not None:
             self.group.check(f"before the commit of step {self.step}")
+        if self.world.is_chief:
+            fields = dict(round=self.world.round, step=self.step, epoch=epoch, samples=samples,
+                          loss=None if self.last_loss is None else float(self.last_loss),
+                          learning_rate=_learning_rate(self.model), world_size=self.world.size,
+                          global_batch=self.global_batch, check_seconds=round(time.perf_counter() - started, 4))
+
+            def on_kept(blocked: float, in_force: float) -> None:  # on the commit thread
+                fields.update(seconds=round(blocked, 4), in_force_seconds=round(in_force, 4))
+
         self.state.commit(epoch, samples, self.step, self.global_batch, on_kept=on_kept)
         if on_kept is not None:
             self._unannounced.append((self.state.commits_made, started, fields))
