@@ -64,9 +64,10 @@ def test_the_readme_single_host_agent_example_trains_from_the_wheel(wheel_env):
 def test_a_typo_in_the_worker_module_ends_the_job_in_seconds_naming_the_error(wheel_env):
     _, root, env = wheel_env
     started = time.monotonic()
-    failed = _agent(root, env, "typo", "python", "-m", "tf_elastic.launch.trainn", "--dataset=digits")
+    failed = _agent(root, env, "typo", "python", "-m", "tf_elastic.lanch.train", "--dataset=digits")
     seconds = time.monotonic() - started
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]
-    assert "before its first step on 2 tries in a row" in last and "ModuleNotFoundError" in last, last
+    assert "before its first step on 2 tries in a row" in last, last
+    assert "ModuleNotFoundError: No module named 'tf_elastic.lanch'" in last, last
     assert "blacklisted" not in failed.stderr and seconds < 60, (seconds, failed.stderr[-3000:])

@@ -7,7 +7,7 @@ from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical, lo
 # The registry's ResNet-20 (plain BatchNorm) with LARS, its EMA, and mixed_float16 (a LossScaleOptimizer).
 TRAIN = ["--dataset=digits", "--model=resnet20", "--optimizer=lars", "--dtype_policy=mixed_float16",
          "--ema_momentum=0.9", "--train_examples=512", "--per_replica_batch_size=16", "--threads=1",
-         "--commit_every_steps=8", "--epochs=40"]
+         "--commit_every_steps=8", "--epochs=22"]
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1"]
 
 
