@@ -402,3 +402,27 @@ def test_fit_refuses_a_training_dataset_and_bad_arguments_naming_them(tmp_path):
         with pytest.raises(ConfigurationError, match=message):
             elastic.fit(model, **arguments)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_each_epoch_trains_on_its_own_planned_order(tmp_path):
+    """The examples each step reads are the plan's for that epoch (not the first epoch's, again)."""
+    seen = []
+
+    class Record(keras.layers.Layer):
+        def call(self, x):
+            done = tf.py_function(lambda t: seen.append(sorted(t.numpy().ravel().astype(int).tolist())) or 0,
+                                  [x], tf.int32)
+            done.set_shape([])
+            return x + 0.0 * tf.cast(done, x.dtype)
+
+        def compute_output_shape(self, input_shape):
+            return input_shape
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), Record(), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.arange(8, dtype=np.float32)[:, None], np.zeros(8, np.int64)
+    elastic.fit(model, x, y, batch_size=4, epochs=3, run_dir=str(tmp_path), verbose=0)
+    plan = DataPlan(8, 0)
+    planned = [sorted(b.tolist()) for e in range(3) for b in plan.replica_batches(e, 0, 1, 0, 4)]
+    assert seen == planned and planned[:2] != planned[2:4], (seen, planned)

@@ -139,10 +139,7 @@ class _ElasticTrainer:
     # Callback hooks ------------------------------------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
         self.epoch_began = time.time()
-        if epoch != self.epoch:
-            self.set_batches(epoch, 0)
-        else:
-            self.batch_in_epoch = 0
+        self.batch_in_epoch = 0
 
     def end_step(self, logs: Dict) -> None:
         self.last_loss = logs.get("loss")
@@ -171,9 +168,10 @@ class _ElasticTrainer:
     def end_epoch(self, epoch: int, logs: Dict) -> None:
         if self.stopped:
             return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
-        if self.validation.due(epoch):
-            self.average_statistics()  # every worker evaluates the same model
-            logs.update(self.validation.run(self.model))
+        start = self.epoch_start + self.batch_in_epoch * self.global_batch
+        if self.batch_in_epoch < len(self.batches):  # a callback of the user's stopped training mid-epoch
+            self.commit(epoch, start)
+            return
         if self.world.is_chief:
             seconds = time.time() - self.epoch_began
             self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.batch_in_epoch,
@@ -181,11 +179,12 @@ class _ElasticTrainer:
             logging.info("epoch %d done: world size %d, global batch %d, learning rate %.4g, loss %.4f, %.1fs",
                          epoch + 1, self.world.size, self.global_batch, _learning_rate(self.model),
                          float(self.last_loss or 0.0), seconds)
-        start = self.epoch_start + self.batch_in_epoch * self.global_batch
         skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
         if skipped:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=epoch, samples=skipped, rank=self.world.rank)
-        self.commit(epoch + 1, 0)
+        self.commit(epoch + 1, 0)  # before validation: an evaluation that fails loses no training
+        if self.validation.due(epoch):  # statistics were averaged by the commit: every worker evaluates one model
+            logs.update(self.validation.run(self.model))
         self.set_batches(epoch + 1, 0)
 
     # Commit and agreement ------------------------------------------------------------------------
@@ -240,21 +239,15 @@ class _ElasticTrainer:
                 self.events.write(Event.COMMIT, everywhere_seconds=round(time.perf_counter() - started, 4), **fields)
         return list(total[:len(values)])
 
-    def epoch_spans(self, epochs: int) -> List[Tuple[int, int]]:
-        """The `model.fit` calls still to make, as (initial_epoch, epochs) pairs.
-
-        A restart mid-epoch trains the rest of that epoch in a call of its own: Keras needs every epoch of
-        one call to have the same length. If less than one global batch of it is left at this world size
-        (a commit at the epoch's last step restored into a larger world, or the epoch-end commit lost),
-        that is the remainder every epoch skips: go on with the next epoch."""
-        first, partial = self.epoch, self.epoch_start > 0
-        if partial and not self.batches:
-            self.events.write(Event.REMAINDER_SKIPPED, epoch=first, rank=self.world.rank,
+    def remaining_epochs(self, epochs: int) -> List[int]:
+        """The epochs still to train, from the restored one. If less than one global batch of a restored
+        partial epoch is left at this world size (a commit at the epoch's last step restored into a larger
+        world, or the epoch-end commit lost), that is the remainder every epoch skips: go on with the next."""
+        if self.epoch_start > 0 and not self.batches:
+            self.events.write(Event.REMAINDER_SKIPPED, epoch=self.epoch, rank=self.world.rank,
                               samples=self.plan.remainder(self.epoch_start, self.global_batch))
-            first, partial = first + 1, False
-            self.set_batches(first, 0)
-        spans = [(first, first + 1)] if partial else []
-        return [(begin, end) for begin, end in spans + [(first + int(partial), epochs)] if begin < end]
+            self.set_batches(self.epoch + 1, 0)
+        return list(range(self.epoch, epochs))
 
     def close(self) -> None:
         if self._index_log is not None:
@@ -332,12 +325,18 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
         trainer.restored()
         previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
                     for sig in world.stop_signals}
-        spans = trainer.epoch_spans(epochs)
-        for begin, end in spans:
+        callbacks = _CallbacksOfOneFit(fit_args.pop("callbacks"), verbose=fit_args["verbose"], epochs=epochs,
+                                       model=model)
+        for epoch in trainer.remaining_epochs(epochs):
             if trainer.stopped or model.stop_training:
                 break
-            with _averages_held_back(model.optimizer, hold=end < spans[-1][1]):
-                model.fit(trainer.dataset(), epochs=end, initial_epoch=begin, shuffle=False, **fit_args)
+            # One `model.fit` an epoch: each epoch's planned order (and augmentation seeds) is a dataset of its
+            # own, and a restored partial epoch is as long as what is left of it.
+            callbacks.set_params({"verbose": fit_args["verbose"], "epochs": epochs, "steps": len(trainer.batches)})
+            with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs):
+                model.fit(trainer.dataset(), epochs=epoch + 1, initial_epoch=epoch, shuffle=False,
+                          callbacks=callbacks, **fit_args)
+        callbacks.end()
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
     except COLLECTIVE_FAILURES as error:
@@ -488,11 +487,37 @@ class _Validation:
 
 
 class _History(keras.callbacks.History):
-    """One `History` over the `model.fit` calls of a `fit` (a partial epoch is a call of its own)."""
+    """One `History` over the `model.fit` calls of a `fit` (one an epoch); empty when training was done."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch = []
 
     def on_train_begin(self, logs=None):
-        if not hasattr(self, "epoch"):
-            self.epoch = []
+        pass
+
+
+class _CallbacksOfOneFit(keras.callbacks.CallbackList):
+    """The callbacks of one `fit`, over its `model.fit` calls (one an epoch): a user's callback sees one
+    `on_train_begin` and one `on_train_end` (`end`), as under a single `model.fit` (EarlyStopping and
+    ReduceLROnPlateau keep their counts across epochs)."""
+
+    def __init__(self, callbacks, verbose, epochs: int, model: keras.Model):
+        super().__init__(list(callbacks), add_history=False, add_progbar=verbose != 0, verbose=verbose,
+                         epochs=epochs, model=model)
+        self._began, self._end_logs = False, None
+
+    def on_train_begin(self, logs=None):
+        if not self._began:
+            self._began = True
+            super().on_train_begin(logs)
+
+    def on_train_end(self, logs=None):
+        self._end_logs = logs
+
+    def end(self) -> None:
+        if self._began:
+            super().on_train_end(self._end_logs)
 
 
 def _start_from_group(state: CommittedState, group: Optional[GroupState], world: World, events: EventLog) -> None:
