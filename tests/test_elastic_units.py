@@ -395,7 +395,9 @@ def test_fit_refuses_a_training_dataset_and_bad_arguments_naming_them(tmp_path):
 
     cases = [(dict(x=tf.data.Dataset.from_tensor_slices((x, y)), y=None), "x: a tf.data.Dataset.*ImageFiles"),
              (dict(batch_size=16, per_replica_batch_size=8), "batch_size .* or per_replica_batch_size"),
-             (dict(epochs=0), "epochs must be >= 1"), (dict(validation_freq=0), "validation_freq must be"),
+             (dict(epochs=0), "epochs must be a whole number >= 1"), (dict(epochs=2.5), "epochs must be"),
+             (dict(batch_size=0), "batch_size must be a whole number >= 1"), (dict(batch_size="8"), "batch_size"),
+             (dict(validation_freq=0), "validation_freq must be"), (dict(validation_freq=True), "validation_freq"),
              (dict(validation_data="val.csv"), "validation_data must be"), (dict(y=None), "y: labels are needed")]
     for given, message in cases:
         arguments = {"x": x, "y": y, "run_dir": str(tmp_path), "verbose": 0, **given}

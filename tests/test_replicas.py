@@ -1,8 +1,55 @@
 """Replicas hold the same bits of every variable: statistics averaged before each commit, every variable checked."""
 import pytest
 
+from conftest import run_python
 from tf_elastic.elastic.protocol import Event
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical, lose_the_chief_then_join
+
+_AVERAGE = """
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+from tf_elastic.elastic.worker.replicas import StatisticsAverage
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+with strategy.scope():
+    v = tf.Variable(np.zeros(5, np.float32), aggregation=tf.VariableAggregation.NONE)
+
+@tf.function
+def set_apart():
+    def local():
+        i = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        nan = tf.bitcast(tf.constant(0x7FC00123, tf.int32), tf.float32)  # a NaN with a payload
+        v.assign(tf.stack([1.0 + i, np.inf, -0.0, 0.1, nan]))
+    strategy.run(local)
+
+from tf_elastic.elastic.worker.errors import ConfigurationError
+from tf_elastic.elastic.worker.group import GroupState, sum_over_workers
+from tf_elastic.elastic.worker.world import World
+with strategy.scope():
+    w = tf.Variable(np.ones(3, np.float32))
+group = GroupState(strategy, World(), [w, v], ["w", "stats"], sum_over_workers(strategy, World()))
+group.check("before")
+set_apart()
+try:
+    group.check("at the test's commit")
+    raise AssertionError("the local replicas' difference was not seen")
+except ConfigurationError as error:
+    assert "of 1 variable(s) at the test's commit: stats." in str(error), error
+StatisticsAverage(strategy, [v])()
+group.check("after averaging")
+bits = [tf.bitcast(t, tf.int32).numpy().tolist() for t in strategy.experimental_local_results(v)]
+expected = tf.bitcast(tf.constant([1.5, np.inf, -0.0, 0.1, 0.0], tf.float32), tf.int32).numpy().tolist()
+expected[4] = 0x7FC00123
+assert bits == [expected, expected], (bits, expected)
+"""
+
+
+def test_statistics_are_averaged_where_replicas_differ_and_kept_bit_for_bit_where_they_agree():
+    """Two replicas: 1 and 2 average to 1.5; an infinity, -0.0, 0.1 and a NaN's payload equal on both keep
+    their bits (a plain mean would make inf NaN, -0.0 +0.0, and 0.1 may not survive (x + x) / 2 in float64).
+    The group's check sees the local replicas apart, naming the variable, and equal once averaged."""
+    run_python(_AVERAGE)
+
 
 # The registry's ResNet-20 (plain BatchNorm) with LARS, its EMA, and mixed_float16 (a LossScaleOptimizer).
 TRAIN = ["--dataset=digits", "--model=resnet20", "--optimizer=lars", "--dtype_policy=mixed_float16",

@@ -102,27 +102,42 @@ class GroupState:
         if len({id(v) for v in self.variables}) != len(self.variables) or len(self.names) != len(self.variables):
             raise ValueError("GroupState needs each TensorFlow variable once, with one name each")
         self.bytes = 4 * sum(words(v) for v in self.variables)
-        self._offsets = np.cumsum([0] + [words(v) for v in self.variables])
         self._local_replicas = strategy.num_replicas_in_sync // world.size
         self._pack = tf.function(lambda: tf.concat([to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
         self._broadcast = tf.function(self._broadcast_graph)  # one function: one trace at a round's start
+        self._fingerprints = tf.function(self._fingerprint_graph)
 
     def digest(self) -> str:
         """SHA-256 (hex) of every variable's bits, as this worker holds them."""
         return hashlib.sha256(self._pack().numpy().tobytes()).hexdigest()
 
-    def hashes(self) -> np.ndarray:
-        """48 bits of a hash of each variable's bits, as this worker holds them (exact in float64)."""
-        packed = self._pack().numpy()
-        return np.array([int.from_bytes(hashlib.blake2b(packed[a:b].tobytes(), digest_size=6).digest(), "big")
-                         for a, b in zip(self._offsets[:-1], self._offsets[1:])], np.float64)
+    def _fingerprint_graph(self) -> tf.Tensor:
+        """[variables, local replicas, 2]: two 48-bit sums of each copy's bits (their sum, and their sum
+        weighted by position), computed where the variable lives: a commit's check moves 16 bytes a copy
+        to the host, not the model."""
+        position_weights = {}
+        rows = []
+        for variable in self.variables:
+            copies = []
+            for copy in self.strategy.experimental_local_results(variable):
+                bits = tf.cast(to_int32(tf.convert_to_tensor(copy)), tf.int64)
+                size = bits.shape[0]
+                if size not in position_weights:
+                    position_weights[size] = tf.range(size, dtype=tf.int64) % 65521 + 1
+                sums = tf.stack([tf.reduce_sum(bits), tf.reduce_sum(bits * position_weights[size])])
+                copies.append(tf.bitwise.bitwise_and(sums, (1 << 48) - 1))  # int64 sums wrap alike everywhere
+            rows.append(tf.stack(copies))
+        return tf.stack(rows)
 
     def check(self, when: str) -> None:
-        """Raises `ConfigurationError` naming every variable that some worker holds other bits of than the
-        chief (two sums over the workers: the chief's hashes, then how many workers differ on each)."""
-        mine = self.hashes()
+        """Raises `ConfigurationError` naming every variable of which some copy (on any worker, any local
+        replica) holds other bits than the chief's first (two sums over the workers: the chief's
+        fingerprints, then how many workers differ on each)."""
+        prints = self._fingerprints().numpy().astype(np.float64)
+        mine, local_apart = prints[:, 0, :].reshape(-1), (prints != prints[:, :1, :]).any(axis=(1, 2))
         chief = self._sum(mine if self.world.is_chief else np.zeros_like(mine))
-        differ = self._sum((mine != chief).astype(np.float64))
+        apart = (mine != chief).reshape(-1, 2).any(axis=1) | local_apart
+        differ = self._sum(apart.astype(np.float64)) if self.world.size > 1 else apart
         names = [name for name, count in zip(self.names, differ) if count > 0]
         if names:
             shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")

@@ -5,8 +5,9 @@ State a layer updates from its own replica's batch does not: Keras 3's `BatchNor
 `synchronized=False`) keeps its moving mean and variance per replica (aggregation "none"), and so would
 any layer of a user's with running statistics. Before every commit and every validation pass `fit` calls
 `average_statistics`, which sets each non-trainable floating model variable to the mean over all replicas,
-computed as x0 + sum(x_i - x0) / n from the first replica's value x0: the same bits on every replica, and
-exact for a variable that is equal everywhere already (a frozen layer's keeps its bits). Then
+computed as x0 + sum(x_i - x0) / n from the first replica's value x0 where any replica's bits differ from
+x0, and x0 itself where none do: the same bits on every replica, and a value that is equal everywhere
+(a frozen layer's, an infinity, -0.0, a NaN's payload) keeps its bits. Then
 `GroupState.check` compares every variable of the committed state across the workers.
 """
 from typing import List, Sequence
@@ -42,20 +43,29 @@ class StatisticsAverage:
         def replica() -> None:
             context = tf.distribute.get_replica_context()
             local = [v.read_value() for v in self.stats]
-            bits = tf.concat([to_int32(x) for x in local], 0)
+            mine = [to_int32(x) for x in local]
             first = tf.equal(context.replica_id_in_sync_group, 0)
+            bits = tf.concat(mine, 0)
             bits = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(first, bits, tf.zeros_like(bits)))
-            base, offset = [], 0
-            for variable in self.stats:
-                base.append(from_int32(bits[offset:offset + words(variable)], variable))
+            base, differs, gaps, offset = [], [], [], 0
+            for variable, x, own in zip(self.stats, local, mine):
+                theirs = bits[offset:offset + words(variable)]
                 offset += words(variable)
-            gaps = tf.concat([tf.reshape(tf.cast(x, tf.float64) - tf.cast(b, tf.float64), [-1])
-                              for x, b in zip(local, base)], 0)
-            total, offset = context.all_reduce(tf.distribute.ReduceOp.SUM, gaps), 0
+                base.append(from_int32(theirs, variable))
+                elements = variable.shape.num_elements()
+                other = tf.reduce_any(tf.reshape(tf.not_equal(own, theirs), [elements, -1]), axis=1)
+                differs.append(tf.cast(other, tf.float64))
+                # Only where the bits differ: inf - inf would make an equal infinity NaN.
+                gaps.append(tf.where(other, tf.reshape(tf.cast(x, tf.float64) - tf.cast(base[-1], tf.float64),
+                                                       [-1]), 0.0))
+            sums = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(gaps + differs, 0))
+            total, count = tf.split(sums, 2)
+            offset = 0
             for variable, x0 in zip(self.stats, base):
-                size = variable.shape.num_elements()
-                mean = tf.cast(x0, tf.float64) + tf.reshape(total[offset:offset + size], variable.shape) / replicas
-                variable.assign(tf.cast(mean, variable.dtype))
+                size, shape = variable.shape.num_elements(), variable.shape
+                mean = tf.cast(tf.cast(x0, tf.float64) + tf.reshape(total[offset:offset + size], shape) / replicas,
+                               variable.dtype)
+                variable.assign(tf.where(tf.reshape(count[offset:offset + size], shape) > 0, mean, x0))
                 offset += size
 
         self.strategy.run(replica)

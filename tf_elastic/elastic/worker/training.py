@@ -293,8 +293,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
         raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
                                  f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
                                  "Use a smaller batch size (or more data).")
-    if epochs < 1:
-        raise ConfigurationError(f"epochs must be >= 1; got {epochs}.")
+    _require_count("epochs", epochs)
     validation = _Validation(_validation_dataset(validation_data, global_batch // world.size, validation_preprocess),
                              validation_freq)
     _build_optimizer(model, strategy)
@@ -304,7 +303,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     state = CommittedState(world, run_dir, model, schedule, durable=durable,
                            durable_every_commits=config.durable_every_commits, events=events, background=True)
     sum_fn = sum_over_workers(strategy, world)
-    group = GroupState(strategy, world, state.variables, state.names, sum_fn) if world.size > 1 else None
+    group = GroupState(strategy, world, state.variables, state.names, sum_fn) if replicas > 1 else None
     history = _History()
     trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
                               state=state, config=config, worker_batch=global_batch // world.size, events=events,
@@ -368,6 +367,8 @@ def global_batch_size(replicas: int, batch_size: Optional[int] = None,
                       per_replica_batch_size: Optional[int] = None) -> int:
     """The global batch of a world of `replicas` replicas: `batch_size` (the same at every size), or
     `per_replica_batch_size` times `replicas`; neither: 32, as `model.fit`."""
+    for name, value in (("batch_size", batch_size), ("per_replica_batch_size", per_replica_batch_size)):
+        _require_count(name, value, optional=True)
     if batch_size is not None and per_replica_batch_size is not None:
         raise ConfigurationError("give batch_size (a constant global batch) or per_replica_batch_size (a global "
                                  f"batch that follows the world), not both; got {batch_size} and "
@@ -375,6 +376,15 @@ def global_batch_size(replicas: int, batch_size: Optional[int] = None,
     if per_replica_batch_size is not None:
         return replica_batch_size("per_replica", replicas, per_replica_batch_size, None) * replicas
     return replica_batch_size("global", replicas, None, 32 if batch_size is None else batch_size) * replicas
+
+
+def _require_count(name: str, value, optional: bool = False) -> None:
+    """A whole number >= 1 (None too, if `optional`), or a `ConfigurationError` naming the argument."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigurationError(f"{name} must be a whole number >= 1{' (or None)' if optional else ''}; "
+                                 f"got {value!r}.")
 
 
 def schedule_of(optimizer: keras.optimizers.Optimizer,
@@ -414,7 +424,11 @@ def _training_source(x, y) -> Source:
         return ImageFiles([p for p, _ in x], [label for _, label in x])
     if y is None:
         raise ConfigurationError("y: labels are needed with in-memory features x (or pass a Source as x).")
-    return ArraySource(np.asarray(x), np.asarray(y))
+    x, y = np.asarray(x), np.asarray(y)
+    if x.dtype == object or y.dtype == object or not x.ndim:
+        raise ConfigurationError(f"x and y must be arrays of numbers (a dict of inputs or ragged lists needs a "
+                                 f"Source); got {type(x).__name__} of {x.dtype} and {y.dtype}.")
+    return ArraySource(x, y)
 
 
 def _validation_dataset(validation_data, batch: int, preprocess: Optional[Preprocess]) -> Optional[tf.data.Dataset]:
@@ -471,15 +485,16 @@ class _Validation:
     each worker evaluating the whole dataset. Its logs join the epoch's with `val_` before them."""
 
     def __init__(self, dataset: Optional[tf.data.Dataset], freq: Union[int, Sequence[int]]):
-        if isinstance(freq, int) and freq < 1 or not isinstance(freq, int) and not all(
-                isinstance(e, int) and e >= 1 for e in freq):
-            raise ConfigurationError(f"validation_freq must be an int >= 1 or a list of epochs >= 1; got {freq!r}.")
+        whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1  # noqa: E731
+        if not (whole(freq) or isinstance(freq, (list, tuple, set, range)) and all(whole(e) for e in freq)):
+            raise ConfigurationError(f"validation_freq must be a whole number >= 1 or a list of epochs >= 1; "
+                                     f"got {freq!r}.")
         self.dataset, self.freq = dataset, freq
 
     def due(self, epoch: int) -> bool:
         if self.dataset is None:
             return False
-        return (epoch + 1) % self.freq == 0 if isinstance(self.freq, int) else epoch + 1 in self.freq
+        return (epoch + 1) % self.freq == 0 if isinstance(self.freq, (int, np.integer)) else epoch + 1 in self.freq
 
     def run(self, model: keras.Model) -> Dict[str, float]:
         logs = model.evaluate(self.dataset, verbose=0, callbacks=[ProgressCallback()], return_dict=True)
@@ -528,7 +543,7 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
         events.write(Event.CHECKPOINT_SKIPPED, round=world.round, rank=world.rank, path=path, error=error)
         logging.warning("skipped the unreadable commit %s: %s", path, error)
     agreement = None
-    if group is not None:
+    if group is not None and world.size > 1:
         try:
             agreement = group.agree(state.held, state.generation_floor())
         except PeerFailure:
