@@ -197,7 +197,7 @@ def _plain_steady(root: Path, epochs: int, model: str, synchronized_bn: bool = F
     procs = []
     for rank in range(2):
         env = repo_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
-        procs.append(subprocess.Popen([sys.executable, "-m", "launch.bench_elastic", "--mode=plain_worker",
+        procs.append(subprocess.Popen([sys.executable, "-m", f"{__package__}.bench_elastic", "--mode=plain_worker",
                                        f"--epochs={epochs}", f"--model={model}", f"--synchronized_bn={synchronized_bn}",
                                        f"--out={root / f'plain{rank}.json'}"], cwd=REPO, env=env,
                                       stdout=open(root / f"plain{rank}.log", "ab"), stderr=subprocess.STDOUT))
@@ -247,7 +247,7 @@ def plain_worker() -> None:
     import keras
     import tensorflow as tf
 
-    from launch import models
+    from tf_elastic import models
     from tf_elastic.elastic.worker import datasets
     from tf_elastic import elastic
 

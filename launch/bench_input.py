@@ -132,8 +132,8 @@ def peak_rss(root: Path, count: int) -> float:
     write_folder(folder / "train", count, 8)
     write_folder(folder / "validation", 100, 8)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", "launch.train", f"--dataset=folder:{folder}", "--image_size=8",
-                             "--train_examples=1600", "--epochs=1", "--optimizer=sgd", "--threads=2",
+    proc = subprocess.Popen([sys.executable, "-m", f"{__package__}.train", f"--dataset=folder:{folder}",
+                             "--image_size=8", "--train_examples=1600", "--epochs=1", "--optimizer=sgd", "--threads=2",
                              f"--run_dir={folder / 'run'}"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)

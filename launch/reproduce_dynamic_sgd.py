@@ -138,7 +138,7 @@ def train(config: str, seed: int, train_data, test_data) -> Run:
     import numpy as np
     import tensorflow as tf
 
-    import models
+    from tf_elastic import models
 
     keras.utils.set_random_seed(seed)
     x, y = train_data

@@ -84,7 +84,7 @@ def grid(optimizer: str, entries: List[str]) -> List[Trial]:
 def train(trial: Trial, seed: int, train_data, eval_data) -> Result:
     import keras
 
-    import models
+    from tf_elastic import models
     from tf_elastic import LARS, WarmupPolynomialDecay
 
     keras.utils.set_random_seed(seed)

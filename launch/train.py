@@ -13,7 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from . import models  # noqa: E402
+from tf_elastic import models  # noqa: E402
 from tf_elastic.elastic.events import EventLog  # noqa: E402
 from tf_elastic.elastic.flag_checks import require_finite_floats  # noqa: E402
 from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402

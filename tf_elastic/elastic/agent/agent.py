@@ -87,6 +87,7 @@ class ElasticAgent:
         self._warm_spawned = 0
         self._own_failures = 0  # failures of this host's own workers, in a row
         self._start_failures: List[Optional[str]] = []  # last error lines of workers failed before a step
+        self._trained = False  # a worker of this host reached a training step in this job
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
@@ -177,6 +178,7 @@ class ElasticAgent:
         try:
             return self._monitor(round_, started)
         finally:
+            self._trained = self._trained or any(worker.training for worker in started)
             for worker in started:
                 worker.close()
 
@@ -351,9 +353,11 @@ class ElasticAgent:
         return RoundResult.RESTART
 
     def _failed_alike_before_start(self, worker: Worker, verdict: WorkersVerdict, round_: Round) -> bool:
-        """Ends the job when this host's workers failed the same way before their first step on their last
-        tries (`decisions.repeated_start_failure`), naming the worker's last error line."""
-        if worker.training or verdict.failure is not Failure.WORKER_EXIT:
+        """Ends the job when this host's workers, none of which ever trained in this job, failed the same way
+        before their first step on their last tries (`decisions.repeated_start_failure`: an import error, a
+        bad flag), naming the worker's last error line. A host whose workers trained before and then fail
+        goes the elastic way instead (restarts, its blacklist): its environment may be what broke."""
+        if worker.training or verdict.failure is not Failure.WORKER_EXIT or self._trained:
             self._start_failures = []
             return False
         worker.process.wait()

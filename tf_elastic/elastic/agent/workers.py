@@ -83,7 +83,7 @@ def _pass_on(pipe, tail: collections.deque) -> None:
         try:
             sys.stderr.buffer.write(line)
             sys.stderr.buffer.flush()
-        except (OSError, ValueError):  # the agent's stderr is gone: keep draining, or the worker blocks
+        except Exception:  # noqa: BLE001 - no usable stderr: keep draining, or the worker blocks on a full pipe
             pass
         tail.append(line.decode(errors="replace").rstrip())
     pipe.close()

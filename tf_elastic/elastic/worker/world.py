@@ -204,6 +204,9 @@ def exit_now(code: int) -> None:
     A MultiWorkerMirroredStrategy process has no clean shutdown (its gRPC server never stops), and a
     normal interpreter exit can hang for seconds with the heartbeat thread already gone, which the
     agent would take for a hang."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone (the agent's pipe): end all the same
+            pass
     os._exit(int(code))
