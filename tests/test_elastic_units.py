@@ -384,7 +384,7 @@ def test_fit_takes_what_model_fit_takes_and_returns_its_history(tmp_path):
     assert len(history.history["val_loss"]) == 1 and "val_accuracy" in history.history
     validation = tf.data.Dataset.from_tensor_slices((x[:20], y[:20])).batch(10)
     history = elastic.fit(model, x, y, per_replica_batch_size=16, epochs=2, validation_data=validation,
-                          run_dir=str(tmp_path / "b"), verbose=0)
+                          run_dir=str(tmp_path / "b"), verbose=2)  # with Keras's progress bar
     assert len(history.history["val_loss"]) == 2 and history.history["loss"][0] > 0, history.history
 
 

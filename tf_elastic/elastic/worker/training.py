@@ -519,7 +519,7 @@ class _CallbacksOfOneFit(keras.callbacks.CallbackList):
 
     def __init__(self, callbacks, verbose, epochs: int, model: keras.Model):
         super().__init__(list(callbacks), add_history=False, add_progbar=verbose != 0, verbose=verbose,
-                         epochs=epochs, model=model)
+                         epochs=epochs, steps=None, model=model)
         self._began, self._end_logs = False, None
 
     def on_train_begin(self, logs=None):
