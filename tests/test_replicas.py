@@ -1,4 +1,6 @@
 """Replicas hold the same bits of every variable: statistics averaged before each commit, every variable checked."""
+import sys
+
 import pytest
 
 from conftest import run_python
@@ -51,21 +53,46 @@ def test_statistics_are_averaged_where_replicas_differ_and_kept_bit_for_bit_wher
     run_python(_AVERAGE)
 
 
-# The registry's ResNet-20 (plain BatchNorm) with LARS, its EMA, and mixed_float16 (a LossScaleOptimizer).
-TRAIN = ["--dataset=digits", "--model=resnet20", "--optimizer=lars", "--dtype_policy=mixed_float16",
-         "--ema_momentum=0.9", "--train_examples=512", "--per_replica_batch_size=16", "--threads=1",
-         "--commit_every_steps=8", "--epochs=22"]
+# The registry's ResNet-20 (plain BatchNorm) with LARS and its EMA under mixed_float16 (a LossScaleOptimizer),
+# class weights and validation: a user's script under `elastic.run`.
+SCRIPT = """
+import keras
+from sklearn.datasets import load_digits
+from tf_elastic import LARS, BatchResizeSchedule, elastic, models
+
+
+def main():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    digits = load_digits()
+    x, y = digits.images[..., None].astype("float32") / 16.0, digits.target
+    model = models.get("resnet20", (8, 8, 1), 10)
+    schedule = BatchResizeSchedule(0.05, 32, batch_size=32, momentum=0.9)
+    model.compile(optimizer=LARS(schedule, momentum=0.9, use_ema=True, ema_momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    history = elastic.fit(model, x[:512], y[:512], per_replica_batch_size=16, epochs=EPOCHS,
+                          class_weight={c: 1.0 + c / 10 for c in range(10)}, validation_data=(x[1500:], y[1500:]),
+                          config=elastic.FitConfig(commit_every_steps=8), verbose=0)
+    print("history", history.history, flush=True)
+
+
+elastic.run(main)
+"""
+EPOCHS = 22
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1"]
 
 
 @pytest.mark.slow
 def test_batchnorm_lars_ema_and_loss_scale_stay_identical_through_a_kill_and_an_empty_disk_join(tmp_path):
     """Every commit of the job passed the per-variable check across workers (a difference ends the job with
-    exit 78), every round of two started from the same bits, and the last one ended with them."""
+    exit 78), every round of two started from the same bits, and the last one ended with them; class
+    weights and validation ran under the agent."""
+    script = tmp_path / "resnet_digits.py"
+    script.write_text(SCRIPT.replace("EPOCHS", str(EPOCHS)))
     (tmp_path / "job").mkdir()
-    job = LocalJob(tmp_path / "job", TRAIN, AGENT, host_run_dirs=True)
+    job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True)
     try:
-        seen = lose_the_chief_then_join(job)
+        seen = lose_the_chief_then_join(job, command=[sys.executable, str(script)])
         received = job.events(Event.STATE_TRANSFER, round=seen["joined"])
         assert [e["rank"] for e in received] == [1] and received[0]["bytes"] > 0, received
         assert job.wait_agents(timeout=600) == {seen["chief"]: -9, seen["survivor"]: 0, "c": 0}, job.describe()
@@ -75,3 +102,6 @@ def test_batchnorm_lars_ema_and_loss_scale_stay_identical_through_a_kill_and_an_
     for round_ in (seen["first"], seen["joined"]):
         assert_replicas_identical(job, round_)
     assert job.events(Event.WORKER_EXIT, round=seen["joined"]), "the joined round trained to the end"
+    logs = "".join((job.tmp / f"agent-{host}.log").read_text(errors="replace") for host in (seen["survivor"], "c"))
+    histories = [line for line in logs.splitlines() if line.startswith("history {")]
+    assert len(histories) == 2 and histories[0] == histories[1] and "val_accuracy" in histories[0], histories

@@ -125,6 +125,11 @@ class _ElasticTrainer:
         self.set_batches(self.epoch, self.epoch_start)
         if self.schedule is not None:
             self.schedule.resize(self.state.step, self.global_batch)
+        # Traced here, not at the first commit (seconds for a ResNet under MWMS, which the progress watchdog
+        # would see as a stall): the agreed state is the same everywhere, so averaging keeps every bit.
+        self.average_statistics()
+        if self.group is not None:
+            self.group.check("at the round's start")
 
     def set_batches(self, epoch: int, start: int) -> None:
         self.epoch, self.epoch_start, self.batch_in_epoch = epoch, start, 0
