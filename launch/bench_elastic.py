@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from absl import app, flags
 
@@ -44,6 +44,8 @@ flags.DEFINE_list("steady_models", ["mnist_cnn", "resnet20"], "Registry models o
                   "one with BatchNorm, plain MWMS also runs with synchronized BN (the alternative to fit's averaging "
                   "of the statistics before each commit).")
 flags.DEFINE_string("model", "mnist_cnn", "plain_worker: the registry model (internal).")
+flags.DEFINE_float("plain_timeout", 600.0, "Seconds a plain MWMS run may take before it counts as hung.",
+                   lower_bound=1.0)
 flags.DEFINE_bool("synchronized_bn", False, "plain_worker: BatchNormalization(synchronized=True) (internal).")
 flags.DEFINE_string("out", None, "plain_worker: where to write its epoch timings.")
 flags.DEFINE_integer("epochs", 8, "Epochs of the fault-free steady-state runs (~2.5 s each; those after the "
@@ -184,7 +186,8 @@ def _runtime_steady(root: Path, epochs: int, model: str) -> Dict[str, float]:
             "check_ms": 1e3 * statistics.median(checks) if checks else 0.0}
 
 
-def _plain_steady(root: Path, epochs: int, model: str, synchronized_bn: bool = False) -> float:
+def _plain_steady(root: Path, epochs: int, model: str, synchronized_bn: bool = False) -> Optional[float]:
+    """The median step (ms) of a plain MWMS run of two workers; None when it did not end in --plain_timeout."""
     root.mkdir(parents=True)
     ports = []
     import socket
@@ -201,8 +204,17 @@ def _plain_steady(root: Path, epochs: int, model: str, synchronized_bn: bool = F
                                        f"--epochs={epochs}", f"--model={model}", f"--synchronized_bn={synchronized_bn}",
                                        f"--out={root / f'plain{rank}.json'}"], cwd=REPO, env=env,
                                       stdout=open(root / f"plain{rank}.log", "ab"), stderr=subprocess.STDOUT))
+    deadline = time.time() + FLAGS.plain_timeout
     for proc in procs:
-        proc.wait(timeout=600)
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+    if any(proc.poll() is None for proc in procs):  # measured: synchronized BN under MWMS did not finish
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        return None
     epochs_seconds = json.loads((root / "plain0.json").read_text())
     return statistics.median(1e3 * s / n for s, n in epochs_seconds[1:])
 
@@ -223,9 +235,11 @@ def _print_steady(model: str, results: Dict) -> None:
     print(f"\nSteady state, {model} (file store, 2 workers): step under the runtime / plain MWMS = "
           f"{step_runtime:.2f} / {step_plain:.2f} ms = {step_runtime / step_plain:.3f} x (target <= 1.03 x)")
     if sync:
-        step_sync = statistics.median(sync)
-        print(f"  plain MWMS with BatchNormalization(synchronized=True): {step_sync:.2f} ms = "
-              f"{step_sync / step_plain:.3f} x plain BN; the runtime averages plain BN's statistics before each "
+        done = [step for step in sync if step is not None]
+        step_sync = f"{statistics.median(done):.2f} ms = {statistics.median(done) / step_plain:.3f} x plain BN" \
+            if done else f"did not finish in {FLAGS.plain_timeout:g} s"
+        print(f"  plain MWMS with BatchNormalization(synchronized=True): {step_sync} ({len(sync) - len(done)} of "
+              f"{len(sync)} runs unfinished); the runtime averages plain BN's statistics before each "
               f"commit instead: {statistics.median(r['check_ms'] for r in runtime):.1f} ms a commit, averaging and "
               "the per-variable check included")
     share = [r["commit_share"] for r in runtime]
