@@ -517,3 +517,23 @@ def test_the_label_cache_key_changes_with_the_parse_functions_code():
     assert files._parse_key(lambda r: r) is None and files._parse_key(version) is None
     bound = data.TFRecordSource.__init__.__get__(object())  # a bound method: depends on its instance
     assert files._parse_key(bound) is None
+
+
+def test_a_list_of_path_label_pairs_trains_as_image_files(tmp_path, digits):
+    """fit(model, [(path, label), ...]) reads the listed images (ImageFiles, decoded with 3 channels)."""
+    import keras
+
+    from tf_elastic import elastic
+    from tf_elastic.testing.data_files import write_folder
+
+    (images, labels), _ = digits
+    write_folder(tmp_path / "images", images[:64], labels[:64], [str(c) for c in range(10)])
+    pairs = [(str(p), int(p.parent.name)) for p in sorted((tmp_path / "images").glob("*/*.png"))]
+    source = data.ImageFiles([p for p, _ in pairs], [label for _, label in pairs], channels=1)
+    assert source.num_examples == 64 and source.num_classes == max(labels[:64]) + 1
+    model = keras.Sequential([keras.Input((16, 16, 3)), keras.layers.Flatten(), keras.layers.Dense(10)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = elastic.fit(model, pairs, batch_size=16, epochs=1, run_dir=str(tmp_path / "run"), verbose=0)
+    assert len(history.history["loss"]) == 1 and np.isfinite(history.history["loss"][0])
+    with pytest.raises(ConfigurationError, match="paths and labels need the same"):
+        data.ImageFiles(["a.png"], [0, 1])
