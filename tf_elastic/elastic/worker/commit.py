@@ -9,6 +9,8 @@ hands a commit to the workers that lack it (`group.py`), and the chief copies on
 every few commits (`durable.py`). File operations go through `tf.io.gfile`.
 """
 import concurrent.futures
+import contextlib
+import inspect
 import posixpath
 import time
 import uuid
@@ -18,6 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
+from tensorflow.python.ops import resource_variable_ops
 
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, RunDir
@@ -49,7 +52,8 @@ class CommittedState:
                  events: Optional[EventLog] = None, background: bool = False):
         self.world, self.events = world, events
         # epoch, samples, step, global batch, generation
-        self.progress = tf.Variable(np.zeros(5, np.int64), trainable=False, name="elastic_progress")
+        with _plain_variables():
+            self.progress = tf.Variable(np.zeros(5, np.int64), trainable=False, name="elastic_progress")
         self.model, self.schedule = model, schedule
         items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
         if schedule is not None:
@@ -87,7 +91,12 @@ class CommittedState:
             self.durable.check_writable()
         keras_compat.install_async_checkpoint_fix()
         options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
-        self._write = lambda prefix: self.checkpoint.write(prefix, options=options)
+
+        def write(prefix: str) -> str:
+            with _plain_variables():  # the first write makes its host copies: on this worker only
+                return self.checkpoint.write(prefix, options=options)
+
+        self._write = write
         if self._pool is not None and world.keeps_commits:
             self._warm_up()
 
@@ -323,3 +332,21 @@ def _saved_variables(checkpoint: tf.train.Checkpoint) -> List:
 def _untracked(checkpoint: tf.train.Checkpoint, variables: List) -> List:
     saved = {id(_tf_variable(v)) for v in _saved_variables(checkpoint)}
     return [v for v in variables if id(_tf_variable(v)) not in saved]
+
+
+_RESOURCE_VARIABLE_ARGS = frozenset(inspect.signature(resource_variable_ops.ResourceVariable.__init__).parameters)
+
+
+@contextlib.contextmanager
+def _plain_variables():
+    """Variables made here are this process's own, even inside a strategy's scope (`elastic.run` runs `main`
+    in one): under MultiWorkerMirroredStrategy a variable's creation is a collective (its initial value is
+    broadcast from the chief), and the host copies TensorFlow's asynchronous checkpoint makes at its first
+    write exist only on the workers that keep commits; made as mirrored variables, the others would wait
+    in a different collective (measured: a host with two workers failed every round at step 0)."""
+    def plain(next_creator, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k in _RESOURCE_VARIABLE_ARGS and k != "distribute_strategy"}
+        return resource_variable_ops.ResourceVariable(**kwargs)
+
+    with tf.variable_creator_scope(plain):
+        yield
