@@ -3,7 +3,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import time
 import venv
 import zipfile
 from pathlib import Path
@@ -61,13 +60,11 @@ def test_the_readme_single_host_agent_example_trains_from_the_wheel(wheel_env):
     assert "test accuracy" in done.stdout + done.stderr
 
 
-def test_a_typo_in_the_worker_module_ends_the_job_in_seconds_naming_the_error(wheel_env):
+def test_a_typo_in_the_worker_module_ends_the_job_on_its_second_try_naming_the_error(wheel_env):
     _, root, env = wheel_env
-    started = time.monotonic()
     failed = _agent(root, env, "typo", "python", "-m", "tf_elastic.lanch.train", "--dataset=digits")
-    seconds = time.monotonic() - started
     assert failed.returncode == 1, failed.stderr[-3000:]
     last = failed.stderr.strip().splitlines()[-1]
     assert "before its first step on 2 tries in a row" in last, last
     assert "ModuleNotFoundError: No module named 'tf_elastic.lanch'" in last, last
-    assert "blacklisted" not in failed.stderr and seconds < 60, (seconds, failed.stderr[-3000:])
+    assert "blacklisted" not in failed.stderr, failed.stderr[-3000:]

@@ -314,13 +314,14 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                               state=state, config=config, worker_batch=global_batch // world.size, events=events,
                               sum_fn=sum_fn, group=group, schedule=schedule)
     trainer.validation = validation
-    fit_args = dict(verbose=verbose, class_weight=class_weight,
-                    callbacks=[_ElasticCallback(trainer), *(callbacks or ()), history])
-    _train(trainer, group, epochs, fit_args)
+    everyone = _CallbacksOfOneFit([_ElasticCallback(trainer), *(callbacks or ()), history], verbose=verbose,
+                                  epochs=epochs, model=model)
+    _train(trainer, group, epochs, everyone, dict(verbose=verbose, class_weight=class_weight))
     return history
 
 
-def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int, fit_args: Dict) -> None:
+def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int, callbacks: "_CallbacksOfOneFit",
+           fit_args: Dict) -> None:
     """Restores, trains the remaining epochs, and says how this worker ended (an event, or what it raises)."""
     state, world, events, model = trainer.state, trainer.world, trainer.events, trainer.model
     previous = {}
@@ -329,8 +330,6 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
         trainer.restored()
         previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
                     for sig in world.stop_signals}
-        callbacks = _CallbacksOfOneFit(fit_args.pop("callbacks"), verbose=fit_args["verbose"], epochs=epochs,
-                                       model=model)
         for epoch in trainer.remaining_epochs(epochs):
             if trainer.stopped or model.stop_training:
                 break
