@@ -29,7 +29,8 @@ from tf_elastic.elastic.worker.group import GroupState, sum_over_workers
 from tf_elastic.elastic.worker.world import World
 with strategy.scope():
     w = tf.Variable(np.ones(3, np.float32))
-group = GroupState(strategy, World(), [w, v], ["w", "stats"], sum_over_workers(strategy, World()))
+step = tf.Variable(7, dtype=tf.int64)  # outside the strategy: one copy, as fit's progress counters
+group = GroupState(strategy, World(), [w, v, step], ["w", "stats", "step"], sum_over_workers(strategy, World()))
 group.check("before")
 set_apart()
 try:
@@ -49,7 +50,8 @@ assert bits == [expected, expected], (bits, expected)
 def test_statistics_are_averaged_where_replicas_differ_and_kept_bit_for_bit_where_they_agree():
     """Two replicas: 1 and 2 average to 1.5; an infinity, -0.0, 0.1 and a NaN's payload equal on both keep
     their bits (a plain mean would make inf NaN, -0.0 +0.0, and 0.1 may not survive (x + x) / 2 in float64).
-    The group's check sees the local replicas apart, naming the variable, and equal once averaged."""
+    The group's check sees the local replicas apart, naming the variable, and equal once averaged; a variable
+    outside the strategy (one copy) is checked beside them."""
     run_python(_AVERAGE)
 
 

@@ -126,7 +126,12 @@ class GroupState:
                     position_weights[size] = tf.range(size, dtype=tf.int64) % 65521 + 1
                 sums = tf.stack([tf.reduce_sum(bits), tf.reduce_sum(bits * position_weights[size])])
                 copies.append(tf.bitwise.bitwise_and(sums, (1 << 48) - 1))  # int64 sums wrap alike everywhere
-            rows.append(tf.stack(copies))
+            # A variable outside the strategy (one copy, e.g. a plain step counter) cannot differ locally:
+            # its row repeats that copy so that every row has one entry per local replica.
+            if len(copies) not in (1, self._local_replicas):
+                raise ValueError(f"variable {variable.name} has {len(copies)} local copies, not 1 or "
+                                 f"{self._local_replicas}")
+            rows.append(tf.stack(copies * (self._local_replicas // len(copies))))
         return tf.stack(rows)
 
     def check(self, when: str) -> None:
