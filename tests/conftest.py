@@ -34,7 +34,7 @@ def _clean_keras_state():
 
     yield
     keras.mixed_precision.set_global_policy("float32")
-    keras.backend.clear_session()
+    keras.backend.clear_session(free_memory=False)  # its gc.collect() cost 0.5 s a test (5 min of the suite)
 
 
 def agent_argv(rdzv_dir: Path, run_dir: Path, arguments: list) -> list:

@@ -1,9 +1,11 @@
 """The agent's rules as pure functions: no store, no process, no clock."""
+import json
+
 import pytest
 
 from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.decisions import GroupChange, JoinAction, WorkersState
-from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.agent.round import Round, Timeouts, participants_of
 from tf_elastic.elastic.protocol import ExitCode, Failure, JobStatus
 
 TIMEOUTS = Timeouts(last_call=2.0, survivor_wait=30.0)
@@ -14,63 +16,63 @@ def _participant(nproc=1, previous_rank=None, joined=0.0, port=1000):
             "previous_rank": previous_rank}
 
 
-def _round(number=0, phase="joining", participants=None, expected=(), restarts=0, assignment=None):
-    return Round(number, phase, "test", restarts, 0.0, dict(participants or {}), list(expected), assignment,
+def _round(number=0, phase="joining", expected=(), restarts=0, assignment=None, opener="me"):
+    return Round(number, phase, "test", restarts, 0.0, list(expected), opener, assignment,
                  [] if assignment is None else ["x"] * sum(len(r) for r in assignment.values()))
 
 
-@pytest.mark.parametrize("round_, after, action", [
-    (None, -1, JoinAction.CREATE_FIRST),
-    (_round(), -1, JoinAction.ADD_SELF),
-    (_round(participants={"me": _participant()}), -1, JoinAction.TRY_FREEZE),
-    (_round(1, "frozen", {"me": _participant()}, assignment={"me": [0]}), 0, JoinAction.TAKE),
-    (_round(1, "frozen", {"me": _participant()}, assignment={"me": [0]}), 1, JoinAction.OPEN_NEXT),  # trained in it
-    (_round(1, "frozen", {"other": _participant()}, assignment={"other": [0]}), -1, JoinAction.OPEN_NEXT),
-    (_round(1, "frozen", {"me": _participant(), "o": _participant()}, assignment={"o": [0], "me": []}), 0,
-     JoinAction.STANDBY),  # considered, no place
-    (_round(1, "frozen", {"o": _participant(2)}, assignment={"o": [0, 1]}), -1, JoinAction.STANDBY),  # full
-    (_round(1, "frozen", {"o": _participant()}, assignment={"o": [0]}), -1, JoinAction.OPEN_NEXT),  # room left
-], ids=["no round", "joining without us", "joining with us", "frozen with our ranks", "frozen, already trained",
-        "frozen without us", "left out", "full", "room left"])
-def test_next_join_action(round_, after, action):
-    assert decisions.next_join_action(round_, "me", after, max_workers=2) is action
+@pytest.mark.parametrize("round_, joined, after, action", [
+    (None, None, -1, JoinAction.CREATE_FIRST),
+    (_round(), None, -1, JoinAction.ADD_SELF),
+    (_round(1), 0, -1, JoinAction.ADD_SELF),  # our lease announces an older round
+    (_round(), 0, -1, JoinAction.TRY_FREEZE),  # joined the round we opened
+    (_round(opener="other"), 0, -1, JoinAction.WAIT),  # joined a round another agent freezes
+    (_round(1, "frozen", assignment={"me": [0]}), 1, 0, JoinAction.TAKE),
+    (_round(1, "frozen", assignment={"me": [0]}), 1, 1, JoinAction.OPEN_NEXT),  # trained in it
+    (_round(1, "frozen", assignment={"other": [0]}), None, -1, JoinAction.OPEN_NEXT),
+    (_round(1, "frozen", assignment={"o": [0], "me": []}), 1, 0, JoinAction.STANDBY),  # considered, no place
+    (_round(1, "frozen", assignment={"o": [0, 1]}), None, -1, JoinAction.STANDBY),  # full
+    (_round(1, "frozen", assignment={"o": [0]}), None, -1, JoinAction.OPEN_NEXT),  # room left
+], ids=["no round", "joining without us", "joined an older round", "we opened it", "another opened it",
+        "frozen with our ranks", "frozen, already trained", "frozen without us", "left out", "full", "room left"])
+def test_next_join_action(round_, joined, after, action):
+    assert decisions.next_join_action(round_, "me", joined, after, max_workers=2) is action
 
 
 def test_freeze_waits_for_min_workers_then_last_call_on_a_fresh_job():
-    round_ = _round(participants={"a": _participant(), "dead": _participant()})
-    assert not decisions.ready_to_freeze(round_, 2, 4, {"a"}, waited=100.0, timeouts=TIMEOUTS)  # "dead" counts not
-    round_.participants["b"] = _participant()
-    assert not decisions.ready_to_freeze(round_, 2, 4, {"a", "b"}, waited=1.0, timeouts=TIMEOUTS)
-    assert decisions.ready_to_freeze(round_, 2, 4, {"a", "b"}, waited=2.5, timeouts=TIMEOUTS)
+    round_, participants = _round(), {"a": _participant(), "dead": _participant()}
+    assert not decisions.ready_to_freeze(round_, participants, 2, 4, {"a"}, 100.0, TIMEOUTS)  # "dead" counts not
+    participants["b"] = _participant()
+    assert not decisions.ready_to_freeze(round_, participants, 2, 4, {"a", "b"}, 1.0, TIMEOUTS)
+    assert decisions.ready_to_freeze(round_, participants, 2, 4, {"a", "b"}, 2.5, TIMEOUTS)
 
 
 def test_a_full_round_still_waits_for_a_live_survivor():
     """A newcomer must not take the place of a survivor that is still stopping its workers."""
-    round_ = _round(participants={"a": _participant(), "newcomer": _participant()}, expected=["a", "b"])
-    assert not decisions.ready_to_freeze(round_, 1, 2, {"a", "b", "newcomer"}, waited=1.0, timeouts=TIMEOUTS)
-    assert decisions.ready_to_freeze(round_, 1, 2, {"a", "b", "newcomer"}, waited=31.0, timeouts=TIMEOUTS)
+    round_, participants = _round(expected=["a", "b"]), {"a": _participant(), "newcomer": _participant()}
+    assert not decisions.ready_to_freeze(round_, participants, 1, 2, {"a", "b", "newcomer"}, 1.0, TIMEOUTS)
+    assert decisions.ready_to_freeze(round_, participants, 1, 2, {"a", "b", "newcomer"}, 31.0, TIMEOUTS)
 
 
 def test_freeze_at_once_when_full_or_when_every_expected_survivor_is_in():
-    full = _round(participants={"a": _participant(2)})
-    assert decisions.ready_to_freeze(full, 1, 2, {"a"}, waited=0.0, timeouts=TIMEOUTS)
-    survivors_in = _round(participants={"a": _participant()}, expected=["a", "gone"])
-    assert decisions.ready_to_freeze(survivors_in, 1, 4, {"a"}, waited=0.0, timeouts=TIMEOUTS)
+    assert decisions.ready_to_freeze(_round(), {"a": _participant(2)}, 1, 2, {"a"}, 0.0, TIMEOUTS)
+    survivors_in = _round(expected=["a", "gone"])
+    assert decisions.ready_to_freeze(survivors_in, {"a": _participant()}, 1, 4, {"a"}, 0.0, TIMEOUTS)
 
 
 def test_freeze_waits_for_a_live_survivor_up_to_survivor_wait():
-    round_ = _round(participants={"a": _participant()}, expected=["a", "b"])
-    assert not decisions.ready_to_freeze(round_, 1, 4, {"a", "b"}, waited=10.0, timeouts=TIMEOUTS)
-    assert decisions.ready_to_freeze(round_, 1, 4, {"a", "b"}, waited=31.0, timeouts=TIMEOUTS)
+    round_, participants = _round(expected=["a", "b"]), {"a": _participant()}
+    assert not decisions.ready_to_freeze(round_, participants, 1, 4, {"a", "b"}, 10.0, TIMEOUTS)
+    assert decisions.ready_to_freeze(round_, participants, 1, 4, {"a", "b"}, 31.0, TIMEOUTS)
 
 
 def test_freeze_ranks_survivors_first_then_newcomers_by_join_time_and_caps_at_max_workers():
-    round_ = _round(participants={
+    participants = {
         "newcomer_early": _participant(joined=1.0, port=3000),  # joined first, but is not a survivor
         "survivor_rank1": _participant(previous_rank=1, joined=5.0, port=2000),
         "survivor_rank0": _participant(previous_rank=0, joined=9.0, port=1000),
-        "newcomer_late": _participant(2, joined=2.0, port=4000)})
-    frozen = decisions.freeze(round_, max_workers=4)
+        "newcomer_late": _participant(2, joined=2.0, port=4000)}
+    frozen = decisions.freeze(_round(), participants, max_workers=4)
     assert frozen.phase == "frozen"
     assert frozen.assignment == {"survivor_rank0": [0], "survivor_rank1": [1], "newcomer_early": [2],
                                  "newcomer_late": [3]}
@@ -78,9 +80,20 @@ def test_freeze_ranks_survivors_first_then_newcomers_by_join_time_and_caps_at_ma
 
 
 def test_freeze_leaves_out_a_participant_whose_lease_expired():
-    round_ = _round(participants={"a": _participant(port=1000), "gone": _participant(previous_rank=0, port=2000)})
-    frozen = decisions.freeze(round_, max_workers=2, alive={"a"})
+    participants = {"a": _participant(port=1000), "gone": _participant(previous_rank=0, port=2000)}
+    frozen = decisions.freeze(_round(), participants, max_workers=2, alive={"a"})
     assert frozen.assignment == {"a": [0]} and frozen.cluster == ["127.0.0.1:1000"]
+
+
+def test_participants_are_the_leases_that_announce_the_round_and_malformed_ones_are_refused():
+    good = dict(_participant(), round=3)
+    leases = {"/j/hosts/a": json.dumps(good), "/j/hosts/standby": json.dumps(dict(good, round=2)),
+              "/j/hosts/fresh": json.dumps({"addr": "x", "nproc": 1}), "/j/hosts/garbage": "{",
+              "/j/hosts/no_ports": json.dumps(dict(good, ports=[])),
+              "/j/hosts/bad_port": json.dumps(dict(good, ports=[70000]))}
+    participants, refused = participants_of(leases, 3)
+    assert participants == {"a": good}
+    assert sorted(refused) == ["/j/hosts/bad_port", "/j/hosts/garbage", "/j/hosts/no_ports"]
 
 
 @pytest.mark.parametrize("offered, divides, size", [(3, 64, 2), (4, 64, 4), (3, None, 3), (5, 6, 3), (1, 7, 1)])
@@ -89,12 +102,13 @@ def test_world_size_divides_the_global_batch(offered, divides, size):
 
 
 def test_next_round_expects_the_ranked_hosts_but_a_leaving_one_and_counts_failures():
-    seen = _round(3, "frozen", {"a": _participant(), "b": _participant(), "c": _participant()}, restarts=1,
-                  assignment={"a": [0], "b": [1], "c": []})
-    after_failure = decisions.next_round(seen, "worker_exit", failure=True, opened=7.0)
+    seen = _round(3, "frozen", restarts=1, assignment={"a": [0], "b": [1], "c": []})
+    after_failure = decisions.next_round(seen, "worker_exit", failure=True, opened=7.0, opener="b")
     assert (after_failure.number, after_failure.restarts, after_failure.expected) == (4, 2, ["a", "b"])
-    after_leave = decisions.next_round(seen, "leave b", failure=False, opened=7.0, leaving_host="b")
+    assert after_failure.opener == "b"
+    after_leave = decisions.next_round(seen, "leave b", failure=False, opened=7.0, opener="b", leaving_host="b")
     assert (after_leave.restarts, after_leave.expected, after_leave.phase) == (1, ["a"], "joining")
+    assert after_leave.opener == "a", "a leaving host hands the freezing to the first survivor"
 
 
 @pytest.mark.parametrize("outcome, current, change", [
@@ -131,10 +145,11 @@ def test_own_failure_ignores_peers_stops_and_successes():
     assert decisions.own_failure({0: None, 1: -9})
 
 
-def test_lost_hosts_are_ranked_hosts_without_a_lease_but_this_one():
-    round_ = _round(1, "frozen", assignment={"me": [0], "b": [1], "standby": []})
-    assert decisions.lost_hosts(round_, alive={"b"}, me="me") == []
-    assert decisions.lost_hosts(round_, alive=set(), me="me") == ["b"]
+def test_each_ranked_host_watches_the_next_one_around_a_ring():
+    round_ = _round(1, "frozen", assignment={"c": [2, 3], "a": [0], "b": [1], "standby": []})
+    assert [decisions.watched_host(round_, h) for h in "abc"] == ["b", "c", "a"]
+    assert decisions.watched_host(round_, "standby") is None
+    assert decisions.watched_host(_round(1, "frozen", assignment={"a": [0, 1]}), "a") is None  # alone
 
 
 def test_progress_timeout_is_the_flag_else_ten_longest_gaps_but_never_below_the_floor():

@@ -1,5 +1,4 @@
 """The elastic runtime end to end: real agents, real MWMS workers on 127.0.0.1, real signals."""
-import json
 import os
 import signal
 import sys
@@ -147,8 +146,8 @@ def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
     job = job_factory([], ["--min_workers=2", "--max_workers=2", "--rendezvous_timeout=60"])
     agent = job.start_agent("a", command=[sys.executable, "-c", "pass"])
     store = open_store(job.rdzv)
-    job.wait_for(lambda: "a" in json.loads(store.get(f"/{job.job_id}/round") or '{"participants": {}}')[
-        "participants"], timeout=30, what="the agent to wait in a round")
+    job.wait_for(lambda: '"round": 0' in (store.get(f"/{job.job_id}/hosts/a") or ""), timeout=30,
+                 what="the agent to wait in a round")
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=30) == 0
     assert "while waiting for a round" in job.events("exit")[-1]["reason"]

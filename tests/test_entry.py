@@ -1,5 +1,5 @@
 """`elastic.run(main)` with the README's own-script example: a plain Keras script, three lines changed, under
-real agents, through the loss of the chief's host and the join of a host with an empty disk."""
+real agents, through the loss of the chief's host, replaced by a standby host with an empty disk."""
 import ast
 import re
 import sys
@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from tf_elastic.elastic.protocol import Event
-from tf_elastic.testing.local_job import REPO, LocalJob, assert_replicas_identical, lose_the_chief_then_join
+from tf_elastic.testing.local_job import REPO, LocalJob, assert_replicas_identical, lose_the_chief_to_a_standby
 
 STARTUP_TIMEOUT = 15.0
+EPOCHS = 20
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1",
          f"--startup_timeout={STARTUP_TIMEOUT}"]
 
@@ -23,16 +24,17 @@ def readme_script(epochs: int) -> str:
 
 
 @pytest.mark.slow
-def test_the_readme_script_survives_losing_the_chief_host_and_an_empty_disk_join(tmp_path):
+def test_the_readme_script_survives_losing_the_chief_host_to_a_standby_with_an_empty_disk(tmp_path):
     """The round of a and b outlives a shortened startup timeout (the heartbeat runs); every round of two
     starts, commits and ends with the same bits of every variable on both ranks (momentum slots and
     BatchNorm statistics included); validation and the returned History work under the agent."""
     script = tmp_path / "train_digits.py"
-    script.write_text(readme_script(epochs=90))
+    script.write_text(readme_script(epochs=EPOCHS))
     (tmp_path / "job").mkdir()
     job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True)
     try:
-        seen = lose_the_chief_then_join(job, command=[sys.executable, str(script)], round_seconds=STARTUP_TIMEOUT + 5)
+        seen = lose_the_chief_to_a_standby(job, command=[sys.executable, str(script)],
+                                           round_seconds=STARTUP_TIMEOUT + 5)
         assert not [e for e in job.events(Event.FAILURE) if e["time"] < seen["killed_at"]], "taken for a hang"
         received = job.events(Event.STATE_TRANSFER, round=seen["joined"])
         assert [e["rank"] for e in received] == [1] and received[0]["bytes"] > 0, received
@@ -49,5 +51,5 @@ def test_the_readme_script_survives_losing_the_chief_host_and_an_empty_disk_join
     assert len(histories) == 2 and histories[0] == histories[1], histories
     restored_epoch = job.events(Event.RESTORE, round=seen["joined"], rank=0)[0]["epoch"]
     history = histories[0]
-    assert len(history["val_accuracy"]) == len(history["loss"]) == 90 - restored_epoch, (restored_epoch, history)
-    assert history["val_accuracy"][-1] > 0.5, history  # chance: 0.1
+    assert len(history["val_accuracy"]) == len(history["loss"]) == EPOCHS - restored_epoch, (restored_epoch, history)
+    assert history["val_accuracy"][-1] > 0.3, history  # chance: 0.1

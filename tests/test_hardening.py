@@ -139,22 +139,17 @@ def test_file_store_malformed_records_are_named(tmp_path, record):
 
 # Rendezvous ----------------------------------------------------------------------------------------
 def _round_record(**change):
-    record = json.loads(Round(0, "joining", "start", 0, 1.0, {"a": {"nproc": 1, "addr": "x", "ports": [1],
-                                                                    "joined": 1.0, "previous_rank": None}},
-                              []).to_json())
+    record = json.loads(Round(0, "joining", "start", 0, 1.0, [], "a").to_json())
     record.update(change)
     return json.dumps(record)
 
 
 @pytest.mark.parametrize("text", [
-    _round_record(number="3"), _round_record(participants={"a": {}}), _round_record(opened="soon"),
+    _round_record(number="3"), _round_record(opener=None), _round_record(opened="soon"),
     _round_record(expected=[1]), _round_record(assignment={"a": ["0"]}), "[]", "null",
-    _round_record(opened=float("nan")),
-    _round_record(participants={"a": {"nproc": 2, "addr": "x", "ports": [1], "joined": 1.0, "previous_rank": None}}),
-    _round_record(participants={"a": {"nproc": 1, "addr": "x", "ports": [70000], "joined": 1.0,
-                                      "previous_rank": None}}),
-], ids=["number as text", "empty participant", "opened as text", "expected ints", "ranks as text", "a list",
-        "null", "opened NaN", "fewer ports than workers", "port out of range"])
+    _round_record(opened=float("nan")), _round_record(cluster=[1]),
+], ids=["number as text", "no opener", "opened as text", "expected ints", "ranks as text", "a list",
+        "null", "opened NaN", "cluster ints"])
 def test_malformed_round_records_are_store_errors_naming_the_field(text):
     with pytest.raises(StoreError, match="malformed rendezvous round record"):
         Round.from_json(text)
@@ -366,7 +361,7 @@ def test_a_wrapped_trainer_is_waited_for_and_never_outlives_its_worker(tmp_path,
 def test_a_notice_while_the_store_is_unreachable_still_stops_and_commits(tmp_path, agent):
     """The agent used to retry the store forever before stopping its workers, who trained on."""
     worker, trainer = _trainer(tmp_path, "plain", wrapped=False)
-    round_ = Round(0, "frozen", "start", 0, time.time(), {}, [], {"a": [0]}, ["127.0.0.1:1"])
+    round_ = Round(0, "frozen", "start", 0, time.time(), [], "a", {"a": [0]}, ["127.0.0.1:1"])
     agent._on_leave_signal(signal.SIGTERM, None)
     result = []
     monitor = threading.Thread(target=lambda: result.append(agent._monitor(round_, [worker])), daemon=True)

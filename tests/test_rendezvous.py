@@ -58,14 +58,29 @@ def test_compare_and_set_list_and_leases(store, job):
 
 def test_wait_wakes_on_a_change(store, job):
     """Only a notifying store (etcd) can say 'nothing changed'. The file store cannot (a lease expires
-    without any write), so it says `notifies = False` and the agent reads it every interval instead."""
+    without any write), so it says `notifies = False` and the agent reads it every interval instead. A
+    key watched for its deletion (a lease that expires) wakes no one when it is rewritten."""
     if not store.notifies:
-        assert store.wait(f"/{job}", 0.01), "a store that cannot notify must always answer: read again"
+        assert store.wait([f"/{job}/"], 0.01), "a store that cannot notify must always answer: read again"
         return
-    store.wait(f"/{job}", 0.1)  # the first wait may answer True: changes before it began
-    assert not store.wait(f"/{job}", 0.5), "woke up with nothing changed"
-    threading.Timer(0.3, lambda: store.set(f"/{job}/x", "1")).start()
-    assert store.wait(f"/{job}", 3.0)
+    lease = f"/{job}/hosts/b"
+    store.set(lease, "1", ttl=1.0)
+    watched, gone = [f"/{job}/group/"], [lease]
+    store.wait(watched, 0.1, gone)  # the first wait may answer True: changes before it began
+    assert not store.wait(watched, 0.5, gone), "woke up with nothing changed"
+    store.set(f"/{job}/hosts/a", "1")  # neither the prefix nor the key watched
+    store.set(lease, "2", ttl=1.0)  # rewritten, not gone
+    assert not store.wait(watched, 0.5, gone), "woke up on a key not watched, or on a rewrite"
+    threading.Timer(0.3, lambda: store.set(f"/{job}/group/round", "1")).start()
+    assert store.wait(watched, 3.0, gone)
+    assert store.wait(watched, 10.0, gone), "the lease expired unnoticed"  # etcd's minimum TTL may be longer
+    assert store.get(lease) is None
+    other = f"/{job}/hosts/c"
+    store.set(other, "1")
+    store.wait(watched, 0.1, [other])
+    store.delete(other)
+    assert not store.wait(watched, 0.5), "woke up on a watch it did not name"
+    assert store.wait(watched, 0.1, [other]), "what changed meanwhile wakes the next wait that names it"
 
 
 def test_survivors_keep_their_order_and_a_newcomer_that_joined_first_is_ranked_last(store, job):
@@ -82,8 +97,7 @@ def test_survivors_keep_their_order_and_a_newcomer_that_joined_first_is_ranked_l
         threads.append(threading.Thread(target=join, args=(host, previous)))
         threads[-1].start()
         deadline = time.time() + 10  # the next joins only once this one is in the round
-        while time.time() < deadline and host not in json.loads(store.get(f"/{job}/round") or '{"participants": {}}'
-                                                                  )["participants"]:
+        while time.time() < deadline and '"round": 0' not in (store.get(f"/{job}/hosts/{host}") or ""):
             time.sleep(0.02)
     [t.join(timeout=20) for t in threads]
     rounds = {host: r for host, r in results.items()}
@@ -114,27 +128,27 @@ def test_an_agent_with_another_token_is_refused(store, job):
 
 
 @pytest.mark.parametrize("key, value, message", [
-    ("round", "garbage", "malformed rendezvous round record at /.*/round"),
-    ("round", json.dumps({"version": 2, "number": 0}), "schema version 2, expected 1"),
-    ("round", json.dumps({"version": 1, "number": 0}), "missing"),
-    ("outcome", "[1, 2]", "malformed job outcome record"),
+    ("group/round", "garbage", "malformed rendezvous round record at /.*/group/round"),
+    ("group/round", json.dumps({"version": 2, "number": 0}), "schema version 2, expected 1"),
+    ("group/round", json.dumps({"version": 1, "number": 0}), "missing"),
+    ("group/outcome", "[1, 2]", "malformed job outcome record"),
     ("blacklist/a", json.dumps({"strikes": "many"}), "malformed blacklist record"),
 ])
 def test_malformed_store_content_is_rejected_with_a_clear_error(store, job, key, value, message):
     store.set(f"/{job}/{key}", value)
     rendezvous = _rendezvous(store, job, "a")
-    read = {"round": rendezvous.current, "outcome": rendezvous.job.outcome,
+    read = {"group/round": rendezvous.current, "group/outcome": rendezvous.job.outcome,
             "blacklist/a": rendezvous.job.blacklisted_for}
     with pytest.raises(StoreError, match=message):
         read[key]()
 
 
 def test_a_rendezvous_on_malformed_content_fails_after_the_timeout_and_names_it(store, job):
-    store.set(f"/{job}/round", "garbage")
+    store.set(f"/{job}/group/round", "garbage")
     timeouts = Timeouts(rendezvous=1.0, poll=0.05)
     with pytest.raises(RendezvousTimeout, match="no rendezvous within --rendezvous_timeout=1s: malformed"):
         _rendezvous(store, job, "a", timeouts=timeouts).join()
-    assert store.get(f"/{job}/round") == "garbage"  # rejected, never overwritten
+    assert store.get(f"/{job}/group/round") == "garbage"  # rejected, never overwritten
 
 
 def test_blacklist_cooldown_doubles_with_each_strike(store, job):
@@ -220,9 +234,9 @@ def test_etcd_over_tls_with_client_certificates(tmp_path, job):
         options = StoreOptions(ca_cert=files["ca.pem"], cert=files["client.pem"], key=files["client.key"])
         store = open_store(etcd.url, options)
         assert store.compare_and_set(f"/{job}/k", None, "v") and store.get(f"/{job}/k") == "v"
-        store.wait(f"/{job}", 0.5)
+        store.wait([f"/{job}/"], 0.5)
         threading.Timer(0.3, lambda: store.set(f"/{job}/k2", "w")).start()
-        assert store.wait(f"/{job}", 3.0)  # the watch speaks TLS too
+        assert store.wait([f"/{job}/"], 3.0)  # the watch speaks TLS too
         store.close()
         for bad in (StoreOptions(), StoreOptions(ca_cert=files["ca.pem"])):  # no CA; no client certificate
             with pytest.raises(StoreError, match="cannot reach etcd"):
@@ -242,9 +256,9 @@ def test_etcd_with_a_user_and_password(job):
         options = StoreOptions(user="root", password="pw")
         store = open_store(private.url, options)
         assert store.compare_and_set(f"/{job}/k", None, "v") and store.get(f"/{job}/k") == "v"
-        store.wait(f"/{job}", 0.5)
+        store.wait([f"/{job}/"], 0.5)
         threading.Timer(0.3, lambda: store.set(f"/{job}/k2", "w")).start()
-        assert store.wait(f"/{job}", 3.0)  # the watch authenticates too
+        assert store.wait([f"/{job}/"], 3.0)  # the watch authenticates too
         store.close()
         for bad, message in ((dataclasses.replace(options, password="bad"),
                               "refused user 'root'.*authentication failed"),

@@ -12,8 +12,10 @@ import uuid
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from tf_elastic.elastic.agent.job_record import JobKeys
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import Env, Event
+from tf_elastic.elastic.store import open_store
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: agents run `launch/` scripts from it
 
@@ -46,6 +48,14 @@ class LocalJob:
         env = repo_env(**(env or {}))
         self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.agents[host]
+
+    def in_rendezvous(self, host: str) -> bool:
+        """Whether `host`'s agent holds its lease (it has done its imports and takes part in rounds)."""
+        store = open_store(self.rdzv)
+        try:
+            return store.get(JobKeys(self.job_id).host(host)) is not None
+        finally:
+            store.close()
 
     def run_dir_of(self, host: str) -> Path:
         return self.tmp / "hosts" / host if self.host_run_dirs else self.run_dir
@@ -172,27 +182,27 @@ def signal_pid(pid: int, sig: int) -> None:
         pass
 
 
-def lose_the_chief_then_join(job: LocalJob, command: Optional[List[str]] = None, round_seconds: float = 0.0,
-                             **flags) -> Dict[str, object]:
-    """Agents a and b train; once they committed at world size 2 (and the round ran `round_seconds`), the
-    chief's host is SIGKILLed, the survivor trains alone, and host c joins (with an empty disk when the job
-    has a run dir per host). Returns the rounds and hosts involved: `first`, `joined` (the chiefs' first
-    steps at world size 2), `chief`, `survivor` and `killed_at`."""
+def lose_the_chief_to_a_standby(job: LocalJob, command: Optional[List[str]] = None, round_seconds: float = 0.0,
+                                **flags) -> Dict[str, object]:
+    """Agents a and b train while host c waits as a standby (the world is full; with an empty disk when the
+    job has a run dir per host); once a and b committed at world size 2 (and the round ran
+    `round_seconds`), the chief's host is SIGKILLed and the next round is the survivor and c, who receives
+    the state. Returns the rounds and hosts involved: `first`, `joined` (the chiefs' first steps at world
+    size 2), `chief`, `survivor` and `killed_at`."""
     job.start_agent("a", command=command, **flags)
     job.start_agent("b", command=command, **flags)
     first = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2],
                          what="a commit at world size 2")[0]
+    job.start_agent("c", command=command, **flags)
     began = job.events(Event.FIRST_STEP, round=first["round"], rank=0)[0]["time"]
-    job.wait_for(lambda: time.time() > began + round_seconds, what=f"a round of {round_seconds}s")
+    job.wait_for(lambda: time.time() > began + round_seconds and job.in_rendezvous("c"),
+                 what=f"a round of {round_seconds}s and c in the rendezvous")
     chief = job.events(Event.WORKER_START, round=first["round"], rank=0)[-1]["source"].split(":", 1)[1]
     killed_at = time.time()
     job.kill_host(chief)
-    alone = job.wait_for(lambda: [e for e in job.events(Event.FIRST_STEP, rank=0) if e["round"] > first["round"]],
-                         what="a first step without the chief")[0]
-    job.start_agent("c", command=command, **flags)
     joined = job.wait_for(lambda: [e for e in job.events(Event.FIRST_STEP, rank=0)
-                                   if e["round"] > alone["round"] and e["world_size"] == 2],
-                          what="a first step with c")[0]
+                                   if e["round"] > first["round"] and e["world_size"] == 2],
+                          what="a first step of the survivor and c")[0]
     return {"first": first["round"], "joined": joined["round"], "chief": chief, "killed_at": killed_at,
             "survivor": "b" if chief == "a" else "a"}
 

@@ -247,12 +247,12 @@ class ElasticAgent:
         """Watches the workers and the store until the round ends. While the store is unreachable the
         workers train on; whatever needs the store is retried once it is back."""
         unreachable_since = None
-        changed = True
+        changed = False  # the round was just read; the first wait says what changed since
         while True:
             if self._leaving:  # before any store call: a notice must be acted on while the store is down
                 return self._leave(round_, running)
             try:
-                self.rendezvous.keepalive()
+                self.rendezvous.renew_if_due()
                 result = self._check_round(round_, running, changed)
             except StoreError as error:
                 if unreachable_since is None:
@@ -268,21 +268,18 @@ class ElasticAgent:
             if result is not None:
                 return result
             # The local workers are checked every interval; the store only when it may have changed.
-            changed = self.rendezvous.wait_for_change(self.config.monitor_interval) or unreachable_since is not None
+            changed = (self.rendezvous.wait_for_change(self.config.monitor_interval, training=round_)
+                       or unreachable_since is not None)
 
     def _check_round(self, round_: Round, running: List[Worker], changed: bool) -> Optional[RoundResult]:
         """One look: observe (worker exit codes, heartbeats, and the store if it `changed`), let
         `decisions` judge, act on the verdict."""
         codes = {w.rank: w.process.poll() for w in running}
         own = decisions.own_failure(codes)
-        current = round_
-        if changed:
-            outcome = self.job.outcome()
-            current = self.rendezvous.current()
-            result = self._act_on_group(decisions.judge_group(round_, outcome and outcome.status, current),
-                                        round_, current, running, own)
-            if result is not None:
-                return result
+        look = self.rendezvous.look(round_, changed)
+        result = self._act_on_group(look.change, round_, look.current, running, own)
+        if result is not None:
+            return result
         for worker in running:
             worker.observe()
         self._tend_spares(round_, running)
@@ -290,12 +287,10 @@ class ElasticAgent:
         stalled = {w.rank for w in running if w.stalled_for() > decisions.progress_timeout(
             self.config.progress_timeout, self.config.progress_floor, w.longest_gap)}
         verdict = decisions.judge_workers(codes, silent, stalled)
-        result = self._act_on_workers(verdict, round_, current, running, own)
-        if result is None and changed:
-            lost = decisions.lost_hosts(round_, set(self.rendezvous.alive_hosts()), self.host_id)
-            if lost:
-                self._failure(round_, Failure.HOST_LOST, None, None, host=lost[0])
-                return RoundResult.RESTART
+        result = self._act_on_workers(verdict, round_, look.current, running, own)
+        if result is None and look.lost:
+            self._failure(round_, Failure.HOST_LOST, None, None, host=look.lost[0])
+            return RoundResult.RESTART
         return result
 
     def _act_on_group(self, change: GroupChange, round_: Round, current: Optional[Round], running: List[Worker],
@@ -441,7 +436,7 @@ class ElasticAgent:
         deadline = time.monotonic() + grace
         while any(w.running() for w in running) and time.monotonic() < deadline:
             try:
-                self.rendezvous.keepalive()  # still alive while we wait: others must not count this host lost
+                self.rendezvous.renew_if_due()  # still alive while we wait: others must not count this host lost
             except (StoreError, HostIdTaken):
                 pass  # reported where the agent next needs the store; the workers still commit and exit
             time.sleep(self.config.monitor_interval)

@@ -16,14 +16,17 @@ from tf_elastic.elastic.protocol import ExitCode, Failure, JobStatus
 class JoinAction(enum.Enum):
     CREATE_FIRST = "create_first"  # no round yet: open round 0
     OPEN_NEXT = "open_next"  # a frozen round we are not part of: open the next one
-    ADD_SELF = "add_self"  # a round still joining, without us: add this host
-    TRY_FREEZE = "try_freeze"  # a round still joining, with us: freeze it once `ready_to_freeze`
+    ADD_SELF = "add_self"  # a round still joining, without us: announce it in our lease
+    TRY_FREEZE = "try_freeze"  # a round still joining, with us, that we opened: freeze it once `ready_to_freeze`
+    WAIT = "wait"  # a round still joining, with us, that another agent opened: wait for it to freeze it
     TAKE = "take"  # a frozen round newer than our last that gives us ranks: train in it
     STANDBY = "standby"  # a frozen round at max_workers: wait, without disturbing it, for a place to free up
 
 
-def next_join_action(round_: Optional[Round], host_id: str, after: int, max_workers: int) -> JoinAction:
-    """What a host that last trained in round `after` does next, given the current round.
+def next_join_action(round_: Optional[Round], host_id: str, joined: Optional[int], after: int,
+                     max_workers: int) -> JoinAction:
+    """What a host that last trained in round `after`, and last joined round `joined`, does next, given the
+    current round.
 
     A frozen round that already trains `max_workers` workers is left alone: joining it would open a
     round that again has no place for us (measured before: 25 rounds in 30 s with three hosts for two
@@ -38,21 +41,23 @@ def next_join_action(round_: Optional[Round], host_id: str, after: int, max_work
         if round_.number > after and (host_id in assignment or round_.world_size >= max_workers):
             return JoinAction.STANDBY
         return JoinAction.OPEN_NEXT
-    return JoinAction.TRY_FREEZE if host_id in round_.participants else JoinAction.ADD_SELF
+    if joined != round_.number:
+        return JoinAction.ADD_SELF
+    return JoinAction.TRY_FREEZE if round_.opener == host_id else JoinAction.WAIT
 
 
-def ready_to_freeze(round_: Round, min_workers: int, max_workers: int, alive: Set[str], waited: float,
-                    timeouts: Timeouts) -> bool:
+def ready_to_freeze(round_: Round, participants: Dict[str, Dict], min_workers: int, max_workers: int,
+                    alive: Set[str], waited: float, timeouts: Timeouts) -> bool:
     """Freeze once enough workers are in and no live survivor is still on its way.
 
     A survivor whose host lease is alive is stopping its workers and will join; freezing without it
     would only make it open yet another round. `survivor_wait` bounds that wait; with no survivors
     expected (a fresh job), `last_call` gives stragglers a moment. A full round waits for survivors too:
     ranks go to survivors first, so a newcomer must not take the place of one still on its way."""
-    joined = sum(p["nproc"] for h, p in round_.participants.items() if h in alive)
+    joined = sum(p["nproc"] for h, p in participants.items() if h in alive)
     if joined < min_workers:
         return False
-    missing = [h for h in round_.expected if h in alive and h not in round_.participants]
+    missing = [h for h in round_.expected if h in alive and h not in participants]
     if missing:
         return waited > timeouts.survivor_wait
     return joined >= max_workers or bool(round_.expected) or waited > timeouts.last_call
@@ -67,12 +72,12 @@ def world_size(offered: int, max_workers: int, divides: Optional[int] = None) ->
     return size
 
 
-def freeze(round_: Round, max_workers: int, alive: Optional[Set[str]] = None, divides: Optional[int] = None
-           ) -> Round:
+def freeze(round_: Round, participants: Dict[str, Dict], max_workers: int, alive: Optional[Set[str]] = None,
+           divides: Optional[int] = None) -> Round:
     """Ranks for the participants: survivors first, in their previous order (so rank 0 held fresh state),
     then newcomers by join time. Workers beyond `world_size` get none (standby), nor does a participant
     whose lease expired since it joined (ranking it would only cost a counted restart at once)."""
-    order = sorted(((h, p) for h, p in round_.participants.items() if alive is None or h in alive),
+    order = sorted(((h, p) for h, p in participants.items() if alive is None or h in alive),
                    key=lambda item: (item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0,
                                      item[1]["joined"], item[0]))
     size = world_size(sum(p["nproc"] for _, p in order), max_workers, divides)
@@ -84,11 +89,16 @@ def freeze(round_: Round, max_workers: int, alive: Optional[Set[str]] = None, di
     return dataclasses.replace(round_, phase=Phase.FROZEN.value, assignment=assignment, cluster=cluster)
 
 
-def next_round(seen: Round, reason: str, failure: bool, opened: float, leaving_host: Optional[str] = None) -> Round:
-    """The round after `seen`: it expects `seen`'s ranked hosts back (but one that leaves) and counts a
-    failure as a restart."""
+def next_round(seen: Round, reason: str, failure: bool, opened: float, opener: str,
+               leaving_host: Optional[str] = None) -> Round:
+    """The round after `seen`, opened (and to be frozen) by `opener`: it expects `seen`'s ranked hosts back
+    (but one that leaves) and counts a failure as a restart. A host that opens it as it leaves hands the
+    freezing to the first survivor (waiting out its lease first would delay every graceful leave)."""
     expected = [h for h, ranks in (seen.assignment or {}).items() if ranks and h != leaving_host]
-    return Round(seen.number + 1, Phase.JOINING.value, reason, seen.restarts + int(failure), opened, {}, expected)
+    if opener == leaving_host and expected:
+        opener = expected[0]
+    return Round(seen.number + 1, Phase.JOINING.value, reason, seen.restarts + int(failure), opened, expected,
+                 opener)
 
 
 # Watching a round --------------------------------------------------------------------------------
@@ -165,9 +175,15 @@ def repeated_start_failure(failures: List[Optional[str]], tries: int = 2) -> Opt
     return last[0] if len(last) == tries and last[0] and all(line == last[0] for line in last) else None
 
 
-def lost_hosts(round_: Round, alive: Set[str], me: str) -> List[str]:
-    """Hosts with ranks in `round_` whose lease is gone."""
-    return [h for h, ranks in (round_.assignment or {}).items() if ranks and h not in alive and h != me]
+def watched_host(round_: Round, me: str) -> Optional[str]:
+    """The host whose lease this host watches while `round_` trains: the next ranked host after it, in
+    rank order, around a ring. Every ranked host is watched by one other, so a lost host is noticed by one
+    agent (which opens the next round; the rest see that round) and no agent lists every lease."""
+    ranked = sorted((ranks[0], h) for h, ranks in (round_.assignment or {}).items() if ranks)
+    hosts = [h for _, h in ranked]
+    if me not in hosts or len(hosts) < 2:
+        return None
+    return hosts[(hosts.index(me) + 1) % len(hosts)]
 
 
 def progress_timeout(configured: Optional[float], floor: float, longest_gap: float, factor: float = 10.0) -> float:

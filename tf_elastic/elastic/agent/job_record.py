@@ -35,19 +35,25 @@ class JobKeys:
         return f"/{self.job_id}"
 
     @property
-    def round(self) -> str:
-        return f"/{self.job_id}/round"
+    def group(self) -> str:
+        """The prefix of what every agent watches: the round and the outcome (and nothing that changes with
+        each host's join, so that a join wakes no one but the round's opener)."""
+        return f"/{self.job_id}/group/"
 
     @property
-    def hosts(self) -> str:
-        return f"/{self.job_id}/hosts"
-
-    def host(self, host_id: str) -> str:
-        return f"/{self.job_id}/hosts/{host_id}"
+    def round(self) -> str:
+        return f"/{self.job_id}/group/round"
 
     @property
     def outcome(self) -> str:
-        return f"/{self.job_id}/outcome"
+        return f"/{self.job_id}/group/outcome"
+
+    @property
+    def hosts(self) -> str:
+        return f"/{self.job_id}/hosts/"
+
+    def host(self, host_id: str) -> str:
+        return f"/{self.job_id}/hosts/{host_id}"
 
     @property
     def token(self) -> str:
@@ -72,6 +78,7 @@ class JobRecord:
         # Only a digest is stored: the token itself never reaches the store.
         self._token_digest = hashlib.sha256(f"{job_id}:{token or ''}".encode()).hexdigest()
         self._token_checked = False
+        self._blacklist: Optional[Dict] = None
 
     def check_token(self) -> None:
         """The first agent sets the job's token; any other must present the same one."""
@@ -91,7 +98,10 @@ class JobRecord:
         self.store.compare_and_set(self.keys.outcome, None, record)
 
     def outcome(self) -> Optional[JobOutcome]:
-        raw = self.store.get(self.keys.outcome)
+        return self.parse_outcome(self.store.get(self.keys.outcome))
+
+    def parse_outcome(self, raw: Optional[str]) -> Optional[JobOutcome]:
+        """The outcome record's meaning (None: the job goes on); a malformed one is a `StoreError`."""
         if raw is None:
             return None
         try:
@@ -102,8 +112,8 @@ class JobRecord:
             pass
         raise StoreError(f"malformed job outcome record at {self.keys.outcome}: {raw[:200]!r}")
 
-    def raise_if_ended(self) -> None:
-        outcome = self.outcome()
+    @staticmethod
+    def raise_if_ended(outcome: Optional[JobOutcome]) -> None:
         if outcome is not None:
             raise JobEnded(outcome.status, outcome.reason)
 
@@ -114,6 +124,7 @@ class JobRecord:
         seconds = cooldown * 2 ** (strikes - 1)
         record = {"strikes": strikes, "until": time.time() + seconds}
         self.store.set(self.keys.blacklist(self.host_id), json.dumps(record))
+        self._blacklist = record
         return seconds
 
     def blacklisted_for(self) -> float:
@@ -121,6 +132,10 @@ class JobRecord:
         return max(0.0, self._blacklist_record().get("until", 0.0) - time.time())
 
     def _blacklist_record(self) -> Dict:
+        """Read once, then kept: only this host's agent writes its record (`blacklist`), so a read at every
+        round would cost the store a request per host and round for nothing."""
+        if self._blacklist is not None:
+            return self._blacklist
         key = self.keys.blacklist(self.host_id)
         raw = self.store.get(key)
         try:
@@ -128,6 +143,6 @@ class JobRecord:
         except ValueError:
             record = None
         if isinstance(record, dict) and all(is_finite_number(record.get(k, 0)) for k in ("strikes", "until")):
+            self._blacklist = record
             return record
         raise StoreError(f"malformed blacklist record at {key}: {raw[:200]!r}")
-

@@ -1,6 +1,21 @@
-"""Ports for the workers' TF servers, probed on this host each round."""
+"""Ports for the workers' TF servers, probed on this host each round.
+
+Agents that share an address (several on one host) pick their ports without seeing each other's round
+entries (each announces its own in its lease), so the ports one agent picked are held for it in a
+host-local registry per address, `tf_elastic-ports-UID-ADDR.json` in the temporary directory, for
+`HOLD_SECONDS`: long enough for its workers' servers to bind them. Another agent of that address skips
+them meanwhile.
+"""
+import contextlib
+import fcntl
+import json
+import os
 import socket
-from typing import Collection, List, Optional, Tuple
+import tempfile
+import time
+from typing import Collection, Dict, Iterator, List, Optional, Tuple
+
+HOLD_SECONDS = 120.0
 
 
 class NoFreePorts(RuntimeError):
@@ -35,3 +50,37 @@ def free_ports(count: int, port_range: Optional[Tuple[int, int]] = None, exclude
     finally:
         for s in sockets:
             s.close()
+
+
+def claim_ports(claimant: str, addr: str, count: int, port_range: Optional[Tuple[int, int]] = None) -> List[int]:
+    """`free_ports`, none that another claimant of address `addr` on this host took in the last
+    `HOLD_SECONDS`; recorded as `claimant`'s (its own earlier ports are free to it again)."""
+    with _registry(addr) as held:
+        now = time.time()
+        others = {int(port) for port, (owner, when) in held.items() if owner != claimant and now - when < HOLD_SECONDS}
+        ports = free_ports(count, port_range, exclude=others)
+        for port, (owner, when) in list(held.items()):
+            if owner == claimant or now - when >= HOLD_SECONDS:
+                del held[port]
+        held.update({str(port): (claimant, now) for port in ports})
+        return ports
+
+
+@contextlib.contextmanager
+def _registry(addr: str) -> Iterator[Dict[str, Tuple[str, float]]]:
+    """The registry of `addr` (port -> (claimant, wall-clock time)), locked; written back on success. An
+    unreadable registry counts as empty: it only avoids collisions, it guards nothing."""
+    name = "".join(c if c.isalnum() or c in ".-" else "_" for c in addr)
+    path = os.path.join(tempfile.gettempdir(), f"tf_elastic-ports-{os.getuid()}-{name}.json")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "r+", encoding="utf-8") as registry:
+        fcntl.flock(registry, fcntl.LOCK_EX)
+        try:
+            held = json.loads(registry.read() or "{}")
+            held = {p: (str(v[0]), float(v[1])) for p, v in held.items()} if isinstance(held, dict) else {}
+        except (ValueError, TypeError, IndexError, AttributeError):
+            held = {}
+        yield held
+        registry.seek(0)
+        registry.truncate()
+        registry.write(json.dumps(held))

@@ -1,23 +1,33 @@
-"""Rounds of membership agreement between agents, kept in a `Store`.
+"""Rounds of membership agreement between agents, kept in a `Store`, with store traffic linear in the hosts.
 
-A round opens in the `joining` phase, agents add themselves (compare-and-set), and once enough workers
-are in it freezes with ranks and a TF cluster spec on fresh ports (`decisions.freeze`). Any change (a
-failure, a host lost, a join, a graceful leave) opens the next round; only failures count towards
-`max_restarts`. Hosts prove they are alive with leases at `/JOB/hosts/HOST`. What to do at each look
-is decided in `decisions`; this module only reads and writes the store.
+A round opens in the `joining` phase; each host joins by writing the round's number into its own lease
+(`/JOB/hosts/HOST`, nothing contended), and the round's opener (the agent whose compare-and-set opened
+it; another takes over if its lease goes) lists the leases and freezes the round with ranks and a TF
+cluster spec on fresh ports (`decisions.freeze`), in one write. Agents wake on watches of the keys they
+need: everyone on `/JOB/group/` (the round and the outcome), the opener also on the leases, a training
+host on the lease of one other host (`decisions.watched_host`). Leases are renewed every third of their
+TTL. Any change (a failure, a host lost, a join, a graceful leave) opens the next round; only failures
+count towards `max_restarts`. What to do at each look is decided in `decisions`; this module only
+reads and writes the store.
+
+Requests per round, counted at the client: each host lists the group twice (the round opening, then
+frozen) and writes its lease once; the opener lists the leases a few times; and a failure seen by
+every host costs each one compare-and-set. In steady state a host renews its lease (two requests per
+third of the TTL on etcd) and reads only when a watch fires.
 """
+import dataclasses
 import json
 import time
 import uuid
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from absl import logging
 
 from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.decisions import JoinAction
-from tf_elastic.elastic.agent.job_record import JobRecord
-from tf_elastic.elastic.agent.ports import NoFreePorts, free_ports
-from tf_elastic.elastic.agent.round import Phase, Round, Timeouts
+from tf_elastic.elastic.agent.job_record import JobOutcome, JobRecord
+from tf_elastic.elastic.agent.ports import NoFreePorts, claim_ports
+from tf_elastic.elastic.agent.round import Phase, Round, Timeouts, participants_of
 from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import Store, StoreError
 
@@ -28,6 +38,15 @@ class RendezvousTimeout(RuntimeError):
 
 class HostIdTaken(RuntimeError):
     """Another live agent holds this host id (two agents would share ranks and commit to the same files)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLook:
+    """One look at the store from a host that trains: the group's change, the current round, and the
+    ranked host it looks after if that host's lease is gone."""
+    change: decisions.GroupChange
+    current: Optional[Round]
+    lost: List[str]
 
 
 class Rendezvous:
@@ -42,10 +61,20 @@ class Rendezvous:
         self.keys = self.job.keys
         self.incarnation = uuid.uuid4().hex  # tells this agent from another one with the same host id
         self._claimed = False
+        self._lease_value = self._lease_record()  # what our lease holds now: renewals compare against it
+        self._joined: Optional[int] = None  # the round our lease announces we joined
+        self._renewed = float("-inf")  # monotonic time of the last renewal
+        self._refused: set = set()  # malformed leases already reported
+        # The group as a look just read it, when it showed a new round: the next join step's first look.
+        # Stale by the time the workers stopped, which is safe: every change since wakes the next wait.
+        self._seen: Optional[Tuple[Optional[JobOutcome], Optional[Round], Optional[str]]] = None
 
-    def wait_for_change(self, timeout: float) -> bool:
-        """True when the job's keys may have changed within `timeout` (always, for a store that cannot tell)."""
-        return self.store.wait(self.keys.prefix, timeout)
+    def wait_for_change(self, timeout: float, training: Optional[Round] = None) -> bool:
+        """True when the round or the outcome may have changed within `timeout` (always, for a store that
+        cannot tell); while `training` in a round, also when the lease of the host this one looks after
+        is gone (`decisions.watched_host`)."""
+        watched = training and decisions.watched_host(training, self.host_id)
+        return self.store.wait([self.keys.group], timeout, gone=[self.keys.host(watched)] if watched else [])
 
     # Leases ---------------------------------------------------------------------------------------
     def claim_host_id(self) -> None:
@@ -56,28 +85,35 @@ class Rendezvous:
         lease = self.store.lease_seconds(self.timeouts.host_ttl)  # etcd may raise it (to 1.5 election timeouts)
         deadline = time.monotonic() + 3 * lease + 1.0
         while True:
-            if (self.store.compare_and_set(key, None, self._lease(), ttl=self.timeouts.host_ttl)
+            if (self.store.compare_and_set(key, None, self._lease_value, ttl=self.timeouts.host_ttl)
                     or _incarnation(self.store.get(key)) == self.incarnation):
-                self._claimed = True
+                self._claimed, self._renewed = True, time.monotonic()
                 return
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
                                   f"{self.job.job_id!r}; give each agent its own --host_id")
             time.sleep(lease / 4)
 
-    def keepalive(self) -> None:
-        """Renews this host's lease, or takes it again if it lapsed and nobody took it; raises `HostIdTaken`
-        if another agent took the id meanwhile (ours lapsed while this agent was stopped or cut off).
-        Both by compare-and-set: a renewal never overwrites a newcomer's lease."""
-        key, lease, ttl = self.keys.host(self.host_id), self._lease(), self.timeouts.host_ttl
-        if self.store.compare_and_set(key, lease, lease, ttl=ttl) or self.store.compare_and_set(key, None, lease,
-                                                                                                  ttl=ttl):
-            return
-        raise HostIdTaken(f"another agent took --host_id={self.host_id!r} in job {self.job.job_id!r} while this "
-                          f"one's lease had lapsed; this agent stops its workers and exits")
+    def keepalive(self, value: Optional[str] = None) -> None:
+        """Renews this host's lease (writing `value` into it, if given), or takes it again if it lapsed
+        and nobody took it; raises `HostIdTaken` if another agent took the id meanwhile (ours lapsed while
+        this agent was stopped or cut off). Both by compare-and-set: a renewal never overwrites a
+        newcomer's lease."""
+        key, ttl, new = self.keys.host(self.host_id), self.timeouts.host_ttl, value or self._lease_value
+        if not (self.store.compare_and_set(key, self._lease_value, new, ttl=ttl)
+                or self.store.compare_and_set(key, None, new, ttl=ttl)):
+            raise HostIdTaken(f"another agent took --host_id={self.host_id!r} in job {self.job.job_id!r} while "
+                              f"this one's lease had lapsed; this agent stops its workers and exits")
+        self._lease_value, self._renewed = new, time.monotonic()
 
-    def _lease(self) -> str:
-        return json.dumps({"addr": self.addr, "nproc": self.nproc, "incarnation": self.incarnation})
+    def renew_if_due(self) -> None:
+        """`keepalive`, once a third of the host TTL has passed since the last renewal (the agent's loops
+        call this far more often: renewing at each call would cost the store a request per interval)."""
+        if time.monotonic() - self._renewed >= self.timeouts.host_ttl / 3:
+            self.keepalive()
+
+    def _lease_record(self, **joined) -> str:
+        return json.dumps({"addr": self.addr, "nproc": self.nproc, "incarnation": self.incarnation, **joined})
 
     def leave(self) -> None:
         """Gives up this host's lease, if it holds it (never another agent's with the same id)."""
@@ -85,20 +121,48 @@ class Rendezvous:
         if self._claimed and _incarnation(self.store.get(key)) == self.incarnation:
             self.store.delete(key)
 
+    def leases(self) -> Dict[str, str]:
+        """Every live host lease: key -> value."""
+        return self.store.list(self.keys.hosts)
+
     def alive_hosts(self) -> List[str]:
-        return [key.rsplit("/", 1)[-1] for key in self.store.list(self.keys.hosts)]
+        return [key.rsplit("/", 1)[-1] for key in self.leases()]
 
     # Rounds ---------------------------------------------------------------------------------------
     def current(self) -> Optional[Round]:
         raw = self.store.get(self.keys.round)
         return None if raw is None else Round.from_json(raw, self.keys.round)
 
+    def read_group(self) -> Tuple[Optional[JobOutcome], Optional[Round], Optional[str]]:
+        """The job's outcome and the current round (and its raw record, for a compare-and-set), in one
+        read."""
+        group = self.store.list(self.keys.group)
+        raw = group.get(self.keys.round)
+        outcome = self.job.parse_outcome(group.get(self.keys.outcome))
+        return outcome, None if raw is None else Round.from_json(raw, self.keys.round), raw
+
+    def look(self, round_: Round, changed: bool) -> "GroupLook":
+        """What the store says about `round_`, which this host trains in: read only when a watch fired
+        (`changed`; always, on a store that cannot notify). The round and the outcome in one read, then,
+        while nothing else changed, the lease of the host this one looks after."""
+        if not changed:
+            return GroupLook(decisions.GroupChange.NONE, round_, [])
+        outcome, current, raw = self.read_group()
+        change = decisions.judge_group(round_, outcome and outcome.status, current)
+        if change in (decisions.GroupChange.RESIZED, decisions.GroupChange.RESTARTED):
+            self._seen = (outcome, current, raw)  # the next join starts from it instead of reading again
+        watched = decisions.watched_host(round_, self.host_id)
+        lost = change is decisions.GroupChange.NONE and watched and self.store.get(self.keys.host(watched)) is None
+        return GroupLook(change, current, [watched] if lost else [])
+
     def open_next(self, seen: Round, reason: str, failure: bool, leaving: bool = False) -> bool:
-        """Opens round `seen.number + 1` unless someone already moved past `seen`; True if we did.
+        """Opens round `seen.number + 1` (this agent then freezes it) unless someone already moved past
+        `seen`; True if we did.
 
         Only the agent whose compare-and-set wins counts a failure, so a failure seen by every agent
         is counted once."""
-        nxt = decisions.next_round(seen, reason, failure, time.time(), self.host_id if leaving else None)
+        nxt = decisions.next_round(seen, reason, failure, time.time(), self.host_id,
+                                   self.host_id if leaving else None)
         opened = self.store.compare_and_set(self.keys.round, seen.to_json(), nxt.to_json())
         # Only the winner judges: a lost compare-and-set means another agent moved on, maybe without a failure.
         if opened and nxt.restarts > self.max_restarts:
@@ -111,11 +175,12 @@ class Rendezvous:
         once `cancelled()` (the agent was asked to leave while waiting)."""
         deadline = time.monotonic() + self.timeouts.rendezvous
         unreachable: Optional[Exception] = None
+        changed = True
         while True:
             if cancelled():
                 return None
             try:
-                action, taken, wrote = self._join_step(previous_ranks, after)
+                action, taken, wrote = self._join_step(previous_ranks, after, changed)
                 if unreachable is not None:
                     logging.info("rendezvous store reachable again")
                     unreachable = None
@@ -129,64 +194,75 @@ class Rendezvous:
                 deadline = time.monotonic() + self.timeouts.rendezvous  # the job trains: waiting is no failure
             if time.monotonic() > deadline:
                 raise self._timed_out(unreachable)
-            if not wrote:
-                self.wait_for_change(self._poll())
+            changed = True
+            if action is JoinAction.TRY_FREEZE:
+                time.sleep(self.timeouts.poll)  # the opener looks at the leases every poll, whatever woke it
+            elif not wrote:
+                changed = self.wait_for_change(self.timeouts.host_ttl / 3 if self.store.notifies
+                                               else self.timeouts.poll)
 
     def _timed_out(self, unreachable: Optional[Exception]) -> RendezvousTimeout:
         if unreachable is not None:
             return RendezvousTimeout(f"no rendezvous within --rendezvous_timeout={self.timeouts.rendezvous:g}s: "
                                      f"{unreachable}")
         round_ = self.current()
-        joined = sum(p["nproc"] for p in round_.participants.values()) if round_ else 0
+        participants = self._participants(self.leases(), round_.number) if round_ else {}
+        joined = sum(p["nproc"] for p in participants.values())
         reason = (f"only {joined} of min_workers={self.min_workers} workers joined within "
                   f"--rendezvous_timeout={self.timeouts.rendezvous:g}s")
         self.job.finish(JobStatus.FAILED, reason)
         return RendezvousTimeout(reason)
 
-    def _poll(self) -> float:
-        # A notifying store wakes us on change; still come back in time to renew our lease.
-        return self.timeouts.host_ttl / 3 if self.store.notifies else self.timeouts.poll
-
-    def _join_step(self, previous_ranks: Optional[List[int]],
-                   after: int) -> Tuple[JoinAction, Optional[Round], bool]:
+    def _join_step(self, previous_ranks: Optional[List[int]], after: int,
+                   changed: bool) -> Tuple[JoinAction, Optional[Round], bool]:
         """One look at the round and the action `decisions` picks for it, carried out. Returns the action,
-        the round to train in (for `TAKE`) and whether the store was written (then look again at once)."""
+        the round to train in (for `TAKE`) and whether the store was written (then look again at once).
+        `changed`: whether a watch fired since the last look (False: the wait timed out)."""
         self.job.check_token()
-        self.job.raise_if_ended()
         if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
             self.claim_host_id()
-        self.keepalive()
-        raw = self.store.get(self.keys.round)
-        round_ = None if raw is None else Round.from_json(raw, self.keys.round)
-        action = decisions.next_join_action(round_, self.host_id, after, self.max_workers)
-        if action is JoinAction.TAKE:
-            return action, round_, False
-        if action is JoinAction.STANDBY:
-            return action, None, False
+        self.renew_if_due()
+        outcome, round_, raw = self._seen or self.read_group()
+        self._seen = None
+        self.job.raise_if_ended(outcome)
+        action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
+        if action in (JoinAction.TAKE, JoinAction.STANDBY):
+            return action, round_ if action is JoinAction.TAKE else None, False
         if action is JoinAction.CREATE_FIRST:
-            first = Round(0, Phase.JOINING.value, "start", 0, time.time(), {}, [])
+            first = Round(0, Phase.JOINING.value, "start", 0, time.time(), [], self.host_id)
             self.store.compare_and_set(self.keys.round, None, first.to_json())
         elif action is JoinAction.OPEN_NEXT:
             self.open_next(round_, reason=f"join {self.host_id}", failure=False)
         elif action is JoinAction.ADD_SELF:
-            round_.participants[self.host_id] = {
-                "nproc": self.nproc, "addr": self.addr, "ports": self._ports(round_),
-                "joined": time.time(), "previous_rank": min(previous_ranks) if previous_ranks else None}
-            self.store.compare_and_set(self.keys.round, raw, round_.to_json())
+            ports = claim_ports(self.incarnation, self.addr, self.nproc, self.port_range)
+            self.keepalive(self._lease_record(round=round_.number, ports=ports, joined=time.time(),
+                                              previous_rank=min(previous_ranks) if previous_ranks else None))
+            self._joined = round_.number
+            return action, None, round_.opener == self.host_id  # anyone else waits for the freeze at once
+        elif action is JoinAction.WAIT:
+            # Look at the opener's lease only when no watch fired for a while: a lost opener is rare.
+            if (changed and self.store.notifies) or self.store.get(self.keys.host(round_.opener)) is not None:
+                return action, None, False
+            logging.info("round %d: its opener %s is gone; %s freezes it", round_.number, round_.opener,
+                         self.host_id)
+            self.store.compare_and_set(self.keys.round, raw, dataclasses.replace(round_, opener=self.host_id).to_json())
         else:
-            alive = set(self.alive_hosts())
-            if not decisions.ready_to_freeze(round_, self.min_workers, self.max_workers, alive,
+            leases = self.leases()
+            participants = self._participants(leases, round_.number)
+            alive = {key.rsplit("/", 1)[-1] for key in leases}
+            if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
                                              time.time() - round_.opened, self.timeouts):
                 return action, None, False
-            frozen = decisions.freeze(round_, self.max_workers, alive, self.world_size_divides)
+            frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides)
             self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
         return action, None, True
 
-    def _ports(self, round_: Round) -> List[int]:
-        """Free ports on this host, none that another agent of this address already claimed in the round:
-        two agents on one host probe the same free ports, and TF servers listen on every interface."""
-        taken = {p for info in round_.participants.values() if info["addr"] == self.addr for p in info["ports"]}
-        return free_ports(self.nproc, self.port_range, exclude=taken)
+    def _participants(self, leases: Dict[str, str], number: int) -> Dict[str, Dict]:
+        participants, refused = participants_of(leases, number)
+        for key in set(refused) - self._refused:
+            logging.warning("rendezvous: refused the malformed host lease at %s: %r", key, leases[key][:200])
+        self._refused.update(refused)
+        return participants
 
 
 def _incarnation(raw: Optional[str]) -> Optional[str]:

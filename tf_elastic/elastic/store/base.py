@@ -7,7 +7,7 @@ JSON text: nothing is pickled, on the wire or on disk.
 import abc
 import dataclasses
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 
 class StoreError(RuntimeError):
@@ -55,8 +55,10 @@ class Store(abc.ABC):
         """How long a key written with `ttl` lives unrenewed here (a backend may raise it to its minimum)."""
         return ttl
 
-    def wait(self, prefix: str, timeout: float) -> bool:
-        """Blocks until a key under `prefix` may have changed (True) or `timeout` passed (False).
+    def wait(self, keys: Sequence[str], timeout: float, gone: Sequence[str] = ()) -> bool:
+        """Blocks until one of `keys` (a key, or every key under a prefix that ends in '/') may have
+        changed, or one of `gone` may have disappeared (deleted, or its lease expired), since this store's
+        last `wait` that named it (True), or `timeout` passed (False).
 
         Backends that cannot notify just sleep and answer True: read again."""
         time.sleep(timeout)

@@ -10,7 +10,7 @@ import math
 import threading
 import time
 import urllib.parse
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import requests
 from absl import logging
@@ -18,6 +18,7 @@ from absl import logging
 from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 
 ROOT = "/tf_elastic"  # every key of every job lives under this prefix
+_IDLE_SECONDS = 60.0  # a watch no wait named for this long is stopped
 
 
 def _b64(text: str) -> str:
@@ -47,7 +48,8 @@ class EtcdStore(Store):
         self._lock = threading.Lock()  # one request at a time: the session is shared with the watch threads
         self._leases: Dict[int, Tuple[str, int, float]] = {}  # requested ttl -> (lease id, granted ttl, renewed)
         self._written: Dict[str, Tuple[str, str]] = {}  # key -> (value, lease id) we put last
-        self._watches: Dict[str, "_Watch"] = {}
+        self._watches: Dict[Tuple[str, bool], "_Watch"] = {}  # (key or prefix, deletions only) -> its watch
+        self._changed = threading.Condition()  # every watch of this store notifies it
         self._token: Optional[str] = None
 
     # Store -----------------------------------------------------------------------------------------
@@ -93,11 +95,26 @@ class EtcdStore(Store):
         self._written.pop(key, None)
         self._call("/v3/kv/deleterange", {"key": _b64(ROOT + key)})
 
-    def wait(self, prefix: str, timeout: float) -> bool:
-        watch = self._watches.get(prefix)
-        if watch is None:
-            watch = self._watches[prefix] = _Watch(self, ROOT + prefix.rstrip("/") + "/")
-        return watch.wait(timeout)
+    def wait(self, keys: Sequence[str], timeout: float, gone: Sequence[str] = ()) -> bool:
+        """One watch per key or prefix (for `gone`, of deletions only), started at the first wait that
+        names it (which answers True: what changed before it began is unknown). A watch outlives waits
+        that do not name it for `_IDLE_SECONDS` (an agent waits on fewer keys while it joins a round than
+        while it trains), so changes meanwhile still wake the next wait that names it."""
+        now = time.monotonic()
+        named = [(key, False) for key in keys] + [(key, True) for key in gone]
+        for name in [n for n, watch in self._watches.items() if n not in named and now - watch.named > _IDLE_SECONDS]:
+            self._watches.pop(name).stop()
+        for key, deletions in named:
+            if (key, deletions) not in self._watches:
+                self._watches[(key, deletions)] = _Watch(self, ROOT + key, self._changed, deletions)
+            self._watches[(key, deletions)].named = now
+        watches = [self._watches[name] for name in named]
+        with self._changed:
+            self._changed.wait_for(lambda: any(w.changes != w.seen for w in watches), timeout)
+            changed = any(w.changes != w.seen for w in watches)
+            for watch in watches:
+                watch.seen = watch.changes
+            return changed
 
     def close(self) -> None:
         for watch in self._watches.values():
@@ -194,44 +211,47 @@ class EtcdStore(Store):
 
 
 class _Watch:
-    """A background watch on a prefix: counts changes and wakes `wait`ers.
+    """A background watch on a key, or on a prefix (ending in '/'), of every change or of deletions only
+    (a lease that expires is deleted): counts them and wakes the store's waiters.
 
     Each stream lives for `_STREAM_SECONDS` at most and the next resumes after the last revision seen,
-    so no change is missed and `stop` never has to break a blocked read."""
+    so no change is missed."""
 
-    _STREAM_SECONDS = 1.0
+    _STREAM_SECONDS = 30.0
 
-    def __init__(self, store: EtcdStore, prefix: str):
-        self.store, self.prefix = store, prefix
-        self._changes, self._seen = 1, 0  # the first wait answers True: changes before the watch began
-        self._condition = threading.Condition()
+    def __init__(self, store: EtcdStore, key: str, changed: threading.Condition, deletions: bool = False):
+        self.store, self.key, self._changed, self._deletions = store, key, changed, deletions
+        self.changes, self.seen = 1, 0  # the first wait answers True: changes before the watch began
+        self.named = time.monotonic()  # when a wait last named it
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name=f"etcd-watch{prefix}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"etcd-watch{key}", daemon=True)
         self._thread.start()
 
-    def wait(self, timeout: float) -> bool:
-        with self._condition:
-            self._condition.wait_for(lambda: self._changes != self._seen, timeout)
-            changed, self._seen = self._changes != self._seen, self._changes
-            return changed
-
     def stop(self) -> None:
+        """The thread ends at its stream's next line or read timeout (closing the stream from here
+        would block on the read in progress)."""
         self._stopped = True
-        self._thread.join(timeout=2 * self._STREAM_SECONDS)
 
     def _notify(self) -> None:
-        with self._condition:
-            self._changes += 1
-            self._condition.notify_all()
+        with self._changed:
+            self.changes += 1
+            self._changed.notify_all()
+
+    def _request(self, revision: Optional[int]) -> Dict:
+        request = {"key": _b64(self.key)}
+        if self.key.endswith("/"):
+            request["range_end"] = _b64(_range_end(self.key))
+        if revision is not None:
+            request["start_revision"] = str(revision + 1)
+        if self._deletions:
+            request["filters"] = ["NOPUT"]
+        return {"create_request": request}
 
     def _run(self) -> None:
         revision = None  # the last revision seen; the next stream starts after it
         while not self._stopped:
-            request = {"key": _b64(self.prefix), "range_end": _b64(_range_end(self.prefix))}
-            if revision is not None:
-                request["start_revision"] = str(revision + 1)
             try:
-                with self.store.stream("/v3/watch", {"create_request": request}, self._STREAM_SECONDS) as response:
+                with self.store.stream("/v3/watch", self._request(revision), self._STREAM_SECONDS) as response:
                     for line in response.iter_lines():
                         result = json.loads(line).get("result", {}) if line else {}
                         if result.get("compact_revision"):
@@ -247,8 +267,8 @@ class _Watch:
                         if self._stopped:
                             break
             except (requests.RequestException, ValueError, KeyError):
-                # The stream's read timeout, or etcd down (the readers see that themselves): a short
-                # pause; the next stream resumes after `revision`, so nothing is missed meanwhile.
+                # The stream's read timeout, or etcd down (the readers see that themselves): a
+                # short pause; the next stream resumes after `revision`, so nothing is missed meanwhile.
                 time.sleep(0.1)
 
 

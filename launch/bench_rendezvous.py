@@ -1,0 +1,145 @@
+"""Rendezvous and membership at N hosts: N simulated agents (the agent's own rendezvous and monitoring code,
+no workers, `tf_elastic.testing.rendezvous_sim`) against a real etcd and the file store, in one process.
+
+For each store and N it measures, in this order: N hosts started at once until all train in one round;
+steady state; one host lost (it stops renewing, as after SIGKILL) until the rest train in a new round;
+one graceful leave; one host joining. Requests are counted at the clients (every HTTP request to etcd,
+watch streams included; every file-store operation). It prints a markdown table, then the targets at
+the largest N on etcd.
+
+    python -m launch.bench_rendezvous --agents=8,64,256,1024 --host_ttl=10
+"""
+import os
+import tempfile
+import time
+import uuid
+from typing import Dict, List
+
+from absl import app, flags
+
+from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.testing.etcd_server import EtcdServer
+from tf_elastic.testing.rendezvous_sim import Simulation
+
+flags.DEFINE_list("agents", ["8", "64", "256", "1024"], "Numbers of simulated hosts (agents), one job each.")
+flags.DEFINE_list("stores", ["etcd", "file"], "Stores to measure: etcd (a throwaway etcd-server) and file.")
+flags.DEFINE_integer("file_max_agents", 256, "Largest N measured on the file store (one directory, one lock).",
+                     lower_bound=1)
+flags.DEFINE_float("host_ttl", 10.0, "The hosts' lease TTL in seconds (--host_ttl of the agent).", lower_bound=1.0)
+flags.DEFINE_float("last_call", 2.0, "The agent's --last_call.", lower_bound=0.0)
+flags.DEFINE_float("monitor_interval", 0.2, "The agent's --monitor_interval.", lower_bound=0.01)
+flags.DEFINE_float("steady_seconds", 10.0, "Seconds of steady state measured per N.", lower_bound=1.0)
+flags.DEFINE_float("phase_timeout", 300.0, "Seconds a phase may take before the run fails.", lower_bound=1.0)
+FLAGS = flags.FLAGS
+
+PHASES = ("start", "loss", "leave", "join")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _phase(sim: Simulation, result: Dict, name: str, hosts: List, after: int, act) -> int:
+    """Runs `act`, then waits until `hosts` train together in a new round; records the seconds from `act`
+    to the last host's ranks, the requests meanwhile, the rounds it took and the simulator's CPU share."""
+    requests, cpu, began = sim.requests.total, time.process_time(), time.monotonic()
+    act()
+    number = sim.wait_ranked(hosts, after, FLAGS.phase_timeout)
+    seconds = sim.ranked_at(hosts, number) - began
+    result[name] = {"seconds": seconds, "requests": sim.requests.total - requests,
+                    "rounds": number - max(after, -1), "sim_cpu": time.process_time() - cpu,
+                    "wall": time.monotonic() - began}
+    return number
+
+
+def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
+    timeouts = Timeouts(rendezvous=FLAGS.phase_timeout, last_call=FLAGS.last_call, survivor_wait=30.0,
+                        host_ttl=FLAGS.host_ttl, poll=0.1)
+    sim = Simulation(url, f"bench-{uuid.uuid4().hex[:8]}", min_workers=max(1, n - 2), max_workers=n,
+                     timeouts=timeouts, monitor_interval=FLAGS.monitor_interval)
+    result: Dict = {"n": n}
+    etcd_cpu, sim_cpu, began = etcd_pid and _cpu_seconds(etcd_pid), time.process_time(), time.monotonic()
+    try:
+        hosts: List = []
+        number = _phase(sim, result, "start", hosts, -1, lambda: hosts.extend(sim.start_hosts(n)))
+        time.sleep(FLAGS.host_ttl / 3)  # the first renewals and watches of the round settle
+        requests = sim.requests.total
+        time.sleep(FLAGS.steady_seconds)
+        result["steady"] = (sim.requests.total - requests) / (n * FLAGS.steady_seconds)
+        victim, leaver = hosts[-1], hosts[-2]
+        number = _phase(sim, result, "loss", hosts[:-1], number, victim.lose)
+        number = _phase(sim, result, "leave", hosts[:-2], number, leaver.leave)
+        joined: List = hosts[:-2]
+        _phase(sim, result, "join", joined, number, lambda: joined.extend(sim.start_hosts(1)))
+    finally:
+        sim.stop()
+    result["etcd_cpu"] = _cpu_seconds(etcd_pid) - etcd_cpu if etcd_pid else None
+    result["sim_cpu"], result["wall"] = time.process_time() - sim_cpu, time.monotonic() - began
+    return result
+
+
+def _row(store: str, r: Dict) -> str:
+    n = r["n"]
+    seconds = " | ".join(f"{r[p]['seconds']:.2f}" + (f" ({r[p]['rounds']} rounds)" if r[p]["rounds"] > 1 else "")
+                         for p in PHASES)
+    per_n = " / ".join(f"{r[p]['requests'] / n:.1f}" for p in PHASES)
+    share = " / ".join(f"{r[p]['sim_cpu'] / r[p]['wall']:.0%}" for p in PHASES)
+    etcd = "-" if r["etcd_cpu"] is None else f"{r['etcd_cpu']:.1f}"
+    return (f"| {store} | {n} | {seconds} | {per_n} | {r['steady']:.2f} | {etcd} | {r['sim_cpu']:.1f} | {share} "
+            f"| {r['wall']:.0f} |")
+
+
+def _targets(r: Dict) -> List[str]:
+    n, ttl = r["n"], FLAGS.host_ttl
+    checks = [
+        ("last host's join to its frozen round <= 3 s", r["join"]["seconds"], 3.0),
+        (f"{n} hosts started at once to their frozen round <= 3 s", r["start"]["seconds"], 3.0),
+        (f"host lost to the next frozen round <= TTL + 3 s = {ttl + 3:g} s", r["loss"]["seconds"], ttl + 3),
+        ("graceful leave to the next frozen round <= 3 s", r["leave"]["seconds"], 3.0),
+    ]
+    lines = [f"{what}: {value:.2f} s ({'met' if value <= bound else 'NOT met'})" for what, value, bound in checks]
+    for phase in PHASES:
+        per_round = r[phase]["requests"] / r[phase]["rounds"]
+        lines.append(f"requests per round ({phase}) <= 4 N = {4 * n}: {per_round:.0f} "
+                     f"({'met' if per_round <= 4 * n else 'NOT met'})")
+    lines.append(f"steady state <= 1 request per agent-second: {r['steady']:.2f} "
+                 f"({'met' if r['steady'] <= 1 else 'NOT met'})")
+    return lines
+
+
+def main(argv: List[str]) -> None:
+    del argv
+    sizes = sorted(int(n) for n in FLAGS.agents)
+    rows, largest = [], None
+    if "etcd" in FLAGS.stores:
+        server = EtcdServer(election_timeout_ms=1000).start()
+        try:
+            for n in sizes:
+                result = measure(server.url, n, server.process.pid)
+                rows.append(("etcd", result))
+                largest = result
+                print(f"measured etcd at {n} hosts in {result['wall']:.0f} s", flush=True)
+        finally:
+            server.close()
+    if "file" in FLAGS.stores:
+        with tempfile.TemporaryDirectory(prefix="tf_elastic-bench-rdzv-") as directory:
+            for n in (s for s in sizes if s <= FLAGS.file_max_agents):
+                rows.append(("file", measure(f"file://{directory}/n{n}", n)))
+                print(f"measured the file store at {n} hosts", flush=True)
+    print(f"\nRendezvous at N hosts (host TTL {FLAGS.host_ttl:g} s, last call {FLAGS.last_call:g} s, "
+          f"{os.cpu_count()} cores; the simulator shares them with etcd)\n")
+    print("| store | N | start s | loss s | leave s | join s | requests per round ÷ N (start / loss / leave / "
+          "join) | steady requests per agent-s | etcd CPU s | simulator CPU s | simulator CPU share (per phase) "
+          "| wall s |\n|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|")
+    for store, result in rows:
+        print(_row(store, result))
+    if largest is not None:
+        print(f"\nTargets at {largest['n']} hosts on etcd:")
+        for line in _targets(largest):
+            print(f"- {line}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,211 @@
+"""Many agents' rendezvous and monitoring in one process, against a real store, with no workers.
+
+Each simulated host is a thread running the agent's own store-facing code (`Rendezvous.join`, then, while
+its round "trains", `renew_if_due`, `look` and `wait_for_change`, as
+`ElasticAgent._monitor` does) with its own store client, which counts the requests it sends. Hosts are
+lost (the thread stops without a word: its lease expires, as after a SIGKILL), leave gracefully, or join.
+Used by `launch/bench_rendezvous.py` and the rendezvous tests.
+"""
+import itertools
+import threading
+import time
+import urllib.parse
+from typing import Callable, Dict, List, Optional
+
+from tf_elastic.elastic.agent.decisions import GroupChange
+from tf_elastic.elastic.agent.job_record import JobEnded
+from tf_elastic.elastic.agent.rendezvous import Rendezvous
+from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.store import Store
+from tf_elastic.elastic.store.etcd import EtcdStore
+from tf_elastic.elastic.store.file import FileStore
+
+
+class RequestCounter:
+    """Requests sent by every store client of a simulation."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.total = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.total += 1
+
+
+class _CountedEtcd(EtcdStore):
+    """Counts every HTTP request, a watch stream included."""
+
+    def __init__(self, endpoints: List[str], counter: RequestCounter):
+        super().__init__(endpoints)
+        self._counter = counter
+
+    def _call(self, path, body):
+        self._counter.add()
+        return super()._call(path, body)
+
+    def stream(self, path, body, read_timeout):
+        self._counter.add()
+        return super().stream(path, body, read_timeout)
+
+
+class _CountedFile(FileStore):
+    """Counts every operation (a `wait` is a sleep, not a request)."""
+
+    def __init__(self, root: str, counter: RequestCounter):
+        super().__init__(root)
+        self._counter = counter
+
+    def get(self, key):
+        self._counter.add()
+        return super().get(key)
+
+    def set(self, key, value, ttl=None):
+        self._counter.add()
+        return super().set(key, value, ttl)
+
+    def compare_and_set(self, key, expected, value, ttl=None):
+        self._counter.add()
+        return super().compare_and_set(key, expected, value, ttl)
+
+    def list(self, prefix):
+        self._counter.add()
+        return super().list(prefix)
+
+    def delete(self, key):
+        self._counter.add()
+        return super().delete(key)
+
+
+def counting_store(url: str, counter: RequestCounter) -> Store:
+    """A client of the store at `url` (`etcd://HOST:PORT` or `file:///DIR`) that counts its requests."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme == "etcd":
+        return _CountedEtcd(parsed.netloc.split(","), counter)
+    return _CountedFile(parsed.path, counter)
+
+
+class SimulatedHost:
+    """One host's agent without workers. `rounds`: round number -> (monotonic time the host got its
+    ranks, its ranks)."""
+
+    def __init__(self, make_store: Callable[[], Store], job_id: str, host_id: str, addr: str, min_workers: int,
+                 max_workers: int, timeouts: Timeouts, monitor_interval: float):
+        self.host_id, self.monitor_interval = host_id, monitor_interval
+        self.store = make_store()
+        self.rendezvous = Rendezvous(self.store, job_id, host_id, nproc=1, addr=addr, min_workers=min_workers,
+                                     max_workers=max_workers, max_restarts=1_000_000, timeouts=timeouts)
+        self.rounds: Dict[int, tuple] = {}
+        self.error: Optional[BaseException] = None
+        self._lost, self._leaving = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"host-{host_id}", daemon=True)
+
+    def start(self) -> "SimulatedHost":
+        self.thread.start()
+        return self
+
+    def lose(self) -> None:
+        """Stops the host without a word: its lease expires after the host TTL."""
+        self._lost.set()
+
+    def leave(self) -> None:
+        """A graceful leave: the next round opens without this host, and its lease goes at once."""
+        self._leaving.set()
+
+    def _run(self) -> None:
+        ranks, after = None, -1
+        try:
+            while True:
+                round_ = self.rendezvous.join(previous_ranks=ranks, after=after,
+                                              cancelled=lambda: self._lost.is_set() or self._leaving.is_set())
+                if round_ is None:
+                    break
+                ranks, after = round_.assignment[self.host_id], round_.number
+                self.rounds[round_.number] = (time.monotonic(), ranks)
+                if not self._train(round_):
+                    break
+            if self._leaving.is_set():
+                self.rendezvous.leave()
+        except JobEnded:
+            pass
+        except BaseException as error:  # reported by the simulation, never lost in a thread
+            self.error = error
+        finally:
+            if not self._lost.is_set():
+                self.store.close()
+
+    def _train(self, round_: Round) -> bool:
+        """The agent's monitoring of a round, until the store says it changed (True: join the next one)."""
+        changed = False
+        while not self._lost.is_set():
+            if self._leaving.is_set():
+                current = self.rendezvous.current()
+                if current is not None and current.number == round_.number:
+                    self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
+                return False
+            self.rendezvous.renew_if_due()
+            look = self.rendezvous.look(round_, changed)
+            if look.change is not GroupChange.NONE:
+                return look.change in (GroupChange.RESIZED, GroupChange.RESTARTED)
+            if look.lost and look.current is not None:
+                self.rendezvous.open_next(look.current, reason=f"host_lost host={look.lost[0]}", failure=True)
+                return True
+            changed = self.rendezvous.wait_for_change(self.monitor_interval, training=round_)
+        return False
+
+
+class Simulation:
+    """Hosts of one job on one store; `url`: `etcd://...` or `file:///DIR`."""
+
+    def __init__(self, url: str, job_id: str, min_workers: int, max_workers: int, timeouts: Timeouts,
+                 monitor_interval: float = 0.2):
+        self.url, self.job_id = url, job_id
+        self.min_workers, self.max_workers, self.timeouts = min_workers, max_workers, timeouts
+        self.monitor_interval = monitor_interval
+        self.requests = RequestCounter()
+        self.hosts: Dict[str, SimulatedHost] = {}
+        self._names = itertools.count()
+
+    def start_hosts(self, count: int) -> List[SimulatedHost]:
+        started = []
+        for _ in range(count):
+            index = next(self._names)
+            host = SimulatedHost(lambda: counting_store(self.url, self.requests), self.job_id, f"h{index:05d}",
+                                 f"127.1.{index // 250}.{index % 250 + 1}", self.min_workers, self.max_workers,
+                                 self.timeouts, self.monitor_interval)
+            self.hosts[host.host_id] = host
+            started.append(host.start())
+        return started
+
+    def live(self) -> List[SimulatedHost]:
+        return [h for h in self.hosts.values() if h.thread.is_alive()]
+
+    def ranked_together(self, hosts: List[SimulatedHost], after: int = -1) -> Optional[int]:
+        """The newest round above `after` in which every one of `hosts` got ranks, if there is one."""
+        common = set.intersection(*(set(h.rounds) for h in hosts)) if hosts else set()
+        common = [n for n in common if n > after and all(h.rounds[n][1] for h in hosts)]
+        return max(common) if common else None
+
+    def wait_ranked(self, hosts: List[SimulatedHost], after: int, timeout: float) -> int:
+        """Waits until `hosts` train together in a round above `after`; returns its number."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            errors = [h.error for h in self.hosts.values() if h.error is not None]
+            if errors:
+                raise RuntimeError(f"a simulated host failed: {errors[0]!r}") from errors[0]
+            number = self.ranked_together(hosts, after)
+            if number is not None:
+                return number
+            time.sleep(0.01)
+        raise TimeoutError(f"{len(hosts)} hosts did not train together in a round above {after} within {timeout}s")
+
+    def ranked_at(self, hosts: List[SimulatedHost], number: int) -> float:
+        """When the last of `hosts` got its ranks in round `number` (monotonic)."""
+        return max(h.rounds[number][0] for h in hosts)
+
+    def stop(self) -> None:
+        for host in self.hosts.values():
+            host.lose()
+        for host in self.hosts.values():
+            host.thread.join(timeout=5)
+            host.store.close()
