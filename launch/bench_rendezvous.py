@@ -51,6 +51,8 @@ def _phase(sim: Simulation, result: Dict, name: str, hosts: List, after: int, ac
     result[name] = {"seconds": seconds, "requests": sim.requests.total - requests,
                     "rounds": number - max(after, -1), "sim_cpu": time.process_time() - cpu,
                     "wall": time.monotonic() - began}
+    print(f"  {len(hosts)} hosts, {name}: {seconds:.2f} s, {result[name]['requests']} requests, "
+          f"{result[name]['rounds']} round(s)", flush=True)
     return number
 
 

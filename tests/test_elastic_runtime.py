@@ -7,7 +7,7 @@ import pytest
 
 from tf_elastic.elastic.store import open_store
 from tf_elastic.testing import audit
-from tf_elastic.testing.local_job import LocalJob
+from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +151,23 @@ def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
     agent.send_signal(signal.SIGTERM)
     assert agent.wait(timeout=30) == 0
     assert "while waiting for a round" in job.events("exit")[-1]["reason"]
+
+
+@pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
+def test_eight_workers_on_four_hosts_through_a_kill_and_a_join(job_factory):
+    """Three hosts of two workers each, a worker SIGKILLed, then a fourth host: eight workers. Every
+    example once per epoch, and every round's eight ranks start (and end) with the same bits."""
+    job = job_factory([*TRAIN, "--train_examples=1536", "--epochs=3"],
+                      ["--nproc=2", "--min_workers=2", "--max_workers=8", "--last_call=3", "--warm_start=false"])
+    for host in "abc":
+        job.start_agent(host)
+    six = job.wait_for(lambda: _first_step(job, 0, world_size=6), timeout=300, what="six workers")[0]
+    job.kill_worker("b", six["round"])
+    again = job.wait_for(lambda: _first_step(job, six["round"] + 1, world_size=6), timeout=300,
+                         what="six workers after the kill")[0]
+    job.start_agent("d")
+    eight = job.wait_for(lambda: _first_step(job, again["round"] + 1, world_size=8), timeout=300,
+                         what="eight workers")[0]
+    assert job.wait_agents(timeout=600) == {h: 0 for h in "abcd"}, job.describe()
+    _assert_exactly_once(job, 1536, 3)
+    assert_replicas_identical(job, eight["round"], size=8)

@@ -10,9 +10,10 @@ import pytest
 from tf_elastic.testing.etcd_server import EtcdServer
 from tf_elastic.elastic.agent.job_record import JobOutcome, TokenRefused
 from tf_elastic.elastic.agent.rendezvous import Rendezvous, RendezvousTimeout
-from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
+from tf_elastic.testing.rendezvous_sim import Simulation
 
 FAST = Timeouts(rendezvous=10, last_call=0.3, survivor_wait=5, host_ttl=1.0, poll=0.05)
 
@@ -265,3 +266,52 @@ def test_etcd_with_a_user_and_password(job):
                              (StoreOptions(), "user name is empty")):
             with pytest.raises(StoreError, match=message):
                 open_store(private.url, bad).get(f"/{job}/k")
+
+
+def test_a_round_whose_opener_is_gone_is_frozen_by_another(rdzv_url, job):
+    """The opener freezes its round; when its lease goes before it does, a waiting agent takes over."""
+    opener = _rendezvous(open_store(rdzv_url), job, "a")
+    opener.claim_host_id()
+    opener.store.compare_and_set(opener.keys.round, None, Round(0, "joining", "start", 0, time.time(), [],
+                                                                "a").to_json())
+    opener.leave()  # as if it died before freezing (its lease expired)
+    rounds = {}
+
+    def join(host):
+        rounds[host] = _rendezvous(open_store(rdzv_url), job, host, min_workers=2).join()
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in "bc"]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert rounds["b"] == rounds["c"] and rounds["b"].number == 0, rounds
+    assert rounds["b"].opener in ("b", "c") and sorted(rounds["b"].assignment) == ["b", "c"]
+
+
+@pytest.mark.slow
+def test_sixteen_simulated_hosts_through_a_loss_a_leave_and_a_join(rdzv_url):
+    """The agents' own rendezvous and monitoring code (`rendezvous_sim`): every change is one new round,
+    survivors keep their order and the lowest ranks, a joiner gets the last, and on etcd a round costs the
+    store at most 4 requests per host and the opener's polls (counted at the clients; the file store is
+    polled instead)."""
+    n = 16
+    sim = Simulation(rdzv_url, f"sim{uuid.uuid4().hex[:8]}", min_workers=n - 2, max_workers=n,
+                     timeouts=Timeouts(rendezvous=60, last_call=1.0, survivor_wait=30, host_ttl=10.0, poll=0.1))
+    try:
+        hosts = sim.start_hosts(n)
+        number = sim.wait_ranked(hosts, -1, 60)
+        for change in ("lose", "leave", "join"):
+            order = sorted(hosts, key=lambda h: h.rounds[number][1])
+            if change == "join":
+                hosts = order + sim.start_hosts(1)
+            else:
+                getattr(order[5], change)()  # a host in the middle of the ranks
+                hosts = order[:5] + order[6:]
+            requests = sim.requests.total
+            after, number = number, sim.wait_ranked(hosts, number, 60)
+            assert number == after + 1, (change, "took more than one round")
+            assert [h.rounds[number][1] for h in hosts] == [[rank] for rank in range(len(hosts))], change
+            if change != "lose" and sim.hosts[hosts[0].host_id].store.notifies:  # a loss waits out a lease
+                # (the opener's polls of the leases, every 0.1 s until it freezes, are a constant per round)
+                assert sim.requests.total - requests <= 4 * len(hosts) + 40, (change, sim.requests.total - requests)
+    finally:
+        sim.stop()

@@ -16,7 +16,7 @@ from tf_elastic.elastic.agent.decisions import GroupChange
 from tf_elastic.elastic.agent.job_record import JobEnded
 from tf_elastic.elastic.agent.rendezvous import Rendezvous
 from tf_elastic.elastic.agent.round import Round, Timeouts
-from tf_elastic.elastic.store import Store
+from tf_elastic.elastic.store import Store, StoreError
 from tf_elastic.elastic.store.etcd import EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 
@@ -143,8 +143,13 @@ class SimulatedHost:
                 if current is not None and current.number == round_.number:
                     self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
                 return False
-            self.rendezvous.renew_if_due()
-            look = self.rendezvous.look(round_, changed)
+            try:
+                self.rendezvous.renew_if_due()
+                look = self.rendezvous.look(round_, changed)
+            except StoreError:  # as the agent: the round trains on, the store is tried again
+                self.rendezvous.wait_for_change(self.monitor_interval, training=round_)
+                changed = True
+                continue
             if look.change is not GroupChange.NONE:
                 return look.change in (GroupChange.RESIZED, GroupChange.RESTARTED)
             if look.lost and look.current is not None:

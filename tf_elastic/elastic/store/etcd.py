@@ -49,6 +49,7 @@ class EtcdStore(Store):
         self._leases: Dict[int, Tuple[str, int, float]] = {}  # requested ttl -> (lease id, granted ttl, renewed)
         self._written: Dict[str, Tuple[str, str]] = {}  # key -> (value, lease id) we put last
         self._watches: Dict[Tuple[str, bool], "_Watch"] = {}  # (key or prefix, deletions only) -> its watch
+        self._revision = 0  # the newest store revision a reply showed
         self._changed = threading.Condition()  # every watch of this store notifies it
         self._token: Optional[str] = None
 
@@ -106,7 +107,10 @@ class EtcdStore(Store):
             self._watches.pop(name).stop()
         for key, deletions in named:
             if (key, deletions) not in self._watches:
-                self._watches[(key, deletions)] = _Watch(self, ROOT + key, self._changed, deletions)
+                if not self._revision:  # a watch starts after a revision this client saw: nothing is missed
+                    self._call("/v3/kv/range", {"key": _b64(ROOT)})
+                self._watches[(key, deletions)] = _Watch(self, ROOT + key, self._changed, self._revision,
+                                                         deletions)
             self._watches[(key, deletions)].named = now
         watches = [self._watches[name] for name in named]
         with self._changed:
@@ -193,6 +197,7 @@ class EtcdStore(Store):
                 self._token = None  # expired: authenticate again, once
                 return self._post(endpoint, path, body, retry_auth=False)
             raise StoreError(f"etcd at {endpoint} refused {path}: {message}")
+        self._revision = max(self._revision, int(reply.get("header", {}).get("revision", 0)))
         return reply
 
     def _authenticate(self, endpoint: str) -> str:
@@ -219,8 +224,12 @@ class _Watch:
 
     _STREAM_SECONDS = 30.0
 
-    def __init__(self, store: EtcdStore, key: str, changed: threading.Condition, deletions: bool = False):
+    def __init__(self, store: EtcdStore, key: str, changed: threading.Condition, after: int,
+                 deletions: bool = False):
+        """`after`: a revision the store's client saw before this watch began; it reports every change
+        after it (a stream that began later would miss a change made in between)."""
         self.store, self.key, self._changed, self._deletions = store, key, changed, deletions
+        self._after = after
         self.changes, self.seen = 1, 0  # the first wait answers True: changes before the watch began
         self.named = time.monotonic()  # when a wait last named it
         self._stopped = False
@@ -248,7 +257,7 @@ class _Watch:
         return {"create_request": request}
 
     def _run(self) -> None:
-        revision = None  # the last revision seen; the next stream starts after it
+        revision = self._after  # the last revision seen; the next stream starts after it
         while not self._stopped:
             try:
                 with self.store.stream("/v3/watch", self._request(revision), self._STREAM_SECONDS) as response:
