@@ -158,7 +158,8 @@ def test_eight_workers_on_four_hosts_through_a_kill_and_a_join(job_factory):
     """Three hosts of two workers each, a worker SIGKILLed, then a fourth host: eight workers. Every
     example once per epoch, and every round's eight ranks start (and end) with the same bits."""
     job = job_factory([*TRAIN, "--train_examples=1536", "--epochs=3"],
-                      ["--nproc=2", "--min_workers=2", "--max_workers=8", "--last_call=3", "--warm_start=false"])
+                      ["--nproc=2", "--min_workers=2", "--max_workers=8", "--last_call=3", "--warm_start=false",
+                       "--index_log"])
     for host in "abc":
         job.start_agent(host)
     six = job.wait_for(lambda: _first_step(job, 0, world_size=6), timeout=300, what="six workers")[0]
