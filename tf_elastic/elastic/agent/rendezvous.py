@@ -125,9 +125,6 @@ class Rendezvous:
         """Every live host lease: key -> value."""
         return self.store.list(self.keys.hosts)
 
-    def alive_hosts(self) -> List[str]:
-        return [key.rsplit("/", 1)[-1] for key in self.leases()]
-
     # Rounds ---------------------------------------------------------------------------------------
     def current(self) -> Optional[Round]:
         raw = self.store.get(self.keys.round)

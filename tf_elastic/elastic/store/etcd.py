@@ -107,8 +107,9 @@ class EtcdStore(Store):
             self._watches.pop(name).stop()
         for key, deletions in named:
             if (key, deletions) not in self._watches:
-                if not self._revision:  # a watch starts after a revision this client saw: nothing is missed
-                    self._call("/v3/kv/range", {"key": _b64(ROOT)})
+                if not self._revision and not self._learn_revision():
+                    time.sleep(timeout)  # unreachable: the caller's next read says so
+                    return True
                 self._watches[(key, deletions)] = _Watch(self, ROOT + key, self._changed, self._revision,
                                                          deletions)
             self._watches[(key, deletions)].named = now
@@ -119,6 +120,15 @@ class EtcdStore(Store):
             for watch in watches:
                 watch.seen = watch.changes
             return changed
+
+    def _learn_revision(self) -> bool:
+        """A watch starts after a revision this client saw, so that nothing is missed: reads one, if no
+        reply showed one yet. False when etcd cannot be reached."""
+        try:
+            self._call("/v3/kv/range", {"key": _b64(ROOT)})
+        except StoreError:
+            return False
+        return True
 
     def close(self) -> None:
         for watch in self._watches.values():
