@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from tf_elastic.elastic.agent import ports
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import datasets
@@ -219,7 +220,8 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
     # The job's processes have a TMPDIR of their own. A SIGKILLed host cannot clean up (a real dead host
     # takes its /tmp with it); the next agent started on a host sweeps what dead agents left.
     killed = {soak.job.agents[f.target].pid for f in soak.faults if f.kind == "kill_host"}
-    left = sorted(str(p) for p in soak.tmp.glob("tf_elastic-*"))  # (TF's autograph leaves files of its own)
+    # (TF's autograph leaves files of its own; the hosts' port registries are meant to outlive agents)
+    left = sorted(str(p) for p in soak.tmp.glob("tf_elastic-*") if not p.name.startswith(ports.REGISTRY_PREFIX))
     by_killed = [p for p in left if Path(p).name.split("-")[1][len("agent"):] in {str(k) for k in killed}]
     leaked = [p for p in left if p not in by_killed]
     bound = [addr for e in events if e["event"] == Event.RENDEZVOUS for addr in e.get("cluster") or []

@@ -16,6 +16,7 @@ import time
 from typing import Collection, Dict, Iterator, List, Optional, Tuple
 
 HOLD_SECONDS = 120.0
+REGISTRY_PREFIX = "tf_elastic-ports-"  # the registries' file names start so; they outlive the agents on purpose
 
 
 class NoFreePorts(RuntimeError):
@@ -71,7 +72,7 @@ def _registry(addr: str) -> Iterator[Dict[str, Tuple[str, float]]]:
     """The registry of `addr` (port -> (claimant, wall-clock time)), locked; written back on success. An
     unreadable registry counts as empty: it only avoids collisions, it guards nothing."""
     name = "".join(c if c.isalnum() or c in ".-" else "_" for c in addr)
-    path = os.path.join(tempfile.gettempdir(), f"tf_elastic-ports-{os.getuid()}-{name}.json")
+    path = os.path.join(tempfile.gettempdir(), f"{REGISTRY_PREFIX}{os.getuid()}-{name}.json")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     with os.fdopen(fd, "r+", encoding="utf-8") as registry:
         fcntl.flock(registry, fcntl.LOCK_EX)
