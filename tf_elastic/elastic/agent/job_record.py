@@ -31,10 +31,6 @@ class JobKeys:
     job_id: str
 
     @property
-    def prefix(self) -> str:
-        return f"/{self.job_id}"
-
-    @property
     def group(self) -> str:
         """The prefix of what every agent watches: the round and the outcome (and nothing that changes with
         each host's join, so that a join wakes no one but the round's opener)."""

@@ -4,11 +4,11 @@ A round opens in the `joining` phase; each host joins by writing the round's num
 (`/JOB/hosts/HOST`, nothing contended), and the round's opener (the agent whose compare-and-set opened
 it; another takes over if its lease goes) lists the leases and freezes the round with ranks and a TF
 cluster spec on fresh ports (`decisions.freeze`), in one write. Agents wake on watches of the keys they
-need: everyone on `/JOB/group/` (the round and the outcome), the opener also on the leases, a training
-host on the lease of one other host (`decisions.watched_host`). Leases are renewed every third of their
-TTL. Any change (a failure, a host lost, a join, a graceful leave) opens the next round; only failures
-count towards `max_restarts`. What to do at each look is decided in `decisions`; this module only
-reads and writes the store.
+need: everyone on `/JOB/group/` (the round and the outcome), a training host also on the lease of one
+other host (`decisions.watched_host`); the opener polls the leases until it freezes. Leases are renewed
+every third of their TTL. Any change (a failure, a host lost, a join, a graceful leave) opens the next
+round; only failures count towards `max_restarts`. What to do at each look is decided in `decisions`;
+this module only reads and writes the store.
 
 Requests per round, counted at the client: each host lists the group twice (the round opening, then
 frozen) and writes its lease once; the opener lists the leases a few times; and a failure seen by
@@ -68,13 +68,21 @@ class Rendezvous:
         # The group as a look just read it, when it showed a new round: the next join step's first look.
         # Stale by the time the workers stopped, which is safe: every change since wakes the next wait.
         self._seen: Optional[Tuple[Optional[JobOutcome], Optional[Round], Optional[str]]] = None
+        self._watching: Tuple[Optional[int], Optional[str]] = (None, None)  # round number, its watched host
 
     def wait_for_change(self, timeout: float, training: Optional[Round] = None) -> bool:
         """True when the round or the outcome may have changed within `timeout` (always, for a store that
         cannot tell); while `training` in a round, also when the lease of the host this one looks after
         is gone (`decisions.watched_host`)."""
-        watched = training and decisions.watched_host(training, self.host_id)
+        watched = training and self._watched_host(training)
         return self.store.wait([self.keys.group], timeout, gone=[self.keys.host(watched)] if watched else [])
+
+    def _watched_host(self, round_: Round) -> Optional[str]:
+        """`decisions.watched_host`, worked out once per round (it sorts the whole assignment, and the
+        monitor asks every interval)."""
+        if self._watching[0] != round_.number:
+            self._watching = (round_.number, decisions.watched_host(round_, self.host_id))
+        return self._watching[1]
 
     # Leases ---------------------------------------------------------------------------------------
     def claim_host_id(self) -> None:
@@ -148,7 +156,7 @@ class Rendezvous:
         change = decisions.judge_group(round_, outcome and outcome.status, current)
         if change in (decisions.GroupChange.RESIZED, decisions.GroupChange.RESTARTED):
             self._seen = (outcome, current, raw)  # the next join starts from it instead of reading again
-        watched = decisions.watched_host(round_, self.host_id)
+        watched = self._watched_host(round_)
         lost = change is decisions.GroupChange.NONE and watched and self.store.get(self.keys.host(watched)) is None
         return GroupLook(change, current, [watched] if lost else [])
 
