@@ -25,9 +25,13 @@ setup(
         # dataset that ships offline; tensorflow-datasets (and importlib_resources, which its builders import):
         # the `tfds:NAME` datasets; ruff: the lint CI runs; gcp-storage-emulator (pinned: the harness works around
         # one of its bugs) and cryptography: gs:// durable copies against a local emulator (tf_elastic.testing.gcs);
-        # wheel: tests/test_packaging.py builds the wheel without build isolation.
+        # wheel: tests/test_packaging.py builds the wheel without build isolation; moto[server]: a local S3 API
+        # for the s3:// tests (tf_elastic.testing.s3).
         "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn", "scipy", "tensorflow-datasets>=4.9",
-                 "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography", "wheel"],
+                 "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography", "wheel",
+                 "boto3>=1.28", "moto[server]>=5"],
+        # s3:// durable copies (--checkpoint_dir=s3://bucket/prefix) through boto3; 1.28 reads AWS_ENDPOINT_URL.
+        "s3": ["boto3>=1.28"],
     },
     entry_points={
         # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout) and the trainer.

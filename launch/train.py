@@ -82,8 +82,9 @@ flags.DEFINE_string("run_dir", None,
                     "Where checkpoints, events and TensorBoard go (default: the agent's, else runs/train).")
 flags.DEFINE_integer("commit_every_steps", 100, "Commit state every N steps (0: only at epoch ends).", lower_bound=0)
 flags.DEFINE_float("commit_every_seconds", None, "Also commit when this many seconds passed.", lower_bound=0.1)
-flags.DEFINE_string("checkpoint_dir", None, "Durable copies of commits, on any tf.io.gfile filesystem (a local path, "
-                    "gs://, s3:// with tensorflow-io, ram://); default RUN_DIR/durable.")
+flags.DEFINE_string("checkpoint_dir", None, "Durable copies of commits: a local or NFS path, gs://, "
+                    "s3://BUCKET/PREFIX (boto3: pip install tf_elastic[s3]; AWS_ENDPOINT_URL for S3-compatible "
+                    "stores), ram://; default RUN_DIR/durable.")
 flags.DEFINE_integer("durable_every_commits", 10, "The chief copies every N-th commit (and the last) to "
                      "--checkpoint_dir (0: no durable copies).", lower_bound=0)
 flags.DEFINE_integer("seed", 0, "Seed for weights and the data order.")

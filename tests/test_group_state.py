@@ -160,12 +160,22 @@ def test_commits_named_before_generations_are_refused_not_ignored(tmp_path):
         fresh.restore()
 
 
-@pytest.fixture(params=["ram", "gs"])
+@pytest.fixture(params=["ram", "gs", "s3"])
 def remote(request, tmp_path, monkeypatch):
-    """A durable-copy directory on ram://, or on gs:// through TensorFlow's own GCS filesystem and a local
-    emulator (`tf_elastic.testing.gcs`: TF has no endpoint setting, so a proxy takes its requests)."""
+    """A durable-copy directory on ram://, on gs:// through TensorFlow's own GCS filesystem and a local
+    emulator (`tf_elastic.testing.gcs`: TF has no endpoint setting, so a proxy takes its requests), or on
+    s3:// through boto3 and moto's S3 server (`tf_elastic.testing.s3`)."""
     if request.param == "ram":
         yield f"ram://durable-{uuid.uuid4().hex}"
+        return
+    if request.param == "s3":
+        pytest.importorskip("moto.server", reason='s3:// is tested against moto\'s server: pip install "moto[server]"')
+        from tf_elastic.testing.s3 import local_s3
+
+        with local_s3("bucket") as env:
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            yield f"s3://bucket/durable-{uuid.uuid4().hex}"
         return
     for module in ("gcp_storage_emulator", "cryptography"):
         pytest.importorskip(module, reason=f"gs:// is tested against a local emulator: pip install "
@@ -179,7 +189,7 @@ def remote(request, tmp_path, monkeypatch):
 
 
 def test_durable_copies_on_any_filesystem_restore_a_whole_job_bit_exact(tmp_path, remote):
-    """The tf.io.gfile path end to end on ram:// and gs://: every 2nd commit and the last are copied, old
+    """Durable copies end to end on ram://, gs:// and s3://: every 2nd commit and the last are copied, old
     copies are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""
     model, schedule = _trained()
     state = CommittedState(World(), str(tmp_path / "host"), model, schedule, durable=DurableCopies(remote, keep=2),
@@ -190,11 +200,10 @@ def test_durable_copies_on_any_filesystem_restore_a_whole_job_bit_exact(tmp_path
     copies = DurableCopies(remote).copies()
     assert [(c.step, c.complete) for c in copies] == [(4, True), (5, True)]
     # A copy cut short (no marker), newer than any complete one: never taken.
-    partial = posixpath.join(remote, "ckpt-0-9-0-144")
-    tf.io.gfile.makedirs(partial)
-    for path in tf.io.gfile.glob(posixpath.join(remote, "ckpt-0-5-0-80", "ckpt-0-5-0-80.*")):
-        name = posixpath.basename(path).replace("ckpt-0-5-0-80", "ckpt-0-9-0-144")
-        tf.io.gfile.copy(path, posixpath.join(partial, name))
+    partial, storage = posixpath.join(remote, "ckpt-0-9-0-144"), DurableCopies(remote).storage
+    storage.makedirs(partial)
+    for path in (tmp_path / "host" / "checkpoints").glob("ckpt-0-5-0-80.*"):
+        storage.upload(str(path), posixpath.join(partial, path.name.replace("ckpt-0-5-0-80", "ckpt-0-9-0-144")))
     assert DurableCopies(remote).newest().step == 5
 
     fresh, fresh_schedule = _setup()

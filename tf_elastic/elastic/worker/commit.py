@@ -6,7 +6,7 @@ epoch, the global step and the commit's generation (`CommitId`) are written toge
 `tf.train.CheckpointManager` reads.
 Each host keeps its own commits (its first worker writes them; hosts share no directory); the group
 hands a commit to the workers that lack it (`group.py`), and the chief copies one to durable storage
-every few commits (`durable.py`). File operations go through `tf.io.gfile`.
+every few commits (`durable.py`). Local file operations go through `tf.io.gfile`.
 """
 import concurrent.futures
 import contextlib
@@ -186,10 +186,14 @@ class CommittedState:
         skipped = []
         for path in candidates:
             try:
-                self.checkpoint.read(path).assert_existing_objects_matched()
+                # A durable copy TensorFlow cannot read where it is (s3://) is downloaded first, into the
+                # host's commit directory, whose sweep removes it at the next round's start.
+                readable = self.durable.readable(newest, posixpath.join(self.directory, "fetched")) \
+                    if newest is not None and path == newest.prefix else path
+                self.checkpoint.read(readable).assert_existing_objects_matched()
                 self.restored = path
                 return path, skipped
-            except (tf.errors.OpError, IndexError) as error:  # the reader raises IndexError on a short file
+            except (tf.errors.OpError, IndexError, OSError) as error:  # IndexError: the reader's, on a short file
                 skipped.append((path, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
             except (AssertionError, ValueError) as error:
                 raise ConfigurationError(f"the committed state {path} does not fit this model or optimizer "

@@ -1,11 +1,11 @@
-"""Durable copies of commits on any `tf.io.gfile` filesystem (local, `gs://`, `s3://` through tensorflow-io,
-`ram://`): what a restart of the whole job resumes from when no host kept a commit.
+"""Durable copies of commits (local or NFS paths, `gs://`, `s3://`, `ram://`: `storage.py`): what a restart of
+the whole job resumes from when no host kept a commit.
 
 Hosts keep their recent commits themselves and hand them to each other (`group.py`); storage is only for
 durability, so copies are made every few commits, off the training path. A copy is the commit's files in
 a directory of its own name, then a `COMPLETE` marker: a reader takes only a directory with the marker,
-so a copy cut short (a SIGKILL, a lost connection) is never mistaken for a complete one. Everything goes
-through `tf.io.gfile`, whose object-store writes appear whole on close.
+so a copy cut short (a SIGKILL, a lost connection) is never mistaken for a complete one. The protocol is
+written once, against `Storage`, whose writes appear whole (object stores: on close or upload).
 """
 import dataclasses
 import os
@@ -17,6 +17,7 @@ from typing import Callable, List, NamedTuple, Optional
 import tensorflow as tf
 
 from tf_elastic.elastic.worker.errors import ConfigurationError
+from tf_elastic.elastic.worker.storage import Storage, open_storage
 
 MARKER = "COMPLETE"
 GENERATION_MARK = "GENERATION"  # GENERATION-N: the highest generation N a chief using this directory began
@@ -61,10 +62,12 @@ def commit_id(name: str) -> Optional[CommitId]:
 
 
 class DurableCopies:
-    """The copies in `directory`; the newest `keep` complete ones are kept."""
+    """The copies in `directory`; the newest `keep` complete ones are kept. `storage`: what serves the
+    directory (default: the backend its scheme names)."""
 
-    def __init__(self, directory: str, keep: int = 2):
+    def __init__(self, directory: str, keep: int = 2, storage: Optional[Storage] = None):
         self.directory, self.keep = directory.rstrip("/"), keep
+        self.storage = storage or open_storage(self.directory)
 
     def generation_mark(self) -> int:
         """The highest generation a chief using this directory began (-1: none): a job restarted from an
@@ -73,33 +76,27 @@ class DurableCopies:
         return max(self._marks(), default=-1)
 
     def _marks(self) -> List[int]:
-        try:
-            names = tf.io.gfile.listdir(self.directory)
-        except tf.errors.NotFoundError:
-            return []
-        return [int(m.group(1)) for m in map(_MARK.fullmatch, (n.rstrip("/") for n in names)) if m]
+        return [int(m.group(1)) for m in map(_MARK.fullmatch, self.storage.listdir(self.directory)) if m]
 
     def mark_generation(self, generation: int) -> None:
         """Raises the mark to `generation`: one object per generation, created and never rewritten, so
         the mark only grows (a chief cut off from the store that marks a lower one later cannot lower it) and
         needs no rename (a copy on object stores). Lower marks are removed."""
-        tf.io.gfile.makedirs(self.directory)
+        self.storage.makedirs(self.directory)
         marks = self._marks()
         if generation > max(marks, default=-1):
-            with tf.io.gfile.GFile(posixpath.join(self.directory, f"{GENERATION_MARK}-{generation}"), "w") as f:
-                f.write(str(generation))  # (GFile makes no file without a write)
+            self.storage.write_text(posixpath.join(self.directory, f"{GENERATION_MARK}-{generation}"), str(generation))
         for mark in marks:
             if mark < max(marks + [generation]):
-                tf.io.gfile.remove(posixpath.join(self.directory, f"{GENERATION_MARK}-{mark}"))
+                self.storage.remove(posixpath.join(self.directory, f"{GENERATION_MARK}-{mark}"))
 
     def check_writable(self) -> None:
         """Raises `ConfigurationError` naming the directory if a file cannot be written there."""
         probe = posixpath.join(self.directory, f".probe-{uuid.uuid4().hex}")
         try:
-            tf.io.gfile.makedirs(self.directory)
-            with tf.io.gfile.GFile(probe, "w") as f:
-                f.write("probe")
-            tf.io.gfile.remove(probe)
+            self.storage.makedirs(self.directory)
+            self.storage.write_text(probe, "probe")
+            self.storage.remove(probe)
         except (tf.errors.OpError, OSError) as error:
             raise ConfigurationError(f"--checkpoint_dir={self.directory} cannot be written "
                                      f"({type(error).__name__}: {_first_line(error)}): give a directory this "
@@ -107,17 +104,12 @@ class DurableCopies:
 
     def copies(self) -> List[Copy]:
         """Every copy (complete or not), oldest first (`CommitId` order)."""
-        try:
-            names = tf.io.gfile.listdir(self.directory)
-        except tf.errors.NotFoundError:
-            return []
         found = []
-        for name in names:
-            name = name.rstrip("/")
+        for name in self.storage.listdir(self.directory):
             id_ = commit_id(name)
             if id_ is not None:
                 folder = posixpath.join(self.directory, name)
-                complete = tf.io.gfile.exists(posixpath.join(folder, MARKER))
+                complete = self.storage.exists(posixpath.join(folder, MARKER))
                 found.append(Copy(posixpath.join(folder, name), id_, complete))
         return sorted(found, key=lambda c: c.id)
 
@@ -130,18 +122,25 @@ class DurableCopies:
         complete copy was there already). Then removes copies beyond the newest `keep`."""
         name = os.path.basename(prefix)
         folder = posixpath.join(self.directory, name)
-        if tf.io.gfile.exists(posixpath.join(folder, MARKER)):
+        if self.storage.exists(posixpath.join(folder, MARKER)):
             return 0
-        tf.io.gfile.makedirs(folder)
+        self.storage.makedirs(folder)
         copied = 0
         for path in tf.io.gfile.glob(prefix + ".*"):
-            tf.io.gfile.copy(path, posixpath.join(folder, os.path.basename(path)), overwrite=True)
-            copied += tf.io.gfile.stat(path).length
+            copied += self.storage.upload(path, posixpath.join(folder, os.path.basename(path)))
         before_marker()
-        with tf.io.gfile.GFile(posixpath.join(folder, MARKER), "w") as f:
-            f.write(name)
+        self.storage.write_text(posixpath.join(folder, MARKER), name)
         self.collect()
         return copied
+
+    def readable(self, item: Copy, scratch: str) -> str:
+        """A prefix `tf.train.Checkpoint.read` can read for `item`: its own, or that of a download into the
+        local directory `scratch` where TensorFlow cannot read the storage."""
+        if self.storage.reads_directly:
+            return item.prefix
+        name = posixpath.basename(item.prefix)
+        self.storage.download(posixpath.dirname(item.prefix), os.path.join(scratch, name))
+        return os.path.join(scratch, name, name)
 
     def collect(self) -> None:
         """Removes complete copies older than the newest `keep`, and partial ones older than the newest
@@ -153,7 +152,7 @@ class DurableCopies:
         kept = {c.id for c in complete[-self.keep:]}
         for item in copies:
             if item.id not in kept and (item.complete or item.id < complete[-1].id):
-                tf.io.gfile.rmtree(posixpath.dirname(item.prefix))
+                self.storage.rmtree(posixpath.dirname(item.prefix))
 
 
 def _first_line(error: BaseException) -> str:

@@ -65,7 +65,7 @@ class ImageFolder(ImageFiles):
     """`root/<class>/<image>`: class index = position of the class folder name in sorted order."""
 
     def __init__(self, root: str, channels: int = 3, class_names: Optional[List[str]] = None):
-        # tf.io.gfile throughout: the folder may be on gs:// or s3:// (it does not touch TF's runtime).
+        # tf.io.gfile throughout: the folder may be on gs:// or another TF filesystem (it does not touch TF's runtime).
         gfile = tf.io.gfile
         if not gfile.isdir(root):
             raise ConfigurationError(f"image folder {root} does not exist or is not a directory.")
