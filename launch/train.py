@@ -174,6 +174,31 @@ def prepare():
     return train, test
 
 
+SHAPE_SAMPLE = 64  # examples read to learn the input shape where the pipeline does not know it
+
+
+def input_shape_of(source, preprocess, dataset: str) -> tuple:
+    """One example's shape after preprocessing: the pipeline's static shape where it knows it; otherwise
+    (images decoded from files have no static size) that of the first `SHAPE_SAMPLE` examples, which must
+    agree. Images that differ later fail at batching, where TensorFlow names the shapes."""
+    import numpy as np
+    import tensorflow as tf
+
+    from tf_elastic.elastic.worker import data
+
+    count = min(SHAPE_SAMPLE, source.num_examples)
+    batches = data.pipeline(source, np.arange(count), count, preprocess=preprocess)
+    shape = batches.element_spec[0].shape[1:]
+    if shape.is_fully_defined():
+        return tuple(shape)
+    try:
+        features, _ = next(iter(batches))
+    except tf.errors.InvalidArgumentError:
+        raise ValueError(f"--dataset={dataset}: the first {count} images are not all the same size: set "
+                         "--image_size to resize them") from None
+    return tuple(features.shape[1:])
+
+
 def train(sources) -> None:
     """Builds, trains and evaluates inside `elastic.run` (the world and strategy are its)."""
     import keras
@@ -187,9 +212,7 @@ def train(sources) -> None:
     context = elastic.current()
     world, strategy, run_dir = context.world, context.strategy, FLAGS.run_dir or context.run_dir
     train_preprocess = preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=True)
-    input_shape = data.pipeline(train_source, [0], 1, preprocess=train_preprocess).element_spec[0].shape[1:]
-    if not input_shape.is_fully_defined():
-        raise ValueError(f"--dataset={FLAGS.dataset} has images of different sizes: set --image_size.")
+    input_shape = input_shape_of(train_source, train_preprocess, FLAGS.dataset)
     keras.utils.set_random_seed(FLAGS.seed)
     batches = dict(batch_size=FLAGS.global_batch_size) if FLAGS.batch_policy == "global" else dict(
         per_replica_batch_size=FLAGS.per_replica_batch_size)

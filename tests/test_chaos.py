@@ -3,9 +3,8 @@ import pytest
 
 from tf_elastic.testing import soak
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_ten_random_faults_lose_nothing(tmp_path):
     # The soak draws every kind once before it repeats one (in a seeded order), so a broken injection of
     # any kind fails here; failed_invariants also wants every fault recovered and every epoch checked.
@@ -15,3 +14,16 @@ def test_ten_random_faults_lose_nothing(tmp_path):
     assert {f["kind"] for f in result["faults"]} == set(soak.KINDS)
     assert soak.failed_invariants(result, tolerance=0.03) == []
     assert result["checks"]["samples_repeated"] == result["checks"]["samples_skipped"] == 0
+
+
+def test_a_soak_that_injected_fewer_faults_than_asked_fails():
+    """`--faults=15` once injected 11 (training ended first) and reported "invariants: all hold"."""
+    checks = {"finished": True, "accuracy": 0.9, "reference_accuracy": 0.9, "samples_repeated": 0,
+              "samples_skipped": 0, "progress_backwards": [], "orphans": [], "leaked_temp_dirs": [],
+              "ports_still_bound": [], "epochs_checked": 5}
+    fault = {"kind": "kill_worker", "time": 1.0, "recovered": 2.0, "note": ""}
+    ended = {**fault, "recovered": None, "note": "the job had finished"}
+    result = {"faults": [fault] * 11 + [ended], "faults_asked": 15, "epochs": 5, "checks": checks}
+    assert soak.failed_invariants(result, tolerance=0.03) == [
+        "11 of the 15 faults asked were injected before training ended: give more --epochs"]
+    assert soak.failed_invariants({**result, "faults_asked": 11}, tolerance=0.03) == []

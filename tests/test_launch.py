@@ -182,3 +182,35 @@ def test_train_on_a_prepared_tfds_dataset(tmp_path):
                       "from launch import train; from absl import app; app.run(lambda a: sys.exit(train.main(a)))")
     accuracy = float(proc.stdout.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.8, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["folder", "tfrecord"])
+def test_the_input_shape_of_image_files_is_read_from_the_images(tmp_path, kind):
+    """Images decoded from files have no static size: the trainer reads it from the first images (it used to
+    say they differed, and asked for --image_size, when they were all 12x16), and refuses only real
+    differences."""
+    import numpy as np
+
+    from launch.train import input_shape_of
+    from tf_elastic.elastic.worker import data
+    from tf_elastic.testing import data_files
+
+    def source(name, shapes):
+        images = [np.full(shape, n, np.uint8) for n, shape in enumerate(shapes)]
+        if kind == "folder":
+            for n, image in enumerate(images):
+                (tmp_path / name / "c").mkdir(parents=True, exist_ok=True)
+                (tmp_path / name / "c" / f"{n}.png").write_bytes(data_files.png(image))
+            return data.ImageFolder(str(tmp_path / name), channels=1)
+        (tmp_path / name).mkdir()
+        import tensorflow as tf
+
+        with tf.io.TFRecordWriter(str(tmp_path / name / "train-00000-of-00001")) as writer:
+            for n, image in enumerate(images):
+                writer.write(data_files.example(data_files.png(image), 1))
+        return data.TFRecordSource(str(tmp_path / name / "train-*"), num_classes=2, channels=1)
+
+    assert input_shape_of(source("same", [(12, 16, 1)] * 5), None, kind) == (12, 16, 1)
+    with pytest.raises(ValueError, match=rf"--dataset={kind}: the first 5 images are not all the same size: set "
+                                         r"--image_size"):
+        input_shape_of(source("mixed", [(12, 16, 1)] * 4 + [(8, 8, 1)]), None, kind)

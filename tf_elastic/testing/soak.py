@@ -271,7 +271,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
             etcd.close()
     (root / "reference").mkdir()
     reference = _fault_free(root / "reference", epochs, seed)
-    return {"faults": [dataclasses.asdict(f) for f in soak.faults], "epochs": epochs,
+    return {"faults": [dataclasses.asdict(f) for f in soak.faults], "faults_asked": faults, "epochs": epochs,
             "checks": _checks(soak, epochs, reference)}
 
 
@@ -290,10 +290,14 @@ def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
             failed.append(f"{key}: {c[key]}")
     if c["epochs_checked"] != result["epochs"]:
         failed.append(f"the index logs cover {c['epochs_checked']} of the {result['epochs']} epochs trained")
-    unrecovered = [f"{f['kind']} at {f['time']:.1f}" for f in result["faults"] if f["recovered"] is None
-                   and f["kind"] != "restart_store" and "job had finished" not in f["note"]]
+    injected = [f for f in result["faults"] if "job had finished" not in f["note"]]
+    unrecovered = [f"{f['kind']} at {f['time']:.1f}" for f in injected if f["recovered"] is None
+                   and f["kind"] != "restart_store"]
     if unrecovered:
         failed.append(f"faults without a recovery: {unrecovered}")
+    if len(injected) < result["faults_asked"]:  # a soak that ran out of training proves less than it was asked
+        failed.append(f"{len(injected)} of the {result['faults_asked']} faults asked were injected before training "
+                      "ended: give more --epochs")
     return failed
 
 
