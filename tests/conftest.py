@@ -89,3 +89,16 @@ def rdzv_url(request, tmp_path) -> str:
     if request.param == "file":
         return f"file://{tmp_path / 'rdzv'}"
     return request.getfixturevalue("etcd").url
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """moto's S3 server on 127.0.0.1 with a bucket `bucket`; this process's boto3 talks to it. Yields the
+    environment a child process needs to reach it."""
+    pytest.importorskip("moto.server", reason='s3:// is tested against moto\'s server: pip install "moto[server]"')
+    from tf_elastic.testing.s3 import local_s3
+
+    with local_s3("bucket") as env:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        yield env

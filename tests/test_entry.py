@@ -45,9 +45,11 @@ def test_the_readme_script_survives_losing_the_chief_host_to_a_standby_with_an_e
         assert_replicas_identical(job, round_)
     assert job.events(Event.WORKER_EXIT, round=seen["joined"]), "the joined round trained to the end"
     # Validation ran under the agent and fit returned its History (the script prints it): the epochs of the
-    # last round, the same on both ranks.
-    logs = "".join((job.tmp / f"agent-{host}.log").read_text(errors="replace") for host in (seen["survivor"], "c"))
+    # last round, the same on both ranks. Each rank's output is in its own log file, and echoed with a prefix.
+    logs = "".join(job.worker_log(host, seen["joined"]) for host in (seen["survivor"], "c"))
     histories = [ast.literal_eval(line[len("history "):]) for line in logs.splitlines() if line.startswith("history {")]
+    echoed = (job.tmp / "agent-c.log").read_text(errors="replace")
+    assert f"[round {seen['joined']} rank 1] history {{" in echoed, echoed[-2000:]
     assert len(histories) == 2 and histories[0] == histories[1], histories
     restored_epoch = job.events(Event.RESTORE, round=seen["joined"], rank=0)[0]["epoch"]
     history = histories[0]

@@ -154,7 +154,7 @@ def test_commits_named_before_generations_are_refused_not_ignored(tmp_path):
     remote = tmp_path / "remote"
     (remote / "ckpt-120-1-0").mkdir(parents=True)
     (remote / "ckpt-120-1-0" / "COMPLETE").write_text("ckpt-120-1-0")
-    fresh = CommittedState(World(), str(tmp_path / "fresh"), *_setup(), durable=DurableCopies(str(remote)),
+    fresh = CommittedState(World(), str(tmp_path / "fresh"), *_setup(), durable=DurableCopies(remote),
                            durable_every_commits=1)
     with pytest.raises(ConfigurationError, match="ckpt-120-1-0 was written by a tf_elastic before"):
         fresh.restore()
@@ -164,18 +164,13 @@ def test_commits_named_before_generations_are_refused_not_ignored(tmp_path):
 def remote(request, tmp_path, monkeypatch):
     """A durable-copy directory on ram://, on gs:// through TensorFlow's own GCS filesystem and a local
     emulator (`tf_elastic.testing.gcs`: TF has no endpoint setting, so a proxy takes its requests), or on
-    s3:// through boto3 and moto's S3 server (`tf_elastic.testing.s3`)."""
+    s3:// through boto3 and moto's S3 server (the `s3` fixture)."""
     if request.param == "ram":
         yield f"ram://durable-{uuid.uuid4().hex}"
         return
     if request.param == "s3":
-        pytest.importorskip("moto.server", reason='s3:// is tested against moto\'s server: pip install "moto[server]"')
-        from tf_elastic.testing.s3 import local_s3
-
-        with local_s3("bucket") as env:
-            for name, value in env.items():
-                monkeypatch.setenv(name, value)
-            yield f"s3://bucket/durable-{uuid.uuid4().hex}"
+        request.getfixturevalue("s3")
+        yield f"s3://bucket/durable-{uuid.uuid4().hex}"
         return
     for module in ("gcp_storage_emulator", "cryptography"):
         pytest.importorskip(module, reason=f"gs:// is tested against a local emulator: pip install "
@@ -339,7 +334,7 @@ def test_a_full_local_disk_keeps_the_previous_commit_in_force(tmp_path, monkeypa
     assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-3-0-48")
 
 
-# Real processes: hosts with run dirs of their own, a separate local directory as the "remote" -----------
+# Real processes: hosts with run dirs of their own, an S3 bucket (moto's server) as the "remote" ---------
 COMMIT_EVERY = 10
 TRAIN = ["--dataset=mnist", "--train_examples=3000", "--per_replica_batch_size=16", "--threads=1",
          f"--commit_every_steps={COMMIT_EVERY}", "--optimizer=sgd", "--durable_every_commits=2"]
@@ -385,15 +380,15 @@ def _pause_and_kill(job, pause: Path, point: str, rank: int, round_: int) -> Non
 
 @pytest.mark.slow
 def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_with_an_empty_disk(tmp_path,
-                                                                                                  mnist_dir):
-    """Hosts a and b (own run dirs; durable copies in a separate directory): the chief's host is killed;
+                                                                                                  mnist_dir, s3):
+    """Hosts a and b (own run dirs; durable copies in an S3 bucket, moto's server): the chief's host is killed;
     c joins with an empty disk and receives the state; a worker is SIGKILLed in the middle of its local
     commit, the chief in the middle of a durable copy; then every host is lost and a fresh host resumes
     from the newest complete durable copy. No committed step is lost, replicas hold the same bits after
     every recovery, and committed work used every example once per epoch."""
-    remote, pause = tmp_path / "remote", tmp_path / "pause"
+    remote, pause = "s3://bucket/remote", tmp_path / "pause"
     pause.mkdir()
-    env = {Env.TEST_PAUSE_DIR: str(pause)}
+    env = {**s3, Env.TEST_PAUSE_DIR: str(pause)}
     job = LocalJob(tmp_path / "job", TRAIN + ["--epochs=200", f"--checkpoint_dir={remote}", f"--data_dir={mnist_dir}"],
                    AGENT,
                    host_run_dirs=True)
@@ -440,9 +435,9 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
 
         job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local["round"]), what="a durable copy")
         _pause_and_kill(job, pause, "durable", 0, after_local["round"])  # the chief: marker not yet written
-        partial = [c for c in DurableCopies(str(remote)).copies() if not c.complete]
+        partial = [c for c in DurableCopies(remote).copies() if not c.complete]
         assert partial, "the copy cut short is there, without its marker"
-        assert DurableCopies(str(remote)).newest().step < partial[-1].step
+        assert DurableCopies(remote).newest().step < partial[-1].step
         after_durable = _first_step(job, after_local["round"], 2)
         assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
 
@@ -462,7 +457,7 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         for epoch in done:
             counts = by_epoch[epoch]
             assert max(counts.values()) == 1 and len(counts) > 3000 - 32, epoch
-        assert partial[-1].step not in [c.step for c in DurableCopies(str(remote)).copies()], "not collected"
+        assert partial[-1].step not in [c.step for c in DurableCopies(remote).copies()], "not collected"
         # launch.report reads every host's run dir: a table row for each round that trained.
         table = [line for line in report.summary(job.run_dirs).splitlines() if line.startswith("| ")][1:]
         assert len(table) == len({e["round"] for e in job.events(Event.RESTORE, rank=0)}), table
@@ -473,20 +468,21 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     # complete copy: s holds a stale commit, 1000 steps further than the copy but of an older generation
     # (a host cut off from the store that trained on alone), which must lose. d's second worker keeps no
     # commits: it receives the state at every round start (here two: s's worker is killed once).
-    newest = DurableCopies(str(remote)).newest()
+    newest = DurableCopies(remote).newest()
     epoch = int(posixpath.basename(newest.prefix).split("-")[3])
     again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 3}", f"--checkpoint_dir={remote}",
                                                   f"--data_dir={mnist_dir}"],
                      AGENT + ["--min_workers=3", "--max_workers=3"], host_run_dirs=True)
     (tmp_path / "again").mkdir()
     assert newest.id.generation >= 1, newest
-    old_mark = DurableCopies(str(remote)).generation_mark()
+    old_mark = DurableCopies(remote).generation_mark()
     assert old_mark >= newest.id.generation, (old_mark, newest)
-    stale = _plant_commit(newest.prefix, RunDir(again.run_dir_of("s")).host_commits("s"),
+    stale = _plant_commit(DurableCopies(remote).readable(newest, str(tmp_path / "fetched")),
+                          RunDir(again.run_dir_of("s")).host_commits("s"),
                           CommitId(newest.id.generation - 1, newest.step + 1000))
     try:
-        again.start_agent("d", nproc=2)
-        again.start_agent("s")
+        again.start_agent("d", env=s3, nproc=2)
+        again.start_agent("s", env=s3)
         first = _first_step(again, -1, 3)
         restore = again.events(Event.RESTORE, round=first["round"], rank=0)[0]  # the chief, d's or s's
         assert (restore["step"], restore["path"]) == (newest.step, newest.prefix), restore

@@ -19,6 +19,7 @@ import pytest
 from tf_elastic.elastic.agent import workers
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent, RoundResult
 from tf_elastic.elastic.agent.job_record import JobRecord
+from tf_elastic.elastic.agent.worker_output import WorkerOutput
 from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.events import EventLog, read_events
@@ -333,7 +334,7 @@ def _trainer(tmp_path, name, wrapped):
     script = tmp_path / f"{name}.py"
     script.write_text(code)
     command = ["sh", "-c", f"{sys.executable} {script} & wait"] if wrapped else [sys.executable, str(script)]
-    process = workers.spawn(command, dict(os.environ), warm=False)
+    process = workers.spawn(command, dict(os.environ), WorkerOutput(tmp_path / "logs", "all"), warm=False)
     pid_file = tmp_path / f"{name}.pid"
     deadline = time.time() + 30
     while not pid_file.exists() and time.time() < deadline:
@@ -350,7 +351,7 @@ def test_a_wrapped_trainer_is_waited_for_and_never_outlives_its_worker(tmp_path,
     assert (tmp_path / "wrapped").read_text() == "committed"  # waited for the trainer's commit
     assert not running(trainer)
     orphaned = workers.spawn(["sh", "-c", f"sleep 600 & echo $! > {tmp_path / 'sleep.pid'}; exit 1"], dict(os.environ),
-                             warm=False)
+                             WorkerOutput(tmp_path / "logs", "all"), warm=False)
     assert orphaned.wait(timeout=10) == 1
     child = int((tmp_path / "sleep.pid").read_text())
     assert running(child)

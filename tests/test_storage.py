@@ -1,19 +1,17 @@
 """Durable copies on s3:// through boto3, against a real S3 API on 127.0.0.1 (moto's server): parts above the
 part size, partial copies and their multipart uploads collected, clear errors for a missing bucket and
-denied access, and a whole job killed mid-copy and restarted on empty hosts from the bucket."""
+denied access. (A job killed mid-copy and restarted on empty hosts from the bucket: tests/test_group_state.py.)"""
 import os
-import posixpath
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tf_elastic.elastic.protocol import Env, Event
 from tf_elastic.elastic.worker.durable import MARKER, DurableCopies
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.storage import Storage, StorageError, open_storage
-from tf_elastic.testing.local_job import REPO, LocalJob, assert_replicas_identical, repo_env
+from tf_elastic.testing.local_job import REPO, repo_env
 
 pytest.importorskip("boto3", reason="s3:// needs boto3 (the test extra)")
 pytest.importorskip("moto.server", reason='S3 is tested against moto\'s server: pip install "moto[server]"')
@@ -21,15 +19,6 @@ from tf_elastic.elastic.worker.storage_s3 import S3Storage  # noqa: E402
 from tf_elastic.testing.s3 import local_s3  # noqa: E402
 
 MiB = 1024 * 1024
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    """moto's S3 server with a bucket `bucket`; this process's boto3 talks to it."""
-    with local_s3("bucket") as env:
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        yield env
 
 
 def _commit_files(directory, name, sizes):
@@ -111,54 +100,6 @@ def test_a_worker_exits_78_naming_a_missing_bucket(s3, tmp_path):
     assert proc.returncode == 78, proc.stderr[-3000:]
     assert "--checkpoint_dir=s3://no-such-bucket/job cannot be written" in proc.stderr
     assert "the bucket no-such-bucket does not exist" in proc.stderr
-
-
-TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--commit_every_steps=10",
-         "--optimizer=sgd", "--durable_every_commits=1", "--checkpoint_dir=s3://bucket/job"]
-
-
-@pytest.mark.slow
-def test_a_job_killed_mid_copy_restarts_on_empty_hosts_from_the_bucket(s3, tmp_path):
-    """Two hosts train with a copy every commit; the whole job is SIGKILLed while the chief's copy has its
-    files up but not its marker. A new job on hosts with empty disks (and a new store) resumes from the
-    newest complete copy, never the partial one, with both replicas bit-identical; its copies then
-    collect the partial one."""
-    pause = tmp_path / "pause"
-    for folder in (pause, tmp_path / "first", tmp_path / "second"):
-        folder.mkdir()
-    env = {**s3, Env.TEST_PAUSE_DIR: str(pause)}
-    first = LocalJob(tmp_path / "first", [*TRAIN, "--epochs=30"], ["--min_workers=2", "--max_workers=2"],
-                     host_run_dirs=True)
-    second = LocalJob(tmp_path / "second", [*TRAIN, "--epochs=2"], ["--min_workers=2", "--max_workers=2"],
-                      host_run_dirs=True)
-    try:
-        for host in "ab":
-            first.start_agent(host, env=env)
-        first.wait_for(lambda: [e for e in first.events(Event.DURABLE_COPY) if "bytes" in e],
-                       what="a complete durable copy")
-        (pause / "durable").touch()
-        first.wait_for(lambda: (pause / "durable.reached-rank0").exists(), what="a copy paused before its marker")
-        for host in "ab":
-            first.kill_host(host)
-        copies = DurableCopies("s3://bucket/job")
-        complete = copies.newest()
-        partial = [c for c in copies.copies() if not c.complete]
-        assert len(partial) == 1 and partial[0].id > complete.id
-        assert copies.storage.listdir(posixpath.dirname(partial[0].prefix)), "the partial copy has no files"
-
-        (pause / "durable").unlink()
-        for host in "ab":
-            second.start_agent(host, env=s3)
-        assert second.wait_agents(timeout=300) == {"a": 0, "b": 0}, second.describe()
-    finally:
-        first.cleanup()
-        second.cleanup()
-    restores = [e for e in second.events(Event.RESTORE) if e["rank"] == 0]
-    assert restores[0]["path"] == complete.prefix and restores[0]["step"] == complete.step, restores[0]
-    assert_replicas_identical(second, restores[0]["round"])
-    copied = second.events(Event.DURABLE_COPY)
-    assert copied and all("bytes" in e for e in copied), copied
-    assert partial[0].id not in {c.id for c in DurableCopies("s3://bucket/job").copies()}
 
 
 def test_a_copy_that_fails_later_is_a_storage_error_not_a_crash(s3, tmp_path):

@@ -6,9 +6,10 @@ renamed event or directory changes in one line. It imports nothing beyond the st
 """
 import dataclasses
 import enum
+import json
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Dict, Optional, Union
 
 
 class Env:
@@ -26,6 +27,9 @@ class Env:
     # The agent's preemption signals (names, comma-separated): a worker that receives one itself (Slurm's
     # --signal reaches every process of a step) commits and stops as on SIGTERM instead of dying of it.
     STOP_SIGNALS = "TF_ELASTIC_STOP_SIGNALS"
+    # Where a worker whose main raised writes the exception (type, message, traceback tail) as JSON, so that
+    # the agent names the cause of a failure (torchrun's @record error files, without a decorator).
+    ERROR_FILE = "TF_ELASTIC_ERROR_FILE"
     TEST_FAULTS = "TF_ELASTIC_TEST_FAULTS"  # test only: SIGUSR2 blocks the worker's main thread (a stuck step)
     # Test only: a directory; while it holds a file named after a point of a commit ("local": files written,
     # state file not yet; "durable": a copy's files written, marker not yet), commits wait there.
@@ -169,6 +173,25 @@ class HostDir:
 
     def warm_ready(self, number: int) -> Path:
         return self.path / f"warm-{number}.ready"
+
+    def error_file(self, round_: int, rank: int) -> Path:
+        return self.path / f"error-round{round_}-rank{rank}.json"
+
+
+def read_error_file(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
+    """What a worker that raised wrote (`Env.ERROR_FILE`): type, message and the traceback's last lines;
+    None when there is no such file or it cannot be read (a worker killed while writing it)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("type"), str) else None
+
+
+def describe_error(record: Dict[str, Any]) -> str:
+    """`Type: message` on one line, as a traceback's last line reads."""
+    message = " ".join(str(record.get("message", "")).split())[:300]
+    return f"{record['type']}: {message}" if message else record["type"]
 
 
 @dataclasses.dataclass(frozen=True)

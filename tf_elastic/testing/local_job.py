@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from tf_elastic.elastic.agent.job_record import JobKeys
+from tf_elastic.elastic.agent.worker_output import logs_dir
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import Env, Event
 from tf_elastic.elastic.store import open_store
@@ -56,6 +57,11 @@ class LocalJob:
             return store.get(JobKeys(self.job_id).host(host)) is not None
         finally:
             store.close()
+
+    def worker_log(self, host: str, round_: int) -> str:
+        """What `host`'s workers wrote in round `round_` (their per-rank log files)."""
+        folder = logs_dir(str(self.run_dir_of(host)), host) / f"round-{round_}"
+        return "".join(path.read_text(errors="replace") for path in sorted(folder.glob("rank-*.log")))
 
     def run_dir_of(self, host: str) -> Path:
         return self.tmp / "hosts" / host if self.host_run_dirs else self.run_dir

@@ -21,9 +21,10 @@ from tf_elastic.elastic.agent.decisions import GroupChange, WorkersState, Worker
 from tf_elastic.elastic.agent.job_record import JobEnded, TokenRefused
 from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous, RendezvousTimeout
 from tf_elastic.elastic.agent.round import Round, Timeouts
+from tf_elastic.elastic.agent.worker_output import WorkerOutput, logs_dir
 from tf_elastic.elastic.agent.workers import Spare, Worker
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus
+from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, describe_error, read_error_file
 from tf_elastic.elastic.store import Store, StoreError
 
 
@@ -66,6 +67,7 @@ class AgentConfig:
     preemption_poll_interval: float = 1.0
     world_size_divides: Optional[int] = None  # form only worlds whose size divides this (a global batch)
     devices: Optional[List[str]] = None  # CUDA_VISIBLE_DEVICES of each local worker slot (None: leave it alone)
+    echo_ranks: str = "all"  # whose output the agent echoes, prefixed: all, chief, none (error lines always)
 
 
 class ElasticAgent:
@@ -121,6 +123,9 @@ class ElasticAgent:
                 ranks, after = round_.assignment[self.host_id], round_.number
                 self.events.write(Event.RENDEZVOUS, round=round_.number, world_size=round_.world_size, ranks=ranks,
                                   reason=round_.reason, restarts=round_.restarts, cluster=round_.cluster)
+                logging.info("round %d: world size %d, hosts %s, ranks %s here; %s (restarts %d)", round_.number,
+                             round_.world_size, ",".join(sorted(round_.assignment)), ranks, round_.reason,
+                             round_.restarts)
                 result = self._run_round(round_, ranks)
                 if result is RoundResult.SUCCEEDED:
                     self._record_done()
@@ -193,11 +198,15 @@ class ElasticAgent:
             Env.HEARTBEAT_TIMEOUT: str(self.config.heartbeat_timeout),
             Env.RESTARTS: str(round_.restarts),
             Env.HOST_ID: self.host_id,
+            Env.ERROR_FILE: str(self.host_dir.error_file(round_.number, rank)),
         }
         if self.config.index_log:
             world[Env.INDEX_LOG] = "1"
-        process = self._take_warm(slot, world) or workers.spawn(
-            self.config.command, dict(self._slot_env(slot), **world), warm=False)
+        process = self._take_warm(slot, world)
+        if process is None:
+            process = workers.spawn(self.config.command, dict(self._slot_env(slot), **world), self._output(),
+                                    warm=False)
+        process.output.assign(round_.number, rank)
         self.events.write(Event.WORKER_START, round=round_.number, rank=rank, worker_pid=process.pid,
                           warm=process.stdin is not None, local_rank=slot)
         return Worker(rank, process, heartbeat)
@@ -218,7 +227,10 @@ class ElasticAgent:
             self._warm_spawned += 1
             ready = self.host_dir.warm_ready(self._warm_spawned)
             env = dict(self._slot_env(slot), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
-            self._warm[slot] = Spare(workers.spawn(self.config.command, env, warm=True), ready)
+            self._warm[slot] = Spare(workers.spawn(self.config.command, env, self._output(), warm=True), ready)
+
+    def _output(self) -> WorkerOutput:
+        return WorkerOutput(logs_dir(self.config.run_dir, self.host_id), self.config.echo_ranks)
 
     def _wait_warm_ready(self) -> None:
         """Waits (up to startup_timeout) until every warm worker has done its imports."""
@@ -344,8 +356,20 @@ class ElasticAgent:
             # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
             # the host keeps healthy peers out of the blacklist; the restart still counts.
             own = verdict.failure is Failure.HANG
-        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own)
+        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=self._cause(failed, round_))
         return RoundResult.RESTART
+
+    def _cause(self, worker: Worker, round_: Round) -> Optional[str]:
+        """What an exited worker said about its end: its error file (`Env.ERROR_FILE`), else its last line on
+        stderr, else the signal that killed it. None while it runs (a hang: the agent kills it)."""
+        code = worker.process.poll()
+        if code is None:
+            return None
+        record = read_error_file(self.host_dir.error_file(round_.number, worker.rank))
+        if record is not None:
+            return describe_error(record)
+        line = workers.last_error_line(worker.process)
+        return line or (f"killed by {signal.Signals(-code).name}" if code < 0 else None)
 
     def _failed_alike_before_start(self, worker: Worker, verdict: WorkersVerdict, round_: Round) -> bool:
         """Ends the job when this host's workers, none of which ever trained in this job, failed the same way
@@ -356,7 +380,7 @@ class ElasticAgent:
             self._start_failures = []
             return False
         worker.process.wait()
-        self._start_failures.append(workers.last_error_line(worker.process))
+        self._start_failures.append(self._cause(worker, round_))
         line = decisions.repeated_start_failure(self._start_failures)
         if line is None:
             return False
@@ -377,16 +401,17 @@ class ElasticAgent:
                             self.config.blacklist_after, seconds)
 
     def _failure(self, round_: Round, kind: Failure, rank: Optional[int], code: Optional[int],
-                 host: Optional[str] = None, own: bool = False) -> None:
+                 host: Optional[str] = None, own: bool = False, cause: Optional[str] = None) -> None:
         self._count_own_failure(own)
         current = self.rendezvous.current()
         # Name only what is known: a lost host has no rank, a hang no exit code.
         known = [kind.value] + ([f"rank={rank}"] if rank is not None else []) + [f"host={host or self.host_id}"]
-        reason = " ".join(known)
+        reason = " ".join(known) + (f": {cause[:200]}" if cause else "")
         counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
             current, reason=reason, failure=True)
         self.events.write(Event.FAILURE, round=round_.number, kind=kind.value, rank=rank, code=code,
-                          host=host or self.host_id, counted=counted)
+                          host=host or self.host_id, counted=counted, **({"error": cause} if cause else {}))
+        logging.warning("round %d: %s", round_.number, reason)
 
     def _silent(self, worker: Worker) -> bool:
         """No heartbeat for heartbeat_timeout once training, or no first step within startup_timeout."""

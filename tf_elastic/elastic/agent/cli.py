@@ -77,6 +77,9 @@ flags.DEFINE_integer("world_size_divides", None, "Form only worlds whose number 
                      "replicas each worker trains (1 a worker unless it drives several devices).", lower_bound=1)
 flags.DEFINE_bool("warm_start", True, "Start each next worker ahead of its round (imports done before a restart).")
 flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indices they train on.")
+flags.DEFINE_enum("echo_ranks", "all", ["all", "chief", "none"], "Whose output the agent echoes, each line prefixed "
+                  "[round R rank N]: every local worker's, rank 0's only, or none; error lines (tracebacks, E/F "
+                  "log lines) always. Every worker's output also goes to RUN_DIR/logs/HOST/round-R/rank-N.log.")
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -199,7 +202,8 @@ def main(argv: List[str]) -> int:
         blacklist_after=FLAGS.blacklist_after, blacklist_cooldown=FLAGS.blacklist_cooldown,
         progress_timeout=FLAGS.progress_timeout, progress_floor=FLAGS.progress_floor,
         preemption_signals=_signals(), preemption_notice_url=FLAGS.preemption_notice_url,
-        preemption_poll_interval=FLAGS.preemption_poll_interval, world_size_divides=FLAGS.world_size_divides)
+        preemption_poll_interval=FLAGS.preemption_poll_interval, world_size_divides=FLAGS.world_size_divides,
+        echo_ranks=FLAGS.echo_ranks)
     code = ElasticAgent(config, store).run()
     store.close()
     return code

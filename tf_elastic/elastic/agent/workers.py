@@ -4,7 +4,6 @@ their own, watched through their heartbeat file, and signalled as a group.
 Heartbeats are timed on the agent's own monotonic clock (when did the content last change?), never by
 a file's mtime against the wall clock, and live in the agent's host-local directory.
 """
-import collections
 import dataclasses
 import fcntl
 import json
@@ -12,13 +11,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from tf_elastic.elastic.agent.worker_output import WorkerOutput
 from tf_elastic.elastic.protocol import Heartbeat, HostDir, read_heartbeat
 
 
@@ -61,40 +60,36 @@ def sweep_dead_agents_dirs() -> List[str]:
     return removed
 
 
-def spawn(command: List[str], env: Dict[str, str], warm: bool) -> subprocess.Popen:
+def spawn(command: List[str], env: Dict[str, str], output: WorkerOutput, warm: bool) -> subprocess.Popen:
     """An argv list, never a shell; a session (and process group) of its own, so terminal signals reach
     the agent only and the agent can signal everything the command started (`sh -c ...` included). Its
-    stderr passes through the agent's, which keeps the last lines (`error_tail`) to name a failure."""
-    process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE,
-                               stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
-    process.error_tail = collections.deque(maxlen=ERROR_TAIL_LINES)
-    process.error_reader = threading.Thread(target=_pass_on, args=(process.stderr, process.error_tail), daemon=True,
-                                            name=f"tf_elastic-stderr-{process.pid}")
-    process.error_reader.start()
+    stdout and stderr go to `output` (a log file, the agent's streams, the tail that names a failure)."""
+    process = subprocess.Popen(command, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, stdin=subprocess.PIPE if warm else subprocess.DEVNULL)
+    if warm:
+        output.start_spare(process.pid)
+    process.output = output
+    process.readers = [threading.Thread(target=output.read, args=(pipe, pipe is process.stderr), daemon=True,
+                                        name=f"tf_elastic-output-{process.pid}") for pipe in (process.stdout,
+                                                                                              process.stderr)]
+    for reader in process.readers:
+        reader.start()
     return process
 
 
-ERROR_TAIL_LINES = 20
-
-
-def _pass_on(pipe, tail: collections.deque) -> None:
-    """Copies a worker's stderr to the agent's line by line, keeping the last lines."""
-    for line in iter(pipe.readline, b""):
-        try:
-            sys.stderr.buffer.write(line)
-            sys.stderr.buffer.flush()
-        except Exception:  # noqa: BLE001 - no usable stderr: keep draining, or the worker blocks on a full pipe
-            pass
-        tail.append(line.decode(errors="replace").rstrip())
-    pipe.close()
+def finish_output(process: subprocess.Popen, wait: float = 2.0) -> None:
+    """Reads what the exited worker still had in its pipes (up to `wait` seconds), then closes its log."""
+    deadline = time.monotonic() + wait
+    for reader in getattr(process, "readers", ()):
+        reader.join(max(0.0, deadline - time.monotonic()))
+    if hasattr(process, "output"):
+        process.output.close()
 
 
 def last_error_line(process: subprocess.Popen, wait: float = 2.0) -> Optional[str]:
     """The last non-blank line the exited worker wrote to stderr (None: nothing), once read to its end."""
-    reader = getattr(process, "error_reader", None)
-    if reader is not None:
-        reader.join(wait)
-    lines = [line for line in getattr(process, "error_tail", ()) if line.strip()]
+    finish_output(process, wait)
+    lines = [line for line in getattr(process, "output").tail if line.strip()] if hasattr(process, "output") else []
     return lines[-1][:500] if lines else None
 
 
@@ -136,6 +131,7 @@ def kill(process: subprocess.Popen) -> None:
     """SIGKILL to the group, then reaps the process."""
     signal_group(process, signal.SIGKILL)
     process.wait()
+    finish_output(process)
 
 
 @dataclasses.dataclass
@@ -213,4 +209,5 @@ class Worker:
         deadline = time.monotonic() + wait
         while self.running() and time.monotonic() < deadline:
             time.sleep(0.01)
+        finish_output(self.process, max(0.0, deadline - time.monotonic()))
         self.heartbeat.unlink(missing_ok=True)

@@ -16,12 +16,16 @@ process ends at once (`exit_now`: MWMS has no clean shutdown). `elastic.fit` and
 world and strategy `run` made.
 """
 import dataclasses
+import json
+import os
 import sys
+import time
 import traceback
 from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
+from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.worker import errors
 from tf_elastic.elastic.worker.cluster import resolve_world
 from tf_elastic.elastic.worker.strategy import make_strategy
@@ -89,11 +93,14 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
 
 
 def _report(error: BaseException) -> int:
-    """Prints what ended `main` (one line for what the agent handles, a traceback otherwise); its exit code."""
+    """Prints what ended `main` (one line for what the agent handles, a traceback otherwise) and writes it
+    to the agent's error file; returns its exit code."""
     if isinstance(error, COLLECTIVE_FAILURES):  # outside fit (an evaluation after it): a peer is gone
         error = errors.PeerFailure(-1, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
     if isinstance(error, SystemExit):
         return error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+    if not isinstance(error, errors.StopRequested):
+        _write_error_file(error)
     if isinstance(error, (errors.StopRequested, errors.PeerFailure)):
         print(f"tf_elastic: {error}", file=sys.stderr, flush=True)
     elif isinstance(error, (ValueError, FileNotFoundError)):
@@ -102,3 +109,22 @@ def _report(error: BaseException) -> int:
         traceback.print_exception(error)
         sys.stderr.flush()
     return errors.exit_code(error)
+
+
+def _write_error_file(error: BaseException) -> None:
+    """`Env.ERROR_FILE` (set by the agent): the exception's type, message and last traceback lines."""
+    path = os.environ.get(Env.ERROR_FILE)
+    if not path:
+        return
+    lines = "".join(traceback.format_exception(error)).rstrip().splitlines()
+    record = {"type": type(error).__name__, "message": str(error)[:2000], "traceback": lines[-ERROR_FILE_LINES:],
+              "time": time.time()}
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(record, f)
+        os.replace(path + ".tmp", path)  # whole or absent: the agent may read it as soon as we exit
+    except OSError:
+        pass  # the agent falls back to the last line of stderr
+
+
+ERROR_FILE_LINES = 15
