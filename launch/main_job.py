@@ -21,7 +21,6 @@ from absl import app, flags
 
 from . import report
 from tf_elastic.elastic.protocol import Event, RunDir
-from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing.local_job import LocalJob, stop_jobs_on_sigterm
 
 flags.DEFINE_string("run_dir", None, "Root of the job: the store, each host's run dir, the durable copies and "
@@ -79,7 +78,7 @@ def main(argv: List[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
     print("\n" + report.summary(job.run_dirs))
-    report.plot(job.run_dirs, root / "run.png", dataset_size=len(datasets.load("digits").y_train))
+    report.plot(job.run_dirs, root / "run.png", dataset_size=report.dataset_size(job.run_dirs))
     print(f"\nplot: {root / 'run.png'}\nevents: " + ", ".join(str(RunDir(d).events) for d in job.run_dirs))
     return 0 if all(code == 0 for host, code in job.wait_agents().items() if host != "host-b") else 1
 

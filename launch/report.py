@@ -1,10 +1,10 @@
 """A run's story from `RUN_DIR/events.jsonl`: a summary table and `run.png`.
 
-    python -m launch.report --run_dir=RUN_DIR --dataset_size=1437
-    python -m launch.report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR --dataset_size=1437   # host-local run dirs
+    python -m launch.report --run_dir=RUN_DIR
+    python -m launch.report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR   # host-local run dirs
 """
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from absl import app, flags
 
@@ -28,7 +28,10 @@ def summary(run_dir: RunDirs) -> str:
     for number, rendezvous in sorted(rounds.items()):
         first = firsts.get(number)
         first_at = "-" if first is None else f"{first['time'] - start:.1f}s"
-        lines.append(f"| {number} | {rendezvous['world_size']} | {rendezvous['reason']} | {rendezvous['restarts']} | "
+        # The reason is what the host that opened the round saw (a survivor's collective failing); `lost`
+        # names the hosts whose lease was gone when the round froze: the failure's culprit.
+        why = rendezvous["reason"] + (f"; lost: {', '.join(rendezvous['lost'])}" if rendezvous.get("lost") else "")
+        lines.append(f"| {number} | {rendezvous['world_size']} | {why} | {rendezvous['restarts']} | "
                      f"{restores[number]['step']} | {first_at} |")
     failures = [e for e in events if e["event"] == Event.FAILURE]
     evaluation = [e for e in events if e["event"] == Event.EVALUATION]
@@ -77,17 +80,26 @@ def plot(run_dir: RunDirs, path: Path, dataset_size: int) -> None:
     plt.close(fig)
 
 
+def dataset_size(run_dir: RunDirs) -> Optional[int]:
+    """Training examples an epoch, as the workers' `first_step` events say (None: events from before they did)."""
+    sizes = [e["examples"] for e in read_events(run_dir) if e["event"] == Event.FIRST_STEP and e.get("examples")]
+    return max(sizes) if sizes else None
+
+
 def main(argv: List[str]) -> None:
     del argv
     dirs = [Path(d) for d in flags.FLAGS.run_dir]
+    size = flags.FLAGS.dataset_size or dataset_size(dirs)
+    if size is None:
+        raise app.UsageError("--dataset_size: these events do not say how many examples an epoch has; give it")
     print(summary(dirs))
-    plot(dirs, dirs[0] / "run.png", flags.FLAGS.dataset_size)
+    plot(dirs, dirs[0] / "run.png", size)
     print(f"\nplot: {dirs[0] / 'run.png'}")
 
 
 if __name__ == "__main__":
     flags.DEFINE_list("run_dir", None, "The run directory (holding events.jsonl), or several, comma-separated "
                       "(hosts with run dirs of their own).", required=True)
-    flags.DEFINE_integer("dataset_size", None, "Training examples an epoch, to place commits on the samples axis.",
-                         lower_bound=1, required=True)
+    flags.DEFINE_integer("dataset_size", None, "Training examples an epoch, to place commits on the samples axis "
+                         "(default: what the workers' events say).", lower_bound=1)
     app.run(main)

@@ -23,7 +23,7 @@ from tf_elastic.elastic.worker.world import World  # noqa: E402
 from tf_elastic.schedules.batch_resize import SCALINGS, TRANSITIONS  # noqa: E402
 
 # Model and data.
-flags.DEFINE_string("model", "mnist_cnn", "Model name from the models registry (models.NAMES).")
+flags.DEFINE_enum("model", "mnist_cnn", models.NAMES, "Model of the registry (tf_elastic.models).")
 flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnist (--data_dir, else Keras's download), "
                     "synthetic, folder:PATH (PATH/train/<class>/*, PATH/validation/<class>/*), tfrecord:DIR "
                     "(DIR/train-*, DIR/validation-*), or tfds:NAME (prepared as ArrayRecord in --data_dir).")

@@ -85,6 +85,15 @@ def test_freeze_leaves_out_a_participant_whose_lease_expired():
     assert frozen.assignment == {"a": [0]} and frozen.cluster == ["127.0.0.1:1000"]
 
 
+def test_freeze_names_the_expected_hosts_whose_lease_is_gone():
+    """After a SIGKILL of host b, a survivor's worker only saw a collective fail; the round that follows
+    names b, whose lease expired (c, alive but not yet back, is not lost)."""
+    participants = {"a": _participant(previous_rank=0)}
+    frozen = decisions.freeze(_round(expected=["a", "b", "c"]), participants, max_workers=2, alive={"a", "c"})
+    assert frozen.lost == ["b"]
+    assert Round.from_json(frozen.to_json()).lost == ["b"]
+
+
 def test_participants_are_the_leases_that_announce_the_round_and_malformed_ones_are_refused():
     good = dict(_participant(), round=3)
     leases = {"/j/hosts/a": json.dumps(good), "/j/hosts/standby": json.dumps(dict(good, round=2)),

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from launch import report
 from tf_elastic.elastic.store import open_store
 from tf_elastic.testing import audit
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
@@ -73,6 +74,12 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     survivor = job.wait_for(lambda: _first_step(job, pair["round"] + 1, world_size=1), what="the survivor alone")[0]
     lost = _max_step_before(job, survivor["round"]) - _restores(job)[survivor["round"]]
     assert 0 <= lost <= COMMIT_EVERY
+    # The killed host is named, not only the survivor whose collective failed: in a failure event, the
+    # report's "why" and the survivor agent's log.
+    assert [e for e in job.events("failure") if e["kind"] == "host_lost" and e["host"] == "b"], job.events("failure")
+    row = [line for line in report.summary(job.run_dir).splitlines() if line.startswith(f"| {survivor['round']} |")]
+    assert row and "lost: b" in row[0], report.summary(job.run_dir)
+    assert "lost b (lease expired)" in (job.tmp / "agent-a.log").read_text(errors="replace")
 
     job.start_agent("c")
     joined = job.wait_for(lambda: _first_step(job, survivor["round"] + 1, world_size=2), what="c joining")[0]

@@ -80,7 +80,7 @@ def main():
 
 elastic.run(main)
 """
-EPOCHS = 8
+EPOCHS = 5
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1"]
 
 

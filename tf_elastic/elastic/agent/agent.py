@@ -121,11 +121,7 @@ class ElasticAgent:
                     self._release_lease()
                     return self._exit(AgentExit.OK, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
-                self.events.write(Event.RENDEZVOUS, round=round_.number, world_size=round_.world_size, ranks=ranks,
-                                  reason=round_.reason, restarts=round_.restarts, cluster=round_.cluster)
-                logging.info("round %d: world size %d, hosts %s, ranks %s here; %s (restarts %d)", round_.number,
-                             round_.world_size, ",".join(sorted(round_.assignment)), ranks, round_.reason,
-                             round_.restarts)
+                self._report_round(round_, ranks)
                 result = self._run_round(round_, ranks)
                 if result is RoundResult.SUCCEEDED:
                     self._record_done()
@@ -147,6 +143,20 @@ class ElasticAgent:
             for spare in self._warm.values():
                 workers.kill(spare.process)
             shutil.rmtree(self.host_dir.path, ignore_errors=True)
+
+    def _report_round(self, round_: Round, ranks: List[int]) -> None:
+        """The round's event and log line. Hosts it lost (their lease gone) are the failure's culprit, where the
+        survivors' workers only saw a collective fail: rank 0's agent records each as a `host_lost` failure."""
+        lost = round_.lost or []
+        self.events.write(Event.RENDEZVOUS, round=round_.number, world_size=round_.world_size, ranks=ranks,
+                          reason=round_.reason, restarts=round_.restarts, cluster=round_.cluster, lost=lost)
+        if 0 in ranks:
+            for host in lost:
+                self.events.write(Event.FAILURE, round=round_.number - 1, kind=Failure.HOST_LOST.value, rank=None,
+                                  code=None, host=host, counted=False, error="its lease expired")
+        logging.info("round %d: world size %d, hosts %s, ranks %s here; %s%s (restarts %d)", round_.number,
+                     round_.world_size, ",".join(sorted(round_.assignment)), ranks, round_.reason,
+                     f"; lost {','.join(lost)} (lease expired)" if lost else "", round_.restarts)
 
     def _record_done(self) -> None:
         """Tells every agent the job is done, retrying while the store is unreachable (up to the

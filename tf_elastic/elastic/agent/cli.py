@@ -1,8 +1,4 @@
-"""`tf-elastic-run` / `python -m launch.elastic_run`: the elastic agent's command line.
-
-    tf-elastic-run --nproc=1 --min_workers=1 --max_workers=2 --rdzv=file:///tmp/rdzv --job_id=demo \\
-        --run_dir=/tmp/run -- python -m launch.train --dataset=digits
-"""
+"""`tf-elastic-run` / `python -m launch.elastic_run`: the elastic agent's command line (`SYNOPSIS`)."""
 import os
 import re
 import signal
@@ -209,9 +205,37 @@ def main(argv: List[str]) -> int:
     return code
 
 
+SYNOPSIS = """usage: tf-elastic-run [FLAGS] -- COMMAND [ARGS...]
+
+Runs COMMAND as this host's workers of an elastic job, one agent per host: joins the job's rounds through the
+store, restarts the workers at the new size when a worker dies, hangs or is preempted, or a host joins or leaves.
+
+example (two agents on one machine sharing a file store; on separate hosts --host_id defaults to the host name):
+  tf-elastic-run --host_id=a --min_workers=1 --max_workers=2 --rdzv=file:///tmp/rdzv --job_id=demo \\
+      --run_dir=/tmp/run -- tf-elastic-train --dataset=digits &
+  tf-elastic-run --host_id=b --min_workers=1 --max_workers=2 --rdzv=file:///tmp/rdzv --job_id=demo \\
+      --run_dir=/tmp/run -- tf-elastic-train --dataset=digits
+"""
+HELP = ("-h", "-?", "--help", "--helpshort")
+
+
 def run() -> None:
-    """The entry point of `tf-elastic-run` and `python -m launch.elastic_run`."""
-    # absl's --help lists the key flags of the program file (sys.argv[0]): make ours its key flags.
+    """The entry point of `tf-elastic-run` and `python -m launch.elastic_run`. `--help` prints the synopsis and
+    the agent's flags and exits 0; a bad flag is one line naming it (absl would print the whole help)."""
+    # absl's help lists the key flags of the program file (sys.argv[0]): make ours its key flags.
     for flag in FLAGS.get_key_flags_for_module(__name__):
         FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    app.run(lambda argv: sys.exit(main(argv)))
+    own = sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:]
+    if any(argument in HELP for argument in own):
+        print(SYNOPSIS)
+        print(FLAGS.module_help(sys.argv[0]))
+        sys.exit(0)
+    app.run(lambda argv: sys.exit(_main_or_one_line(argv)))
+
+
+def _main_or_one_line(argv: List[str]) -> int:
+    try:
+        return main(argv)
+    except app.UsageError as error:
+        print(f"tf-elastic-run: error: {error} (see --help)", file=sys.stderr, flush=True)
+        return 2

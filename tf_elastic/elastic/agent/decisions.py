@@ -76,7 +76,9 @@ def freeze(round_: Round, participants: Dict[str, Dict], max_workers: int, alive
            divides: Optional[int] = None) -> Round:
     """Ranks for the participants: survivors first, in their previous order (so rank 0 held fresh state),
     then newcomers by join time. Workers beyond `world_size` get none (standby), nor does a participant
-    whose lease expired since it joined (ranking it would only cost a counted restart at once)."""
+    whose lease expired since it joined (ranking it would only cost a counted restart at once). Expected
+    hosts without a live lease are recorded as `lost`: the host a failure was about, where the survivors
+    that noticed it only saw a collective fail."""
     order = sorted(((h, p) for h, p in participants.items() if alive is None or h in alive),
                    key=lambda item: (item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0,
                                      item[1]["joined"], item[0]))
@@ -86,7 +88,9 @@ def freeze(round_: Round, participants: Dict[str, Dict], max_workers: int, alive
         take = max(0, min(info["nproc"], size - len(cluster)))
         assignment[host] = list(range(len(cluster), len(cluster) + take))
         cluster += [f"{info['addr']}:{port}" for port in info["ports"][:take]]
-    return dataclasses.replace(round_, phase=Phase.FROZEN.value, assignment=assignment, cluster=cluster)
+    present = alive if alive is not None else set(participants)
+    return dataclasses.replace(round_, phase=Phase.FROZEN.value, assignment=assignment, cluster=cluster,
+                               lost=[host for host in round_.expected if host not in present])
 
 
 def next_round(seen: Round, reason: str, failure: bool, opened: float, opener: str,

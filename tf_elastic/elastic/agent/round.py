@@ -39,6 +39,7 @@ class Round:
     opener: str
     assignment: Optional[Dict[str, List[int]]] = None
     cluster: Optional[List[str]] = None
+    lost: Optional[List[str]] = None  # expected hosts whose lease was gone when it froze: what the failure was
 
     @property
     def world_size(self) -> int:
@@ -90,6 +91,8 @@ def _check_types(round_: Round) -> None:
             isinstance(r, list) and all(_is_int(i) for i in r) for r in round_.assignment.values()), "assignment")
     if round_.cluster is not None:
         _check(isinstance(round_.cluster, list) and all(isinstance(a, str) for a in round_.cluster), "cluster")
+    if round_.lost is not None:
+        _check(isinstance(round_.lost, list) and all(isinstance(h, str) for h in round_.lost), "lost")
 
 
 def participants_of(leases: Dict[str, str], number: int) -> Tuple[Dict[str, Dict], List[str]]:

@@ -66,7 +66,7 @@ class DurableCopies:
     directory (default: the backend its scheme names)."""
 
     def __init__(self, directory: str, keep: int = 2, storage: Optional[Storage] = None):
-        self.directory, self.keep = directory.rstrip("/"), keep
+        self.directory, self.keep = os.fspath(directory).rstrip("/"), keep
         self.storage = storage or open_storage(self.directory)
 
     def generation_mark(self) -> int:

@@ -159,7 +159,7 @@ class _ElasticTrainer:
         if not self.first_step_logged:
             self.first_step_logged = True
             self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
-                              world_size=self.world.size)
+                              world_size=self.world.size, examples=self.source.num_examples)
         every = self.config.commit_every_steps
         commit = bool(every) and self.step % every == 0
         if self.step % self.config.sync_every_steps == 0:

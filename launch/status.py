@@ -1,0 +1,62 @@
+"""`tf-elastic-status`: a job's status from its rendezvous store, without TensorFlow (works on etcd and the file
+store): outcome, current round, members with ranks and addresses, standbys, blacklisted hosts and the time
+they have left; with `--run_dir` (every host's, comma-separated, where readable) also the last commit, its
+age and recent steps per second.
+
+    python -m launch.status --rdzv=etcd://10.0.0.1:2379 --job_id=job1 --run_dir=/shared/run --watch=2
+"""
+import os
+import sys
+import time
+from typing import List
+
+from absl import app, flags
+
+from tf_elastic.elastic.agent.status import read_status, render
+from tf_elastic.elastic.protocol import Env
+from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
+
+flags.DEFINE_string("rdzv", None, "The job's rendezvous store URL: file:///path or etcd://host:port[,host:port].")
+flags.DEFINE_string("job_id", None, "The job's id (the agents' --job_id).")
+flags.DEFINE_list("run_dir", [], "Run dirs whose events to read (every host's, where they are readable).")
+flags.DEFINE_float("watch", 0.0, "Print again every this many seconds until interrupted (0: once).", lower_bound=0.0)
+flags.DEFINE_string("rdzv_user", None, "etcd user (the password from TF_ELASTIC_RDZV_PASSWORD).")
+flags.DEFINE_string("rdzv_ca_cert", None, "etcd TLS: the CA to verify the server against.")
+flags.DEFINE_string("rdzv_cert", None, "etcd TLS: client certificate.")
+flags.DEFINE_string("rdzv_key", None, "etcd TLS: client key.")
+flags.mark_flags_as_required(["rdzv", "job_id"])
+FLAGS = flags.FLAGS
+
+
+def main(argv: List[str]) -> int:
+    del argv
+    options = StoreOptions(user=FLAGS.rdzv_user, password=os.environ.get(Env.RDZV_PASSWORD),
+                           ca_cert=FLAGS.rdzv_ca_cert, cert=FLAGS.rdzv_cert, key=FLAGS.rdzv_key)
+    try:
+        store = open_store(FLAGS.rdzv, options)
+    except (ValueError, StoreError) as error:
+        raise app.UsageError(str(error))
+    try:
+        while True:
+            try:
+                text, code = render(read_status(store, FLAGS.job_id, FLAGS.run_dir)), 0
+            except StoreError as error:
+                text, code = f"job {FLAGS.job_id}: the store cannot be read ({error})", 1
+            print(text, flush=True)
+            if not FLAGS.watch:
+                return code
+            time.sleep(FLAGS.watch)
+            print(flush=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        store.close()
+
+
+def run() -> None:
+    """The entry point of `tf-elastic-status`."""
+    app.run(lambda argv: sys.exit(main(argv)))
+
+
+if __name__ == "__main__":
+    run()

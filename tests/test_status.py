@@ -1,0 +1,61 @@
+"""`tf-elastic-status` (`launch/status.py`, `tf_elastic/elastic/agent/status.py`): read from the store and the
+events, without TensorFlow, on both stores."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from tf_elastic.elastic.agent.job_record import JobKeys
+from tf_elastic.elastic.agent.round import Round
+from tf_elastic.elastic.agent.status import read_status, render
+from tf_elastic.elastic.events import EventLog
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.store import open_store
+from tf_elastic.testing.local_job import LocalJob, repo_env
+
+
+def test_the_status_names_members_standbys_the_blacklist_and_the_last_commit(tmp_path):
+    store = open_store(f"file://{tmp_path / 'rdzv'}")
+    keys, now = JobKeys("j"), time.time()
+    frozen = Round(3, "frozen", "worker_exit rank=1 host=b: RuntimeError: boom", 1, now - 5, ["a", "c"], "a",
+                   {"a": [0], "c": [1, 2]}, ["127.0.0.1:1000", "127.0.0.2:1001", "127.0.0.2:1002"])
+    store.set(keys.round, frozen.to_json())
+    for host in "acd":
+        store.set(keys.host(host), json.dumps({"addr": "127.0.0.1", "nproc": 1}), ttl=30)
+    store.set(keys.blacklist("b"), json.dumps({"strikes": 1, "until": now + 40}))
+    events = EventLog(tmp_path / "run", "worker:0")
+    for step in (10, 20, 30):
+        events.write(Event.COMMIT, step=step, epoch=0, round=3)
+    text = render(read_status(store, "j", [str(tmp_path / "run")]))
+    assert "job j: running" in text and "round 3 (frozen), world size 3, restarts 1" in text
+    assert "RuntimeError: boom" in text
+    assert "| a | 0 | 127.0.0.1:1000 |" in text and "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 |" in text
+    assert "standby: d" in text and "blacklisted: b (" in text and "s left)" in text
+    assert "last commit: step 30 (epoch 0)" in text and "steps/s" in text
+
+
+@pytest.mark.parametrize("rdzv_url", ["file", "etcd"], indirect=True)
+def test_the_status_of_a_live_two_host_job_lists_both_members_with_their_ranks(rdzv_url, tmp_path):
+    """Real agents (trivial workers: no TensorFlow), a third host waiting as a standby."""
+    job = LocalJob(tmp_path, [], ["--min_workers=2", "--max_workers=2", "--warm_start=false", "--last_call=0.5"],
+                   rdzv=rdzv_url)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    try:
+        for host in "ab":
+            job.start_agent(host, command=sleeper)
+        job.wait_for(lambda: len(job.events(Event.WORKER_START)) == 2, what="both workers")
+        job.start_agent("c", command=sleeper)
+        job.wait_for(lambda: job.in_rendezvous("c"), what="c waiting as a standby")
+        proc = subprocess.run([sys.executable, "-m", "launch.status", f"--rdzv={rdzv_url}", f"--job_id={job.job_id}",
+                               f"--run_dir={job.run_dir}"], cwd=REPO, env=repo_env(), capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        job.cleanup()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| host")}
+    assert sorted(rows) == ["a", "b"] and sorted(rows.values()) == ["0", "1"], proc.stdout
+    assert "standby: c" in proc.stdout and "world size 2" in proc.stdout, proc.stdout

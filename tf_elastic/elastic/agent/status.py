@@ -1,0 +1,89 @@
+"""What a job is doing, read from its store (and its events where a run dir is readable), without TensorFlow:
+the outcome, the current round and its members with ranks and addresses, standbys, blacklisted hosts and
+the time they have left, the last commit and its age, recent steps per second. `launch/status.py`
+(`tf-elastic-status`) prints it, once or every few seconds.
+"""
+import dataclasses
+import json
+import time
+from typing import Dict, List, Optional, Sequence
+
+from tf_elastic.elastic.agent.job_record import JobKeys, JobRecord
+from tf_elastic.elastic.agent.round import Round, is_finite_number
+from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.store import Store
+
+RECENT_COMMITS = 5  # steps per second are measured over the newest this many commits
+
+
+@dataclasses.dataclass
+class Member:
+    host: str
+    ranks: List[int]
+    addresses: List[str]
+
+
+@dataclasses.dataclass
+class JobStatusView:
+    job_id: str
+    outcome: Optional[str]  # "done: reason", "failed: reason", None while the job runs
+    round_: Optional[Round]
+    members: List[Member]
+    standbys: List[str]
+    blacklisted: Dict[str, float]  # host -> seconds left
+    last_commit: Optional[Dict] = None  # the newest `commit` event, if events were readable
+    steps_per_second: Optional[float] = None
+
+
+def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Optional[float] = None) -> JobStatusView:
+    keys, now = JobKeys(job_id), time.time() if now is None else now
+    outcome = JobRecord(store, job_id, host_id="").outcome()
+    raw = store.get(keys.round)
+    round_ = Round.from_json(raw, keys.round) if raw else None
+    assignment = (round_.assignment or {}) if round_ else {}
+    cluster = (round_.cluster or []) if round_ else []
+    members = [Member(host, sorted(ranks), [cluster[r] for r in sorted(ranks) if r < len(cluster)])
+               for host, ranks in sorted(assignment.items(), key=lambda item: min(item[1], default=0))]
+    leased = [key.rsplit("/", 1)[-1] for key in store.list(keys.hosts)]
+    view = JobStatusView(job_id, f"{outcome.status.value}: {outcome.reason}" if outcome else None, round_, members,
+                         sorted(h for h in leased if h not in assignment), _blacklisted(store, job_id, now))
+    commits = [e for e in read_events(list(run_dirs)) if e["event"] == Event.COMMIT] if run_dirs else []
+    if commits:
+        view.last_commit = commits[-1]
+        recent = commits[-RECENT_COMMITS:]
+        if len(recent) > 1 and recent[-1]["time"] > recent[0]["time"]:
+            view.steps_per_second = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
+    return view
+
+
+def _blacklisted(store: Store, job_id: str, now: float) -> Dict[str, float]:
+    out = {}
+    for key, raw in store.list(JobKeys(job_id).blacklist("")).items():
+        try:
+            until = json.loads(raw).get("until")
+        except (ValueError, AttributeError):
+            continue  # a malformed record: the agents refuse it, the status shows what it can
+        if is_finite_number(until) and until > now:
+            out[key.rsplit("/", 1)[-1]] = until - now
+    return out
+
+
+def render(view: JobStatusView, now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    r = view.round_
+    state = view.outcome or ("running" if r else "no round yet")
+    lines = [f"job {view.job_id}: {state}"]
+    if r:
+        lines.append(f"round {r.number} ({r.phase}), world size {r.world_size}, restarts {r.restarts}; "
+                     f"opened {now - r.opened:.0f} s ago because: {r.reason}")
+    lines += ["| host | ranks | addresses |", "|---|---|---|"]
+    lines += [f"| {m.host} | {','.join(map(str, m.ranks))} | {' '.join(m.addresses)} |" for m in view.members]
+    lines.append("standby: " + (", ".join(view.standbys) or "none"))
+    lines.append("blacklisted: " + (", ".join(f"{h} ({s:.0f} s left)" for h, s in sorted(view.blacklisted.items()))
+                                    or "none"))
+    if view.last_commit:
+        c = view.last_commit
+        rate = f"; {view.steps_per_second:.2f} steps/s over the last commits" if view.steps_per_second else ""
+        lines.append(f"last commit: step {c['step']} (epoch {c['epoch']}), {now - c['time']:.1f} s ago{rate}")
+    return "\n".join(lines)
