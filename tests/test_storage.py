@@ -1,6 +1,7 @@
 """Durable copies on s3:// through boto3, against a real S3 API on 127.0.0.1 (moto's server): parts above the
 part size, partial copies and their multipart uploads collected, clear errors for a missing bucket and
 denied access. (A job killed mid-copy and restarted on empty hosts from the bucket: tests/test_group_state.py.)"""
+import contextlib
 import os
 import subprocess
 import sys
@@ -93,13 +94,22 @@ def test_a_missing_bucket_and_denied_access_are_clear_errors_naming_the_bucket(s
 
 
 @pytest.mark.slow
-def test_a_worker_exits_78_naming_a_missing_bucket(s3, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.train", "--dataset=digits", "--epochs=1", "--threads=1",
-                           f"--run_dir={tmp_path}", "--checkpoint_dir=s3://no-such-bucket/job"],
-                          cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("case", ["missing", "denied"])
+def test_a_worker_exits_78_naming_a_missing_or_denied_bucket(s3, tmp_path, case):
+    """At start, before any training: the chief's probe write is refused (a read-only user on an S3 server
+    that checks every request, for `denied`)."""
+    with contextlib.ExitStack() as stack:
+        env = stack.enter_context(local_s3("bucket", read_only=True)) if case == "denied" else s3
+        bucket = "no-such-bucket" if case == "missing" else "bucket"
+        proc = subprocess.run([sys.executable, "-m", "launch.train", "--dataset=digits", "--epochs=1", "--threads=1",
+                               f"--run_dir={tmp_path}", f"--checkpoint_dir=s3://{bucket}/job"],
+                              cwd=REPO, env=repo_env(**env), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 78, proc.stderr[-3000:]
-    assert "--checkpoint_dir=s3://no-such-bucket/job cannot be written" in proc.stderr
-    assert "the bucket no-such-bucket does not exist" in proc.stderr
+    assert f"--checkpoint_dir=s3://{bucket}/job cannot be written" in proc.stderr
+    reason = "the bucket no-such-bucket does not exist" if case == "missing" else "access denied (AccessDenied"
+    assert reason in proc.stderr, proc.stderr[-3000:]
+    if case == "denied":  # (the missing case's key is the word "testing")
+        assert env["AWS_SECRET_ACCESS_KEY"] not in proc.stderr + proc.stdout
 
 
 def test_a_copy_that_fails_later_is_a_storage_error_not_a_crash(s3, tmp_path):
