@@ -78,6 +78,8 @@ def main(argv: List[str]) -> int:
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
     print("\n" + report.summary(job.run_dirs))
+    print("\nWhere each host's time went (goodput: training time over wall time):\n")
+    print(report.time_table(report.time_split(job.run_dirs)))
     report.plot(job.run_dirs, root / "run.png", dataset_size=report.dataset_size(job.run_dirs))
     print(f"\nplot: {root / 'run.png'}\nevents: " + ", ".join(str(RunDir(d).events) for d in job.run_dirs))
     return 0 if all(code == 0 for host, code in job.wait_agents().items() if host != "host-b") else 1

@@ -45,6 +45,98 @@ def summary(run_dir: RunDirs) -> str:
     return "\n".join(lines)
 
 
+CAUSES = ("training", "commits on the training path", "redone after a failure", "start-up",
+          "rendezvous and restarts", "standby", "finishing")
+
+
+def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
+    """Each host's wall time (its agent's start to its exit) by cause, the pieces tiling it: from each of the
+    host's events to the next, the host is in the state that event began (`_STATE_AFTER`). Training time
+    then gives up the chief's commits that fall in it (what the step paid) and, in a round a failure ended,
+    the time of the steps the next round trained again (`_redone`)."""
+    events = read_events(run_dir)
+    hosts = _host_of_worker_events(events)
+    commits = [e for e in events if e["event"] == Event.COMMIT]
+    restarts = {e["round"]: e["restarts"] for e in events if e["event"] == Event.RENDEZVOUS}
+    resumed = {e["round"]: e["step"] for e in events if e["event"] == Event.RESTORE and e["rank"] == 0}
+    reached: Dict[int, int] = {}
+    for e in (e for e in events if e["event"] == Event.COLLECTIVE_FAILURE):
+        reached[e["round"]] = max(reached.get(e["round"], 0), e["step"])
+    split = {}
+    for host in sorted(set(hosts.values())):
+        # A failure event belongs to the host it names, whoever wrote it: a killed host's ends its timeline.
+        mine = [e for e in events if e["event"] in _STATE_AFTER and (
+            e.get("host") == host if e["event"] == Event.FAILURE else hosts.get(id(e)) == host)]
+        if not mine or mine[0]["event"] != Event.AGENT_START:
+            continue
+        causes = dict.fromkeys(CAUSES, 0.0)
+        for event, following in zip(mine, mine[1:]):
+            state, length = _STATE_AFTER[event["event"]](event), following["time"] - event["time"]
+            if state == "training":
+                within = [c for c in commits if c["round"] == event["round"] and event["time"] <= c["time"]
+                          < following["time"]]
+                failed = restarts.get(event["round"] + 1, 0) > restarts.get(event["round"], 0)
+                lost = _redone(event, following["time"], within, reached.get(event["round"]),
+                               resumed.get(event["round"] + 1)) if failed else 0.0
+                paid = min(length - lost, sum(c.get("seconds", 0.0) for c in within))
+                causes["commits on the training path"] += paid
+                causes["redone after a failure"] += lost
+                length -= paid + lost
+            causes[state] += length
+        causes["wall"] = mine[-1]["time"] - mine[0]["time"]
+        split[host] = causes
+    return split
+
+
+_STATE_AFTER = {
+    Event.AGENT_START: lambda e: "start-up",
+    Event.RENDEZVOUS: lambda e: "start-up" if e.get("ranks") else "standby",
+    Event.FIRST_STEP: lambda e: "training",
+    Event.FAILURE: lambda e: "rendezvous and restarts",
+    Event.MEMBERSHIP_CHANGE: lambda e: "rendezvous and restarts",
+    Event.WORKERS_DONE: lambda e: "finishing",
+    Event.EXIT: lambda e: "finishing",
+}
+
+
+def _host_of_worker_events(events: List[Dict]) -> Dict[int, str]:
+    """id(event) -> host, for the agents' events and their workers' first steps (by round and rank)."""
+    ranks = {(e["round"], e["rank"]): e["source"].split(":", 1)[1] for e in events
+             if e["event"] == Event.WORKER_START and e["source"].startswith("agent:")}
+    hosts, first = {}, set()
+    for e in events:
+        if e["source"].startswith("agent:"):
+            hosts[id(e)] = e["source"].split(":", 1)[1]
+        elif e["event"] == Event.FIRST_STEP and (e["round"], e["rank"]) in ranks:
+            host = ranks[(e["round"], e["rank"])]
+            if (host, e["round"]) not in first:  # a host's first rank to step starts its training
+                first.add((host, e["round"]))
+                hosts[id(e)] = host
+    return hosts
+
+
+def _redone(first_step: Dict, end: float, commits: List[Dict], reached: Optional[int],
+            resumed_at: Optional[int]) -> float:
+    """Seconds of a failed round spent on steps the next round trained again: the steps past the one it
+    resumed from, up to the last the round reached (its workers' `collective_failure` events), at the
+    round's average pace. Where a step is unknown: all that came after the round's last announced commit."""
+    if reached is None or resumed_at is None:
+        return end - max([c["time"] for c in commits], default=first_step["time"])
+    done = reached - first_step["step"]
+    if done <= 0 or reached <= resumed_at:
+        return 0.0
+    return (end - first_step["time"]) * min(1.0, (reached - resumed_at) / done)
+
+
+def time_table(split: Dict[str, Dict[str, float]]) -> str:
+    lines = ["| host | wall s | " + " | ".join(CAUSES) + " | goodput |", "|---|" + "---:|" * (len(CAUSES) + 2)]
+    for host, causes in split.items():
+        wall = causes["wall"] or 1.0
+        lines.append(f"| {host} | {causes['wall']:.1f} | " + " | ".join(
+            f"{causes[c]:.1f} ({causes[c] / wall:.0%})" for c in CAUSES) + f" | {causes['training'] / wall:.1%} |")
+    return "\n".join(lines)
+
+
 def plot(run_dir: RunDirs, path: Path, dataset_size: int) -> None:
     """Loss and learning rate at each commit against samples seen; failures red, membership changes grey."""
     import matplotlib
@@ -93,6 +185,10 @@ def main(argv: List[str]) -> None:
     if size is None:
         raise app.UsageError("--dataset_size: these events do not say how many examples an epoch has; give it")
     print(summary(dirs))
+    print("\nWhere each host's time went (goodput: training time over wall time):\n")
+    print(time_table(time_split(dirs)))
+    if any(RunDir(d).indices.is_dir() for d in run_dirs(dirs)):
+        print(f"\nsteps trained again after a restart (from the index logs): {audit.steps_redone(dirs)}")
     plot(dirs, dirs[0] / "run.png", size)
     print(f"\nplot: {dirs[0] / 'run.png'}")
 

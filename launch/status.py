@@ -13,12 +13,16 @@ from typing import List
 from absl import app, flags
 
 from tf_elastic.elastic.agent.status import read_status, render
+from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
 
 flags.DEFINE_string("rdzv", None, "The job's rendezvous store URL: file:///path or etcd://host:port[,host:port].")
 flags.DEFINE_string("job_id", None, "The job's id (the agents' --job_id).")
 flags.DEFINE_list("run_dir", [], "Run dirs whose events to read (every host's, where they are readable).")
+flags.DEFINE_float("host_ttl", 1.0, "The agents' --host_ttl: on the file store, which times leases on the reader's "
+                   "clock, the leases are read twice this far apart to tell a dead host from a live one.",
+                   lower_bound=0.0)
 flags.DEFINE_float("watch", 0.0, "Print again every this many seconds until interrupted (0: once).", lower_bound=0.0)
 flags.DEFINE_string("rdzv_user", None, "etcd user (the password from TF_ELASTIC_RDZV_PASSWORD).")
 flags.DEFINE_string("rdzv_ca_cert", None, "etcd TLS: the CA to verify the server against.")
@@ -26,6 +30,7 @@ flags.DEFINE_string("rdzv_cert", None, "etcd TLS: client certificate.")
 flags.DEFINE_string("rdzv_key", None, "etcd TLS: client key.")
 flags.mark_flags_as_required(["rdzv", "job_id"])
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 
 def main(argv: List[str]) -> int:
@@ -39,7 +44,8 @@ def main(argv: List[str]) -> int:
     try:
         while True:
             try:
-                text, code = render(read_status(store, FLAGS.job_id, FLAGS.run_dir)), 0
+                wait = 0.0 if store.notifies else FLAGS.host_ttl * 1.1
+                text, code = render(read_status(store, FLAGS.job_id, FLAGS.run_dir, lease_wait=wait)), 0
             except StoreError as error:
                 text, code = f"job {FLAGS.job_id}: the store cannot be read ({error})", 1
             print(text, flush=True)

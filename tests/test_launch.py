@@ -83,7 +83,7 @@ def test_main_job_runs_end_to_end(tmp_path):
     # Two hosts, then one after the kill, then two again (a first round alone is possible under load).
     pair = sizes.index(2)
     assert 1 in sizes[pair:] and sizes[-1] == 2, sizes
-    table = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| round")]
+    table = [line for line in proc.stdout.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip().isdigit()]
     trained_rounds = {e["round"] for e in events if e["event"] == "restore"}
     assert len(table) == len(trained_rounds)
     assert "examples used more than once in an epoch (committed work): 0" in proc.stdout
@@ -92,6 +92,18 @@ def test_main_job_runs_end_to_end(tmp_path):
     accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]
     assert f"test accuracy: {accuracy:.4f}" in proc.stdout
     assert (tmp_path / "run.png").stat().st_size > 10_000
+    # Where each host's time went: the causes tile its wall time; host-b's ends where its loss was noticed.
+    from launch import report
+
+    split = report.time_split(sorted((tmp_path / "hosts").iterdir()))
+    assert sorted(split) == ["host-a", "host-b", "host-c"], split
+    for host, causes in split.items():
+        assert abs(sum(causes[c] for c in report.CAUSES) - causes["wall"]) <= 0.02 * causes["wall"], (host, causes)
+        assert causes["training"] > 0, (host, causes)
+    lost = [e for e in events if e["event"] == "failure" and e["kind"] == "host_lost" and e["host"] == "host-b"]
+    started = [e for e in events if e["event"] == "agent_start" and e["source"] == "agent:host-b"][0]
+    assert lost and abs(split["host-b"]["wall"] - (lost[-1]["time"] - started["time"])) < 1e-6, (lost, split)
+    assert "| host-a |" in proc.stdout and "goodput" in proc.stdout
 
 
 @pytest.mark.slow

@@ -25,15 +25,18 @@ def test_the_status_names_members_standbys_the_blacklist_and_the_last_commit(tmp
     store.set(keys.round, frozen.to_json())
     for host in "acd":
         store.set(keys.host(host), json.dumps({"addr": "127.0.0.1", "nproc": 1}), ttl=30)
+    store.set(keys.host("dead"), json.dumps({"addr": "127.0.0.1", "nproc": 1}), ttl=0.2)  # never renewed
     store.set(keys.blacklist("b"), json.dumps({"strikes": 1, "until": now + 40}))
     events = EventLog(tmp_path / "run", "worker:0")
     for step in (10, 20, 30):
         events.write(Event.COMMIT, step=step, epoch=0, round=3)
-    text = render(read_status(store, "j", [str(tmp_path / "run")]))
+    # A fresh reader of the file store takes each lease as new: two reads a host TTL apart tell the dead one.
+    text = render(read_status(open_store(f"file://{tmp_path / 'rdzv'}"), "j", [str(tmp_path / "run")],
+                              lease_wait=0.3))
     assert "job j: running" in text and "round 3 (frozen), world size 3, restarts 1" in text
     assert "RuntimeError: boom" in text
     assert "| a | 0 | 127.0.0.1:1000 |" in text and "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 |" in text
-    assert "standby: d" in text and "blacklisted: b (" in text and "s left)" in text
+    assert "\nstandby: d\n" in text and "blacklisted: b (" in text and "s left)" in text
     assert "last commit: step 30 (epoch 0)" in text and "steps/s" in text
 
 

@@ -445,6 +445,8 @@ class ElasticAgent:
         self._release_lease()
         noticed = self._notice and round(time.monotonic() - self._notice[0], 2)
         self.events.write(Event.LEAVE, round=round_.number, host=self.host_id, seconds_after_notice=noticed)
+        logging.info("round %d: %s left the job (%s); its workers committed and stopped", round_.number,
+                     self.host_id, self._notice[2] if self._notice else "asked to leave")
         return RoundResult.LEFT
 
     def _release_lease(self) -> None:

@@ -180,7 +180,7 @@ class Rendezvous:
         once `cancelled()` (the agent was asked to leave while waiting)."""
         deadline = time.monotonic() + self.timeouts.rendezvous
         unreachable: Optional[Exception] = None
-        changed = True
+        changed, standing_by = True, False
         while True:
             if cancelled():
                 return None
@@ -197,6 +197,10 @@ class Rendezvous:
                 return taken
             if action is JoinAction.STANDBY:
                 deadline = time.monotonic() + self.timeouts.rendezvous  # the job trains: waiting is no failure
+                if not standing_by:
+                    standing_by = True
+                    logging.info("the job's round is full (max_workers=%d): %s waits as a standby", self.max_workers,
+                                 self.host_id)
             if time.monotonic() > deadline:
                 raise self._timed_out(unreachable)
             changed = True

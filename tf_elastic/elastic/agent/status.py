@@ -36,7 +36,11 @@ class JobStatusView:
     steps_per_second: Optional[float] = None
 
 
-def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Optional[float] = None) -> JobStatusView:
+def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Optional[float] = None,
+                lease_wait: float = 0.0) -> JobStatusView:
+    """`lease_wait`: seconds between two reads of the host leases, for a store that times leases on its
+    reader's clock (the file store: a fresh reader takes every lease it sees for the first time as new, a
+    dead host's too); give the agents' `--host_ttl`."""
     keys, now = JobKeys(job_id), time.time() if now is None else now
     outcome = JobRecord(store, job_id, host_id="").outcome()
     raw = store.get(keys.round)
@@ -45,6 +49,9 @@ def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Op
     cluster = (round_.cluster or []) if round_ else []
     members = [Member(host, sorted(ranks), [cluster[r] for r in sorted(ranks) if r < len(cluster)])
                for host, ranks in sorted(assignment.items(), key=lambda item: min(item[1], default=0))]
+    if lease_wait:
+        store.list(keys.hosts)
+        time.sleep(lease_wait)
     leased = [key.rsplit("/", 1)[-1] for key in store.list(keys.hosts)]
     view = JobStatusView(job_id, f"{outcome.status.value}: {outcome.reason}" if outcome else None, round_, members,
                          sorted(h for h in leased if h not in assignment), _blacklisted(store, job_id, now))
