@@ -9,6 +9,7 @@ import pytest
 from conftest import REPO, agent_argv
 from tf_elastic.elastic.agent import workers
 from tf_elastic.elastic.agent.worker_output import WorkerOutput, logs_dir
+from tf_elastic.testing.local_job import repo_env
 
 SCRIPT = ("import sys\n"
           "print('hello from stdout', flush=True)\n"
@@ -70,7 +71,8 @@ def test_a_worker_that_raises_on_every_start_ends_the_job_naming_its_exception(t
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "launch.elastic_run",
                            *agent_argv(tmp_path / "rdzv", run_dir, ["--host_id=h", "--warm_start=false"]),
-                           "--", sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           "--", sys.executable, str(script)], cwd=REPO, env=repo_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert "before its first step on 2 tries in a row: RuntimeError: boom" in last, last
