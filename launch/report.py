@@ -62,16 +62,21 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     reached: Dict[int, int] = {}
     for e in (e for e in events if e["event"] == Event.COLLECTIVE_FAILURE):
         reached[e["round"]] = max(reached.get(e["round"], 0), e["step"])
-    split = {}
-    for host in sorted(set(hosts.values())):
+    by_host: Dict[str, List[Dict]] = {}
+    for e in events:
         # A failure event belongs to the host it names, whoever wrote it: a killed host's ends its timeline.
-        mine = [e for e in events if e["event"] in _STATE_AFTER and (
-            e.get("host") == host if e["event"] == Event.FAILURE else hosts.get(id(e)) == host)]
-        if not mine or mine[0]["event"] != Event.AGENT_START:
+        host = e.get("host") if e["event"] == Event.FAILURE else hosts.get(id(e))
+        if e["event"] in _STATE_AFTER and host is not None:
+            by_host.setdefault(host, []).append(e)
+    split = {}
+    for host, mine in sorted(by_host.items()):
+        if mine[0]["event"] != Event.AGENT_START:
             continue
         causes = dict.fromkeys(CAUSES, 0.0)
         for event, following in zip(mine, mine[1:]):
-            state, length = _STATE_AFTER[event["event"]](event), following["time"] - event["time"]
+            state = "standby" if event["event"] == Event.RENDEZVOUS and not event.get("ranks") \
+                else _STATE_AFTER[event["event"]]
+            length = following["time"] - event["time"]
             if state == "training":
                 within = [c for c in commits if c["round"] == event["round"] and event["time"] <= c["time"]
                           < following["time"]]
@@ -88,14 +93,10 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     return split
 
 
-_STATE_AFTER = {
-    Event.AGENT_START: lambda e: "start-up",
-    Event.RENDEZVOUS: lambda e: "start-up" if e.get("ranks") else "standby",
-    Event.FIRST_STEP: lambda e: "training",
-    Event.FAILURE: lambda e: "rendezvous and restarts",
-    Event.MEMBERSHIP_CHANGE: lambda e: "rendezvous and restarts",
-    Event.WORKERS_DONE: lambda e: "finishing",
-    Event.EXIT: lambda e: "finishing",
+_STATE_AFTER = {  # (a rendezvous that gave the host no ranks begins "standby")
+    Event.AGENT_START: "start-up", Event.RENDEZVOUS: "start-up", Event.FIRST_STEP: "training",
+    Event.FAILURE: "rendezvous and restarts", Event.MEMBERSHIP_CHANGE: "rendezvous and restarts",
+    Event.WORKERS_DONE: "finishing", Event.EXIT: "finishing",
 }
 
 

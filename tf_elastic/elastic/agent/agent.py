@@ -360,13 +360,14 @@ class ElasticAgent:
         failed = next(w for w in running if w.rank == verdict.rank)
         if self._failed_alike_before_start(failed, verdict, round_):
             return RoundResult.FAILED
+        cause = self._cause(failed, round_)  # before a hung worker is killed: its signal would read as the cause
         if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
             workers.kill(failed.process)
             # A silent heartbeat is this worker's own; no progress is not always: one blocked main thread
             # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
             # the host keeps healthy peers out of the blacklist; the restart still counts.
             own = verdict.failure is Failure.HANG
-        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=self._cause(failed, round_))
+        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=cause)
         return RoundResult.RESTART
 
     def _cause(self, worker: Worker, round_: Round) -> Optional[str]:

@@ -12,6 +12,7 @@ from absl import app, flags, logging
 from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.elastic.agent.worker_output import ECHO_CHOICES
 from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
@@ -73,7 +74,7 @@ flags.DEFINE_integer("world_size_divides", None, "Form only worlds whose number 
                      "replicas each worker trains (1 a worker unless it drives several devices).", lower_bound=1)
 flags.DEFINE_bool("warm_start", True, "Start each next worker ahead of its round (imports done before a restart).")
 flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indices they train on.")
-flags.DEFINE_enum("echo_ranks", "all", ["all", "chief", "none"], "Whose output the agent echoes, each line prefixed "
+flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent echoes, each line prefixed "
                   "[round R rank N]: every local worker's, rank 0's only, or none; error lines (tracebacks, E/F "
                   "log lines) always. Every worker's output also goes to RUN_DIR/logs/HOST/round-R/rank-N.log.")
 FLAGS = flags.FLAGS

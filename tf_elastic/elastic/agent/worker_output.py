@@ -36,7 +36,6 @@ class WorkerOutput:
         self._file: Optional[IO[bytes]] = None
         self._prefix = b""
         self._rank: Optional[int] = None
-        self.path: Optional[Path] = None
 
     def start_spare(self, pid: int) -> None:
         self._switch(self.directory / f"spare-{pid}.log", f"[spare {pid}] ", None)
@@ -51,7 +50,7 @@ class WorkerOutput:
         with self._lock:
             if self._file is not None:
                 self._file.close()
-            self._file, self.path, self._prefix, self._rank = open(path, "ab"), path, prefix.encode(), rank
+            self._file, self._prefix, self._rank = open(path, "ab"), prefix.encode(), rank
 
     def read(self, pipe: IO[bytes], stderr: bool) -> None:
         """Copies one of the worker's streams line by line until it closes (run on a thread of its own)."""

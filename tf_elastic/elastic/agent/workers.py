@@ -89,7 +89,7 @@ def finish_output(process: subprocess.Popen, wait: float = 2.0) -> None:
 def last_error_line(process: subprocess.Popen, wait: float = 2.0) -> Optional[str]:
     """The last non-blank line the exited worker wrote to stderr (None: nothing), once read to its end."""
     finish_output(process, wait)
-    lines = [line for line in getattr(process, "output").tail if line.strip()] if hasattr(process, "output") else []
+    lines = [line for line in process.output.tail if line.strip()]
     return lines[-1][:500] if lines else None
 
 
