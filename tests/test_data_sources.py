@@ -14,7 +14,8 @@ import tensorflow as tf
 from conftest import REPO
 from tf_elastic.elastic.protocol import RunDir
 from tf_elastic.elastic.worker import data
-from tf_elastic.elastic.worker.data import files as file_sources
+from tf_elastic.elastic.worker.data import tfrecord_format
+from tf_elastic.elastic.worker.data.parse_key import parse_key
 from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.testing import audit, data_files
@@ -188,7 +189,7 @@ def test_parse_functions_per_record_or_batched_read_the_same_and_name_a_bad_reco
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 3 else record)
-    offset, cache = file_sources._record_offsets(str(bad))[0][3], tmp_path / "cache"
+    offset, cache = tfrecord_format.record_offsets(str(bad))[0][3], tmp_path / "cache"
     for parse in (sparse_label, batched):
         source = Counted(str(tmp_path / "train-*"), parse=parse, channels=1, num_classes=10, cache_dir=str(cache))
         with pytest.raises(tf.errors.InvalidArgumentError) as error:
@@ -240,7 +241,7 @@ def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 5 else record)
-    offset = file_sources._record_offsets(str(bad))[0][5]
+    offset = tfrecord_format.record_offsets(str(bad))[0][5]
     named = re.escape(f"a record that does not parse in TFRecord file] [{bad}] [at byte] [{offset}]")
     with pytest.raises(ConfigurationError, match=named):
         _fit(shards, run_dir, 2)
@@ -255,7 +256,7 @@ def _shard(directory: Path, digits, records: int = 16) -> Path:
 
 def _cut(path: Path, how: str) -> type:
     """Changes a shard under a source that indexed it; the error its read must then raise."""
-    offsets, size = file_sources._record_offsets(str(path))
+    offsets, size = tfrecord_format.record_offsets(str(path))
     if how == "removed":
         path.unlink()
         return tf.errors.NotFoundError
@@ -330,7 +331,7 @@ def test_a_corrupt_record_is_bad_input_naming_its_shard_and_byte(tmp_path, digit
 def test_a_corrupt_record_header_is_named_with_its_byte(tmp_path, digits):
     """A length whose header checksum fails is not taken as a length (it would mis-index the rest)."""
     path = _shard(tmp_path / "tfrecord", digits)
-    offset = file_sources._record_offsets(str(path))[0][3]
+    offset = tfrecord_format.record_offsets(str(path))[0][3]
     contents = bytearray(path.read_bytes())
     contents[offset] ^= 0x01  # a length one off: without the checksum, a plausible record
     path.write_bytes(bytes(contents))
@@ -344,8 +345,8 @@ def test_the_tfrecord_checksum_is_tensorflows(tmp_path):
     with tf.io.TFRecordWriter(str(path)) as writer:
         writer.write(b"some record")
     raw = path.read_bytes()
-    assert file_sources.masked_crc32c(raw[:8]) == int.from_bytes(raw[8:12], "little")
-    assert file_sources.masked_crc32c(raw[12:-4]) == int.from_bytes(raw[-4:], "little")
+    assert tfrecord_format.masked_crc32c(raw[:8]) == int.from_bytes(raw[8:12], "little")
+    assert tfrecord_format.masked_crc32c(raw[12:-4]) == int.from_bytes(raw[-4:], "little")
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "arrays"])
@@ -503,23 +504,21 @@ def test_mnist_without_a_local_file_falls_back_to_keras_and_says_so(tmp_path, mo
 def test_the_label_cache_key_changes_with_the_parse_functions_code():
     """Cached largest labels belong to one parse function: an edited function (same module and name, other
     code) must not reuse them; a lambda or a local function (no stable name) is not cached at all."""
-    from tf_elastic.elastic.worker.data import files
-
     def version(body: str):
-        namespace = {"files": files, "__name__": "user_parsers"}
-        exec(f"def parse(record):\n    encoded, label = files.default_parse(record)\n    return {body}", namespace)
+        namespace = {"data": data, "tf": tf, "__name__": "user_parsers"}
+        exec(f"def parse(record):\n    encoded, label = data.default_parse(record)\n    return {body}", namespace)
         return namespace["parse"]
 
-    original, edited = files._parse_key(version("encoded, label")), files._parse_key(version("encoded, label - 1"))
+    original, edited = parse_key(version("encoded, label")), parse_key(version("encoded, label - 1"))
     assert original is not None and original.startswith("user_parsers.parse:")
-    assert original == files._parse_key(version("encoded, label")) != edited
+    assert original == parse_key(version("encoded, label")) != edited
     # Edits of names only, and inside a comprehension (a nested code object, hashed by its contents).
-    assert files._parse_key(version("encoded, files.tf.int32")) != files._parse_key(version("encoded, files.tf.int64"))
-    assert files._parse_key(version("[encoded for _ in [0]][0], label")) == files._parse_key(
-        version("[encoded for _ in [0]][0], label")) != files._parse_key(version("[label for _ in [0]][0], label"))
-    assert files._parse_key(lambda r: r) is None and files._parse_key(version) is None
+    assert parse_key(version("encoded, tf.int32")) != parse_key(version("encoded, tf.int64"))
+    assert parse_key(version("[encoded for _ in [0]][0], label")) == parse_key(
+        version("[encoded for _ in [0]][0], label")) != parse_key(version("[label for _ in [0]][0], label"))
+    assert parse_key(lambda r: r) is None and parse_key(version) is None
     bound = data.TFRecordSource.__init__.__get__(object())  # a bound method: depends on its instance
-    assert files._parse_key(bound) is None
+    assert parse_key(bound) is None
 
 
 def test_a_list_of_path_label_pairs_trains_as_image_files(tmp_path, digits):

@@ -6,10 +6,12 @@
 A source of your own subclasses `Source` (see source.py): `num_examples`, `num_classes` and
 `read(index) -> (features, label)` in graph ops.
 """
-from tf_elastic.elastic.worker.data.files import ImageFiles, ImageFolder, TFRecordSource, default_parse
+from tf_elastic.elastic.worker.data.image_files import ImageFiles, ImageFolder
+from tf_elastic.elastic.worker.data.parse import default_parse
 from tf_elastic.elastic.worker.data.source import (ArraySource, Head, Preprocess, Source, describe_error, evaluation,
                                                    pipeline, to_float)
 from tf_elastic.elastic.worker.data.tfds_source import TFDSSource
+from tf_elastic.elastic.worker.data.tfrecord_source import TFRecordSource
 
 __all__ = ["ArraySource", "Head", "ImageFiles", "ImageFolder", "Preprocess", "Source", "TFDSSource", "TFRecordSource",
            "default_parse", "describe_error", "evaluation", "pipeline", "to_float"]

@@ -1,115 +1,25 @@
-"""File-backed sources: a directory of images (one sub-directory per class) and TFRecord shards.
+"""TFRecord shards of tf.train.Example as a source, read by runs of consecutive records from exact offsets.
 
-Only file names, offsets and labels are held in memory; bytes are read and decoded inside the
-tf.data graph. Bad data fails with an error that names the file (the corrupt image, the shard and
-record), which `fit` raises as `ConfigurationError` (exit 78 from a worker). A shard that does not read
-(gone, cut short, an object store's transient error) fails with the read's own error: a restart may help.
+Only file names, offsets and labels are held in memory; records are read and parsed inside the tf.data
+graph. A run is read three ways: whole and parsed at once (the usual case); if that fails, again record
+by record (naming a record that does not parse, or failing with the read's own error); and, inside that
+second try, its bytes checked in Python (naming a corrupt record). Bad data fails with an error naming the
+shard and byte, which `fit` raises as `ConfigurationError` (exit 78 from a worker). A shard that does not
+read (gone, cut short, an object store's transient error) fails with the read's own error: a restart may help.
 """
-import hashlib
-import json
-import os
-import posixpath
 import re
-import struct
-import tempfile
-from typing import Callable, Dict, List, Optional, Tuple, Union
-
-from absl import logging
+from typing import Callable, List, Optional, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
+from tf_elastic.elastic.worker.data.image_files import is_image
+from tf_elastic.elastic.worker.data.index_cache import IndexCache, shard_identity
+from tf_elastic.elastic.worker.data.parse import default_parse, vector_parse
+from tf_elastic.elastic.worker.data.parse_key import parse_key
 from tf_elastic.elastic.worker.data.source import AUTOTUNE, Source
+from tf_elastic.elastic.worker.data.tfrecord_format import payload_ok, read_header, record_offsets
 from tf_elastic.elastic.worker.errors import ConfigurationError
-
-# Magic numbers of the formats tf.io.decode_image reads: a cheap check that names the bad file.
-_SIGNATURES = (b"\xff\xd8\xff", b"\x89PNG", b"GIF8", b"BM", b"RIFF")
-
-
-def _is_image(contents: tf.Tensor) -> tf.Tensor:
-    """Elementwise: does each string start like an image file."""
-    return tf.reduce_any(tf.stack([tf.strings.substr(contents, 0, len(s)) == s for s in _SIGNATURES]), axis=0)
-
-
-def _decode(contents: tf.Tensor, path: tf.Tensor, channels: int) -> tf.Tensor:
-    with tf.control_dependencies([tf.debugging.Assert(_is_image(contents), ["not an image file (corrupt?):", path])]):
-        return tf.io.decode_image(contents, channels=channels, expand_animations=False)
-
-
-class ImageFiles(Source):
-    """Image files you list, with their integer labels: `ImageFiles(paths, labels)` (any `tf.io.gfile` path;
-    JPEG, PNG, GIF, BMP). `num_classes`: default the largest label + 1."""
-
-    def __init__(self, paths: List[str], labels, channels: int = 3, num_classes: Optional[int] = None):
-        if len(paths) != len(labels) or not len(paths):
-            raise ConfigurationError(f"paths and labels need the same, non-zero length; got {len(paths)} and "
-                                     f"{len(labels)}.")
-        self.paths, self.labels = list(paths), np.asarray(labels, np.int32)
-        if self.labels.min() < 0:
-            raise ConfigurationError(f"labels must be >= 0; got {int(self.labels.min())}.")
-        self.channels, self.num_examples = channels, len(self.paths)
-        self.num_classes = int(num_classes if num_classes is not None else self.labels.max() + 1)
-        self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
-
-    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        # Tensors on first use: one made before the strategy would initialise TF's runtime too early for MWMS.
-        if self._tensors is None:
-            with tf.init_scope():  # eager tensors, captured by each traced function
-                self._tensors = tf.constant(self.paths), tf.constant(self.labels)
-        paths, labels = self._tensors
-        path = tf.gather(paths, index)
-        return _decode(tf.io.read_file(path), path, self.channels), tf.gather(labels, index)
-
-
-class ImageFolder(ImageFiles):
-    """`root/<class>/<image>`: class index = position of the class folder name in sorted order."""
-
-    def __init__(self, root: str, channels: int = 3, class_names: Optional[List[str]] = None):
-        # tf.io.gfile throughout: the folder may be on gs:// or another TF filesystem (it does not touch TF's runtime).
-        gfile = tf.io.gfile
-        if not gfile.isdir(root):
-            raise ConfigurationError(f"image folder {root} does not exist or is not a directory.")
-        self.class_names = class_names or sorted(
-            n.rstrip("/") for n in gfile.listdir(root) if gfile.isdir(posixpath.join(root, n)))
-        if not self.class_names:
-            raise ConfigurationError(f"image folder {root} has no class sub-directories.")
-        paths, labels = [], []
-        for label, name in enumerate(self.class_names):
-            folder = posixpath.join(root, name)
-            # (a listing marks sub-directories with "/" on object stores; a stray one elsewhere fails
-            # at decode time, naming its path: one stat per file would cost a request each on gs://)
-            files = sorted(f for f in gfile.listdir(folder) if not f.endswith("/")) if gfile.isdir(folder) else []
-            if not files:
-                raise ConfigurationError(f"class folder {folder} is missing or has no files.")
-            paths += [posixpath.join(folder, f) for f in files]
-            labels += [label] * len(files)
-        super().__init__(paths, labels, channels, num_classes=len(self.class_names))
-
-
-def default_parse(records: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(encoded image, label) from tf.train.Example records with ImageNet's keys, one or a vector at once."""
-    parsed = tf.io.parse_example(records, {"image/encoded": tf.io.FixedLenFeature([], tf.string),
-                                           "image/class/label": tf.io.FixedLenFeature([], tf.int64)})
-    return parsed["image/encoded"], parsed["image/class/label"]
-
-
-default_parse.batched = True  # takes a vector of records: a run is parsed in one op
-
-
-def _vector_parse(parse: Callable) -> Callable:
-    """`parse` over a vector of records: itself when it says it takes one (`parse.batched`), else record
-    by record in a tf.map_fn (any function a Dataset.map takes; tf.vectorized_map fails on sparse and
-    ragged features and on decoding images of different sizes). Autograph applies, as in a Dataset.map."""
-    function = tf.function(parse)
-    if getattr(parse, "batched", False):
-        return function
-
-    def each(records: tf.Tensor):
-        outputs = function.get_concrete_function(tf.TensorSpec([], tf.string)).structured_outputs
-        signature = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), outputs)
-        return tf.map_fn(function, records, fn_output_signature=signature)
-
-    return each
 
 
 def _reason(error: tf.errors.OpError) -> str:
@@ -117,149 +27,6 @@ def _reason(error: tf.errors.OpError) -> str:
     line = re.sub(r"^\{\{[^}]*\}\}\s*", "", str(error.message).strip()).splitlines()[0]
     return re.sub(r"^Error in user-defined function passed to .*? transformation with iterator: \S+: ", "",
                   line)[:300]
-
-
-CHUNK = 8 << 20  # bytes per read while indexing a shard
-
-
-def _crc_table() -> List[int]:
-    table = []
-    for byte in range(256):
-        crc = byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
-        table.append(crc)
-    return table
-
-
-_CRC_TABLE = _crc_table()
-
-
-def masked_crc32c(data: bytes) -> int:
-    """TFRecord's checksum: CRC-32C, rotated and offset ("masked"). Pure Python (no dependency): the index
-    pass checks 8 bytes a record, about 1 us; whole records only when diagnosing one that did not read."""
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    crc ^= 0xFFFFFFFF
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _record_offsets(path: str) -> Tuple[List[int], int]:
-    """(the offset of every record, file size) of a TFRecord file, from its headers (each one's checksum
-    checked: a corrupt length would mis-index the rest), in one sequential read of large chunks: on an
-    object store a few requests per shard, not one per record."""
-    offsets, buffer, start, position = [], b"", 0, 0  # buffer holds the file's bytes from `start` on
-    with tf.io.gfile.GFile(path, "rb") as f:  # any TF filesystem
-        size = f.size()
-        while position < size:
-            if position + 12 > start + len(buffer):
-                if position > start + len(buffer):  # a record longer than a chunk: skip the rest of it
-                    f.seek(position)
-                    buffer, start = b"", position
-                buffer, start = buffer[position - start:] + f.read(CHUNK), position
-                if position + 12 > start + len(buffer):
-                    raise ConfigurationError(f"TFRecord file {path} is truncated at byte {position}.")
-            at = position - start
-            length, crc = struct.unpack_from("<QI", buffer, at)
-            if masked_crc32c(buffer[at:at + 8]) != crc:
-                raise ConfigurationError(f"TFRecord file {path}: the header of record {len(offsets)} at byte "
-                                         f"{position} is corrupt (checksum mismatch).")
-            if position + 16 + length > size:
-                raise ConfigurationError(f"TFRecord file {path}: record {len(offsets)} runs past the end of the file.")
-            offsets.append(position)
-            position += 16 + length
-    return offsets, size
-
-
-def _code_hash(code, digest) -> None:
-    """Feeds a code object into `digest`: its bytecode, the names it uses and its constants, nested code
-    objects (comprehensions, inner functions) by their own contents, never by a repr with an address."""
-    digest.update(code.co_code)
-    digest.update(repr(code.co_names).encode())
-    for constant in code.co_consts:
-        if hasattr(constant, "co_code"):
-            _code_hash(constant, digest)
-        else:
-            digest.update(repr(constant).encode())
-
-
-def _parse_key(parse: Callable) -> Optional[str]:
-    """The same parse function in the next process: its name and a hash of its code (an edited function
-    gets another key); None for what a name and code do not pin down: a lambda, a local function, a
-    closure or a bound method (their behaviour depends on captured values)."""
-    name = f"{getattr(parse, '__module__', '')}.{getattr(parse, '__qualname__', '<none>')}"
-    code = getattr(parse, "__code__", None)
-    if "<" in name or code is None or getattr(parse, "__closure__", None) or hasattr(parse, "__self__"):
-        return None
-    digest = hashlib.sha256()
-    _code_hash(code, digest)
-    return f"{name}:{digest.hexdigest()[:16]}"
-
-
-def _identity(path: str) -> Optional[dict]:
-    """What must be unchanged for a shard's cached index to hold (None: nothing reliable, no cache). A local
-    file adds its inode and change time (set by every rewrite, unlike mtime, which tar or rsync restore);
-    other filesystems give size and modification time (none on ram://)."""
-    if "://" not in path:
-        local = os.stat(path)
-        return {"path": os.path.abspath(path), "size": local.st_size, "inode": local.st_ino,
-                "ctime": local.st_ctime_ns, "mtime": local.st_mtime_ns}
-    stat = tf.io.gfile.stat(path)
-    return {"path": path, "size": stat.length, "mtime": stat.mtime_nsec} if stat.mtime_nsec else None
-
-
-class IndexCache:
-    """Each shard's index (record offsets, and its largest label under the current parse function) in a
-    host-local directory, keyed by the shard's `_identity`: a restarted worker skips the pass over the
-    shards. Files are written whole (temp file, then rename); an entry that does not load or does not
-    match the shard is ignored (the shard is indexed again), never trusted, and one whose shard failed to
-    read is removed."""
-
-    def __init__(self, directory: str):
-        if "://" in directory:
-            raise ConfigurationError(f"the TFRecord index cache directory {directory} must be a local, host-local "
-                                     f"directory (--index_cache_dir), not a remote filesystem.")
-        self.directory, self._warned = directory, False
-
-    def _file(self, identity: dict) -> str:
-        return os.path.join(self.directory, hashlib.sha256(identity["path"].encode()).hexdigest()[:40] + ".npz")
-
-    def load(self, identity: dict) -> Optional[Tuple[np.ndarray, Dict[str, int]]]:
-        """(offsets, largest labels) of the shard `identity` describes, or None."""
-        try:
-            with np.load(self._file(identity), allow_pickle=False) as entry:
-                meta, offsets = json.loads(str(entry["meta"])), entry["offsets"]
-            if meta["identity"] != identity:
-                return None
-            in_order = offsets.ndim == 1 and offsets.dtype == np.int64 and (not len(offsets) or (
-                offsets[0] == 0 and offsets[-1] + 16 <= identity["size"] and np.all(np.diff(offsets) >= 16)))
-            return (offsets, {str(k): int(v) for k, v in meta["labels"].items()}) if in_order else None
-        except Exception:  # noqa: BLE001 - missing, partly written by a killed process, another format: re-index
-            return None
-
-    def store(self, identity: dict, offsets: np.ndarray, labels: Dict[str, int]) -> None:
-        meta = json.dumps({"identity": identity, "labels": labels})
-        temp = None
-        try:
-            os.makedirs(self.directory, exist_ok=True)
-            handle, temp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
-            with os.fdopen(handle, "wb") as f:
-                np.savez(f, offsets=np.asarray(offsets, np.int64), meta=np.array(meta))
-            os.replace(temp, self._file(identity))
-        except OSError as error:  # a cache only saves time: a full or read-only disk must not stop training
-            if temp is not None and os.path.exists(temp):
-                os.remove(temp)
-            if not self._warned:
-                logging.warning("cannot write the TFRecord index cache in %s: %s", self.directory, error)
-                self._warned = True
-
-    def forget(self, identity: Optional[dict]) -> None:
-        try:
-            if identity is not None:
-                os.remove(self._file(identity))
-        except OSError:
-            pass
 
 
 RUN_BYTES = 4 << 20  # a run of records is read with one file open and held whole: at most this many bytes
@@ -288,7 +55,7 @@ class TFRecordSource(Source):
         if not self.files:
             raise ConfigurationError(f"no TFRecord files match {pattern}.")
         self.parse, self.channels, self.decode_images, self.pattern = parse, channels, decode_images, pattern
-        self._parse_vector = _vector_parse(parse)
+        self._parse_vector = vector_parse(parse)
         self.cache = IndexCache(cache_dir) if cache_dir else None
         self.shard_reads = 0  # shards read whole (to index them or find their labels): not the cache's
         self._identities, self._labels, sizes, shard, offsets, ends = [], [], [], [], [], []
@@ -311,18 +78,22 @@ class TFRecordSource(Source):
     def _index(self, path: str) -> Tuple[List[int], int]:
         """A shard's (record offsets, size), from the cache when it holds this version of the shard."""
         # (identity before the read: a shard changed during it gets a key that no longer fits)
-        identity = _identity(path) if self.cache else None
+        identity = shard_identity(path) if self.cache else None
         self._identities.append(identity)
         cached = self.cache.load(identity) if identity else None
         if cached is not None:
             self._labels.append(cached[1])
             return cached[0].tolist(), identity["size"]
         self.shard_reads += 1
-        offsets, size = _record_offsets(path)
+        offsets, size = record_offsets(path)
         self._labels.append({})
         if identity:
             self.cache.store(identity, offsets, {})
         return offsets, size
+
+    def _changed(self, number: int) -> bool:
+        """Whether shard `number`'s size is no longer the one it was indexed with."""
+        return tf.io.gfile.stat(self.files[number]).length != self.sizes[number]
 
     def _forget(self, number: int) -> None:
         """Drops shard `number`'s cached index: the shard failed to read, so it may be stale."""
@@ -344,7 +115,7 @@ class TFRecordSource(Source):
         return self._tensors
 
     def _largest_label(self) -> int:
-        key = _parse_key(self.parse) if self.cache else None
+        key = parse_key(self.parse) if self.cache else None
         largest = -1
         for number, path in enumerate(self.files):
             if key in (self._labels[number] if key else {}):
@@ -373,7 +144,7 @@ class TFRecordSource(Source):
             raise ConfigurationError(f"TFRecord file {path} has a record that does not parse: "
                                      f"{_reason(error)}") from None
         except tf.errors.DataLossError as error:  # a checksum that fails, or a shard cut short under us
-            if tf.io.gfile.stat(path).length != self.sizes[number]:
+            if self._changed(number):
                 self._forget(number)
                 raise  # changed since it was indexed: a restart indexes it again
             raise ConfigurationError(f"TFRecord file {path} has a corrupt record: {_reason(error)}") from None
@@ -477,7 +248,7 @@ class TFRecordSource(Source):
         number = int(self.shard[first])
         path, begin, end = self.files[number], int(self.offsets[first]), int(self.ends[first + count - 1])
         try:
-            if tf.io.gfile.stat(path).length != self.sizes[number]:
+            if self._changed(number):
                 return b"", False
             with tf.io.gfile.GFile(path, "rb") as f:
                 f.seek(begin)
@@ -488,12 +259,10 @@ class TFRecordSource(Source):
             at, length = int(self.offsets[index]) - begin, int(self.ends[index] - self.offsets[index]) - 16
             if at + length + 16 > len(data):
                 return b"", False  # read short
-            (stored,) = struct.unpack_from("<Q", data, at)
-            header_ok = masked_crc32c(data[at:at + 8]) == struct.unpack_from("<I", data, at + 8)[0]
+            stored, header_ok = read_header(data, at)
             if header_ok and stored != length:
                 return b"", False  # another record than the index's: the shard changed
-            if not header_ok or masked_crc32c(data[at + 12:at + 12 + length]) != struct.unpack_from(
-                    "<I", data, at + 12 + length)[0]:
+            if not (header_ok and payload_ok(data, at, length)):
                 return (f"corrupt record (checksum mismatch) in TFRecord file {path} at byte "
                         f"{self.offsets[index]}").encode(), False
         return b"", True  # the first try met a transient error, or a record that does not parse
@@ -505,7 +274,7 @@ class TFRecordSource(Source):
         encoded, label = parsed
         label, path = tf.cast(label, tf.int32), tf.gather(paths, tf.gather(shards, indices[0]))
         good_label = tf.logical_and(label >= 0, label < self.num_classes)
-        good_image = _is_image(encoded) if self.decode_images else tf.ones_like(good_label)
+        good_image = is_image(encoded) if self.decode_images else tf.ones_like(good_label)
         bad = tf.argmin(tf.cast(good_label & good_image, tf.int32))  # the first bad record, if any
         at = ["in", path, "at byte", tf.strings.as_string(tf.gather(offsets, indices[bad]))]
         checks = [tf.debugging.Assert(good_label[bad], ["label", label[bad], f"outside [0, {self.num_classes})", *at]),
