@@ -1,4 +1,18 @@
-"""LARS: layer-wise adaptive rate scaling (You, Gitman & Ginsburg 2017)."""
+"""LARS: layer-wise adaptive rate scaling (You, Gitman & Ginsburg 2017).
+
+A native Keras 3 optimizer because there is none to reuse: TensorFlow Addons, the usual home of such
+optimizers for tf.keras, is end-of-life and does not work with Keras 3, and never had a LARS (its LAMB
+moved into Keras as `keras.optimizers.Lamb`). The math is `keras.ops`, so it runs on the TensorFlow and
+JAX backends (`tests/test_keras_conformance.py` runs Keras 3.15's own optimizer tests against it on both);
+on TensorFlow the per-variable update is XLA-compiled (`_compile.py`). The class is registered as
+serializable, so saved `.keras` files load once `tf_elastic.LARS` has been imported.
+
+Tuning: variables excluded from adaptation (by default biases and normalization parameters) take the
+global learning rate unscaled, so `learning_rate` must suit them and `trust_coefficient` the layers:
+`launch/train.py` defaults to 0.1 and 0.05 rather than ResNet-style 1.0 and 0.001. The paper's
+Algorithm 1 adapts every variable (`exclude_from_layer_adaptation=[]`): `launch/reproduce_lars.py` runs it
+so, with eta = 0.001 and global rates from 5 to 80.
+"""
 import math
 import re
 from typing import Callable, Optional, Sequence, Union

@@ -1,4 +1,13 @@
-"""Dynamic mini-batch SGD's learning rate: follow the global batch size smoothly (Lin et al. 2019)."""
+"""Dynamic mini-batch SGD's learning rate: follow the global batch size smoothly (Lin et al. 2019).
+
+An elastic job's global batch changes with its world when each replica keeps its batch
+(`elastic.fit(per_replica_batch_size=...)`); `fit` then calls `resize` at each round's start with the
+world's global batch, from the step the round resumes at, and commits the history with the model. The
+state is one fixed-size variable so that a resize reaches a train step that is already compiled
+(tf.function, `jit_compile`, tf.distribute, and on JAX `keras.distribution.DataParallel`: see `attach`).
+`tests/test_keras_conformance.py` runs Keras 3.15's own schedule tests against it;
+`launch/reproduce_dynamic_sgd.py` compares the transitions on a small task.
+"""
 import math
 from typing import List, Optional, Sequence, Tuple, Union
 

@@ -3,6 +3,13 @@
 Plain HTTP with `requests` rather than `etcd3gw` (2.7.0): that client talks to one endpoint and has no
 authentication, and we need both. Hosts' leases are etcd leases (renewed, not rewritten, so a keepalive
 is not a change), compare-and-set is a transaction, and `wait` wakes on a watch instead of polling.
+
+Endpoints are tried in turn: one that does not answer within `request_timeout` hands the request to the
+next. A user and password (the token is fetched again once when it expires) or TLS client certificates
+authenticate; etcd 3.4's JSON gateway refuses a password login from a client that also presents a
+certificate, so use one or the other there. etcd raises a lease TTL below 1.5 election timeouts to that
+minimum, so a lost host is noticed only that late; a warning names the TTL granted (start etcd with a
+shorter `--election-timeout` for less).
 """
 import base64
 import json

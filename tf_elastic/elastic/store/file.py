@@ -8,6 +8,10 @@ shared disk as they do through an etcd outage.
 Leases never compare clocks across hosts: each write carries a fresh version, and a reader counts a
 key with a TTL as expired once it has seen the same version for longer than the TTL on its own
 monotonic clock.
+
+Each write goes to a temporary file, is fsynced and renamed into place; writes and compare-and-sets hold
+one `flock`, waited for at most `request_timeout` (`--rdzv_request_timeout`), so that a stopped holder
+cannot block every agent's keepalive. A shared filesystem must support `flock` (NFS: with its lock daemon).
 """
 import fcntl
 import json

@@ -6,6 +6,14 @@ durability, so copies are made every few commits, off the training path. A copy 
 a directory of its own name, then a `COMPLETE` marker: a reader takes only a directory with the marker,
 so a copy cut short (a SIGKILL, a lost connection) is never mistaken for a complete one. The protocol is
 written once, against `Storage`, whose writes appear whole (object stores: on close or upload).
+
+The chief copies every `durable_every_commits`-th commit and the last one of training. The newest two
+complete copies are kept; older ones, and partial ones older than the newest complete one, are removed.
+A restart of the whole job resumes from the newest complete copy, downloaded first where TensorFlow
+cannot read the storage (`s3://`). Generation marks (`GENERATION-N`, created and never rewritten) keep the
+highest generation a chief began here, so that a job restarted from an older copy commits above what the
+old job's hosts hold. A directory the chief cannot write at the start is a `ConfigurationError` (exit 78)
+naming it; a copy that fails later is a `durable_copy` event with its error, and training goes on.
 """
 import dataclasses
 import os

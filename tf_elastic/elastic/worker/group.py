@@ -5,6 +5,14 @@ newest commit any of them holds (by `CommitId`: generation, then step); those th
 an empty disk, a host that was behind, a host's second worker, which keeps no commits) receive it from
 the lowest rank that holds it, over the strategy's collectives, and every worker then checks that it
 holds the same bits as the source. Storage is only for durability (`durable.py`).
+
+One SUM all-reduce of a small vector, one slot per rank, tells every worker each rank's commit id, a 48-bit
+piece of the SHA-256 of its state and the chief's generation floor; the state travels only when ids or
+digests differ. Generations come first in the order so that a stale history with higher steps (a host cut
+off from the store that trained on alone, or the old job's hosts after a restart from an older durable
+copy) loses to the group's (`CommittedState.begin_generation`). A host whose first worker received the
+state writes it at once as its own commit, and each rank's `restore` event carries its `state_digest`, so
+replicas can be compared bit for bit.
 """
 import dataclasses
 import hashlib

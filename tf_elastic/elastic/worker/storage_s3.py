@@ -5,7 +5,15 @@ botocore versions, and boto3's transfer manager already uploads a large file in 
 Credentials and endpoints are the client's own: its usual chain (environment, `~/.aws` profile, instance
 or pod role) and `AWS_ENDPOINT_URL` / `AWS_ENDPOINT_URL_S3` for an S3-compatible store. A file above
 `part_size` bytes is uploaded in parts (S3 requires at least 5 MiB a part). "Directories" are key
-prefixes: nothing is created for them, and a listing with delimiter `/` reads them.
+prefixes: nothing is created for them, and a listing with delimiter `/` reads them. Errors name the path
+and the reason (a missing bucket, access denied, no credentials), never a credential. A copy killed
+mid-upload leaves a multipart upload that S3 keeps, and bills, until it is aborted: `rmtree`, which the
+collection of partial copies calls, aborts those under its prefix (a bucket lifecycle rule
+`AbortIncompleteMultipartUpload` is a good second line).
+
+Durable copies only: training data on S3 is read through a mount (Mountpoint for Amazon S3, s3fs-fuse)
+given as a local path. A `Source` over S3 objects would need boto3 inside the tf.data graph
+(`tf.py_function`), which holds the GIL for each read and serializes what tf.data's parallel reads overlap.
 """
 import contextlib
 import os

@@ -1,6 +1,13 @@
 """The worker's reading of the contract: the world the agent describes, the heartbeat it expects, and
 how a worker process ends. No TensorFlow here: a warm worker imports this before its round exists.
 
+The heartbeat is a daemon thread writing, every 0.5 s, a beat counter, the training step and a progress
+counter that moves with every training step, evaluation batch and commit. The agent times both on its own
+clock: no beat for `--heartbeat_timeout` is a stopped or frozen process, no progress for
+`--progress_timeout` a live one stuck in a collective or its input pipeline. The same thread ends the
+worker once its agent is gone (even SIGKILLed), and the agent's preemption signals, which Slurm also sends
+to every process of a step, ask for a commit and a stop instead of killing it.
+
 Without an agent, a worker is a world of one.
 """
 import dataclasses
