@@ -13,17 +13,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from tf_elastic import models  # noqa: E402
+# Only what TensorFlow does not need: `--help` answers before TF's import (seconds); train() imports the rest.
+from tf_elastic import choices  # noqa: E402
 from tf_elastic.elastic.events import EventLog  # noqa: E402
-from tf_elastic.elastic.flag_checks import require_finite_floats  # noqa: E402
+from tf_elastic.elastic.flag_checks import help_if_asked, require_finite_floats  # noqa: E402
 from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402
-from tf_elastic.elastic.worker import cluster, data_plan, datasets, errors, strategy as strategies  # noqa: E402
-from tf_elastic.elastic.worker.data import preprocess as preprocessing  # noqa: E402
+from tf_elastic.elastic.worker import data_plan, datasets, errors  # noqa: E402
 from tf_elastic.elastic.worker.world import World  # noqa: E402
-from tf_elastic.schedules.batch_resize import SCALINGS, TRANSITIONS  # noqa: E402
 
 # Model and data.
-flags.DEFINE_enum("model", "mnist_cnn", models.NAMES, "Model of the registry (tf_elastic.models).")
+flags.DEFINE_enum("model", "mnist_cnn", choices.MODELS, "Model of the registry (tf_elastic.models).")
 flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnist (--data_dir, else Keras's download), "
                     "synthetic, folder:PATH (PATH/train/<class>/*, PATH/validation/<class>/*), tfrecord:DIR "
                     "(DIR/train-*, DIR/validation-*), or tfds:NAME (prepared as ArrayRecord in --data_dir).")
@@ -36,7 +35,7 @@ flags.DEFINE_string("index_cache_dir", os.path.join(os.environ.get("XDG_CACHE_HO
                     "skips the pass over unchanged shards (empty: no cache).")
 flags.DEFINE_integer("image_size", 0, "Resize images to this square size (0: keep; imagenet preprocessing: 224).",
                      lower_bound=0)
-flags.DEFINE_enum("preprocess", "simple", preprocessing.PREPROCESSING,
+flags.DEFINE_enum("preprocess", "simple", choices.PREPROCESSING,
                   "simple: resize and scale to [0, 1]; imagenet: random-resized crop + flip for training, resize + "
                   "center crop for evaluation.")
 flags.DEFINE_integer("train_examples", 0, "Use only this many training examples (0: all).", lower_bound=0)
@@ -58,21 +57,21 @@ flags.DEFINE_float("weight_decay", 5e-4, "Weight decay (LARS: inside the trust r
 flags.DEFINE_enum("base_schedule", "constant", ["constant", "warmup_cosine", "warmup_poly"],
                   "Base schedule in reference-batch steps (warmup_poly: LARS/MLPerf).")
 flags.DEFINE_float("warmup_epochs", 1.0, "Warm-up of warmup_* schedules, in epochs.", lower_bound=0.0)
-flags.DEFINE_enum("scaling", "linear", SCALINGS, "LR scale for the global batch (BatchResizeSchedule).")
-flags.DEFINE_enum("transition", "linear", TRANSITIONS, "LR transition after a batch resize.")
+flags.DEFINE_enum("scaling", "linear", choices.SCALINGS, "LR scale for the global batch (BatchResizeSchedule).")
+flags.DEFINE_enum("transition", "linear", choices.TRANSITIONS, "LR transition after a batch resize.")
 flags.DEFINE_integer("transition_steps", None, "Fixed ramp length for transition=linear (default: 8 per factor).",
                      lower_bound=0)
 # Distribution.
-flags.DEFINE_enum("strategy", "auto", strategies.STRATEGIES,
+flags.DEFINE_enum("strategy", "auto", choices.STRATEGIES,
                   "auto: MWMS under the agent, MirroredStrategy over several local GPUs, else one device.")
-flags.DEFINE_enum("cluster_resolver", "tf_config", cluster.RESOLVERS,
+flags.DEFINE_enum("cluster_resolver", "tf_config", choices.RESOLVERS,
                   "Without the agent: where the fixed-size world comes from (TF_CONFIG, TF's SlurmClusterResolver "
                   "or KubernetesClusterResolver). Under the agent: tf_config.")
 flags.DEFINE_integer("port_base", 8888, "slurm: first TF server port on each node; kubernetes: the pods' TF port.",
                      lower_bound=1024, upper_bound=65535)
 flags.DEFINE_string("k8s_selector", None, "kubernetes: label selector of the job's worker pods (job-name=my-job).")
 flags.DEFINE_string("tpu", None, "TPU name or grpc://HOST:PORT for --strategy=tpu (TPUClusterResolver).")
-flags.DEFINE_enum("collective", "auto", strategies.COLLECTIVES, "MWMS all-reduce (nccl: GPUs only).")
+flags.DEFINE_enum("collective", "auto", choices.COLLECTIVES, "MWMS all-reduce (nccl: GPUs only).")
 flags.DEFINE_string("dtype_policy", "float32", "Keras dtype policy: float32, mixed_float16, mixed_bfloat16.")
 flags.DEFINE_integer("cpu_devices", 1, "Split the CPU into this many logical devices (mirrored on a CPU machine).",
                      lower_bound=1)
@@ -96,7 +95,6 @@ flags.register_validator("dtype_policy", lambda v: v in ("float32", "mixed_float
                          "--dtype_policy must be float32, mixed_float16, mixed_bfloat16, bfloat16 or float16")
 flags.register_validator("dataset", datasets.valid_name,
                          f"--dataset must be one of {', '.join(datasets.DATASETS)}")
-flags.register_validator("model", lambda v: v in models.NAMES, f"--model must be one of {', '.join(models.NAMES)}")
 flags.register_multi_flags_validator(
     ["strategy", "tpu"], lambda f: f["strategy"] != "tpu" or bool(f["tpu"]), "--strategy=tpu needs --tpu")
 flags.register_multi_flags_validator(
@@ -204,9 +202,9 @@ def train(sources) -> None:
     import keras
     import tensorflow as tf
 
-    from tf_elastic import BatchResizeSchedule
-    from tf_elastic import elastic
+    from tf_elastic import BatchResizeSchedule, elastic, models
     from tf_elastic.elastic.worker import data
+    from tf_elastic.elastic.worker.data import preprocess as preprocessing
 
     train_source, test = sources
     context = elastic.current()
@@ -255,8 +253,20 @@ def main(argv: List[str]) -> None:
                 tpu=FLAGS.tpu, run_dir=FLAGS.run_dir or "runs/train")
 
 
+SYNOPSIS = """usage: tf-elastic-train [FLAGS]   (or: python -m launch.train [FLAGS])
+
+Trains a model of the registry on a dataset, elastically when an agent started it, else as one process.
+
+examples:
+  tf-elastic-train --dataset=digits --epochs=3
+  tf-elastic-run --min_workers=1 --max_workers=4 --rdzv=etcd://10.0.0.5:2379 --job_id=j1 -- \\
+      tf-elastic-train --model=resnet20 --dataset=tfrecord:/data/cifar --optimizer=lars --epochs=90
+"""
+
+
 def run() -> None:
-    """The console script's entry point (`tf-elastic-train`)."""
+    """The console script's entry point (`tf-elastic-train`): `--help` answers without TensorFlow, exits 0."""
+    help_if_asked(sys.argv[1:], SYNOPSIS, __name__)
     app.run(main)
 
 

@@ -24,3 +24,10 @@ def test_builds_and_trains_a_step(name):
 def test_unknown_model_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown model 'vgg'; known models: inception_v3, mnist_cnn, mobilenet_v2"):
         models.get("vgg", (28, 28, 1), 10)
+
+
+def test_the_trainers_model_choices_are_the_registrys():
+    """`tf_elastic.choices` spells the names for `--model` without importing Keras: it must list the registry."""
+    from tf_elastic import choices
+
+    assert tuple(sorted(choices.MODELS)) == models.NAMES

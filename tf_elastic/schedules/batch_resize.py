@@ -15,8 +15,7 @@ import keras
 import numpy as np
 from keras import ops
 
-SCALINGS = ("linear", "sqrt", "none")
-TRANSITIONS = ("linear", "momentum", "none")
+from tf_elastic.choices import SCALINGS, TRANSITIONS
 
 # Columns of the history table; one row a segment of constant global batch.
 _START, _BATCH, _PROGRESS, _FROM, _TO, _RAMP, _SMOOTH = range(7)

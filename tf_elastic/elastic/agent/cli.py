@@ -13,7 +13,7 @@ from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.elastic.agent.worker_output import ECHO_CHOICES
-from tf_elastic.elastic.flag_checks import require_finite_floats
+from tf_elastic.elastic.flag_checks import help_if_asked, require_finite_floats
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
@@ -217,20 +217,12 @@ example (two agents on one machine sharing a file store; on separate hosts --hos
   tf-elastic-run --host_id=b --min_workers=1 --max_workers=2 --rdzv=file:///tmp/rdzv --job_id=demo \\
       --run_dir=/tmp/run -- tf-elastic-train --dataset=digits
 """
-HELP = ("-h", "-?", "--help", "--helpshort")
 
 
 def run() -> None:
     """The entry point of `tf-elastic-run` and `python -m launch.elastic_run`. `--help` prints the synopsis and
     the agent's flags and exits 0; a bad flag is one line naming it (absl would print the whole help)."""
-    # absl's help lists the key flags of the program file (sys.argv[0]): make ours its key flags.
-    for flag in FLAGS.get_key_flags_for_module(__name__):
-        FLAGS.register_key_flag_for_module(sys.argv[0], flag)
-    own = sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:]
-    if any(argument in HELP for argument in own):
-        print(SYNOPSIS)
-        print(FLAGS.module_help(sys.argv[0]))
-        sys.exit(0)
+    help_if_asked(sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:], SYNOPSIS, __name__)
     app.run(lambda argv: sys.exit(_main_or_one_line(argv)))
 
 

@@ -8,10 +8,9 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_elastic.choices import RESOLVERS
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.worker.world import World
-
-RESOLVERS = ("tf_config", "slurm", "kubernetes")
 
 
 def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_selector: Optional[str] = None,

@@ -3,10 +3,8 @@ from typing import Optional
 
 import tensorflow as tf
 
+from tf_elastic.choices import COLLECTIVES, STRATEGIES
 from tf_elastic.elastic.worker.world import World
-
-STRATEGIES = ("auto", "one_device", "mirrored", "mwms", "tpu")
-COLLECTIVES = ("auto", "ring", "nccl")
 
 
 def make_strategy(world: World, kind: str = "auto", collective: str = "auto",

@@ -6,9 +6,9 @@ from typing import Tuple
 
 import tensorflow as tf
 
+from tf_elastic.choices import PREPROCESSING
 from tf_elastic.elastic.worker.data.source import Preprocess
 
-PREPROCESSING = ("simple", "imagenet")
 CENTER_FRACTION = 0.875  # evaluation: resize to size / 0.875, keep the center (the common ImageNet recipe)
 
 
