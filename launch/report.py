@@ -4,13 +4,13 @@
     python -m launch.report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR   # host-local run dirs
 """
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from absl import app, flags
 
 from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
 from tf_elastic.elastic.protocol import Event, RunDir
-from tf_elastic.testing import audit
+from tf_elastic.elastic import audit
 
 
 def _by_round(events: List[Dict], name: str) -> Dict[int, Dict]:
@@ -45,50 +45,53 @@ def summary(run_dir: RunDirs) -> str:
     return "\n".join(lines)
 
 
-CAUSES = ("training", "commits on the training path", "redone after a failure", "start-up",
+CAUSES = ("training", "commits on the training path", "redone after a failure", "evaluation", "start-up",
           "rendezvous and restarts", "standby", "finishing")
 
 
 def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     """Each host's wall time (its agent's start to its exit) by cause, the pieces tiling it: from each of the
-    host's events to the next, the host is in the state that event began (`_STATE_AFTER`). Training time
-    then gives up the chief's commits that fall in it (what the step paid) and, in a round a failure ended,
-    the time of the steps the next round trained again (`_redone`)."""
+    host's events to the next, the host is in the state that event began (`_STATE_AFTER`); its first worker's
+    evaluations (`evaluation_begin` to `_end`, fit's validation included) are carved out of whatever state
+    they fall in. Training time then gives up the commits that fall in it (the chief's blocked time and the
+    group check: in lockstep training every host waits for them at the next all-reduce) and, in a round a
+    failure ended, the time of the steps the next round trained again (`_redone`)."""
     events = read_events(run_dir)
     hosts = _host_of_worker_events(events)
     commits = [e for e in events if e["event"] == Event.COMMIT]
     restarts = {e["round"]: e["restarts"] for e in events if e["event"] == Event.RENDEZVOUS}
-    resumed = {e["round"]: e["step"] for e in events if e["event"] == Event.RESTORE and e["rank"] == 0}
-    reached: Dict[int, int] = {}
-    for e in (e for e in events if e["event"] == Event.COLLECTIVE_FAILURE):
-        reached[e["round"]] = max(reached.get(e["round"], 0), e["step"])
+    resumed, reached = _resumed_and_reached(events)
     by_host: Dict[str, List[Dict]] = {}
     for e in events:
         # A failure event belongs to the host it names, whoever wrote it: a killed host's ends its timeline.
         host = e.get("host") if e["event"] == Event.FAILURE else hosts.get(id(e))
-        if e["event"] in _STATE_AFTER and host is not None:
+        if host is not None and (e["event"] in _STATE_AFTER or e["event"] in _EVALUATION):
             by_host.setdefault(host, []).append(e)
     split = {}
     for host, mine in sorted(by_host.items()):
-        if mine[0]["event"] != Event.AGENT_START:
+        states = [e for e in mine if e["event"] in _STATE_AFTER]
+        if states[0]["event"] != Event.AGENT_START:
             continue
+        evaluations = _evaluations(mine, states[-1]["time"])
         causes = dict.fromkeys(CAUSES, 0.0)
-        for event, following in zip(mine, mine[1:]):
+        for event, following in zip(states, states[1:]):
             state = "standby" if event["event"] == Event.RENDEZVOUS and not event.get("ranks") \
                 else _STATE_AFTER[event["event"]]
-            length = following["time"] - event["time"]
+            evaluating = _overlap(evaluations, event["time"], following["time"])
+            length = following["time"] - event["time"] - evaluating
+            causes["evaluation"] += evaluating
             if state == "training":
                 within = [c for c in commits if c["round"] == event["round"] and event["time"] <= c["time"]
                           < following["time"]]
                 failed = restarts.get(event["round"] + 1, 0) > restarts.get(event["round"], 0)
-                lost = _redone(event, following["time"], within, reached.get(event["round"]),
-                               resumed.get(event["round"] + 1)) if failed else 0.0
-                paid = min(length - lost, sum(c.get("seconds", 0.0) for c in within))
+                lost = min(length, max(0.0, _redone(event, following["time"] - evaluating, within, reached.get(
+                    event["round"]), resumed.get(event["round"] + 1)))) if failed else 0.0
+                paid = min(length - lost, sum(c.get("seconds", 0.0) + c.get("check_seconds", 0.0) for c in within))
                 causes["commits on the training path"] += paid
                 causes["redone after a failure"] += lost
                 length -= paid + lost
             causes[state] += length
-        causes["wall"] = mine[-1]["time"] - mine[0]["time"]
+        causes["wall"] = states[-1]["time"] - states[0]["time"]
         split[host] = causes
     return split
 
@@ -96,23 +99,68 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
 _STATE_AFTER = {  # (a rendezvous that gave the host no ranks begins "standby")
     Event.AGENT_START: "start-up", Event.RENDEZVOUS: "start-up", Event.FIRST_STEP: "training",
     Event.FAILURE: "rendezvous and restarts", Event.MEMBERSHIP_CHANGE: "rendezvous and restarts",
-    Event.WORKERS_DONE: "finishing", Event.EXIT: "finishing",
+    Event.COLLECTIVE_FAILURE: "rendezvous and restarts", Event.WORKERS_DONE: "finishing", Event.EXIT: "finishing",
 }
+_EVALUATION = (Event.EVALUATION_BEGIN, Event.EVALUATION_END)
+
+
+def _resumed_and_reached(events: List[Dict]) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """Round -> the step its chief restored from; round -> the last step its workers reached before a
+    collective failed (their `collective_failure` events)."""
+    resumed = {e["round"]: e["step"] for e in events if e["event"] == Event.RESTORE and e["rank"] == 0}
+    reached: Dict[int, int] = {}
+    for e in (e for e in events if e["event"] == Event.COLLECTIVE_FAILURE):
+        reached[e["round"]] = max(reached.get(e["round"], 0), e["step"])
+    return resumed, reached
+
+
+def samples_redone(run_dir: RunDirs) -> Tuple[int, int]:
+    """(steps, samples) trained by a round a failure ended and trained again by the next: the steps past
+    the one the next round resumed from, at the failed round's global batch."""
+    events = read_events(run_dir)
+    resumed, reached = _resumed_and_reached(events)
+    batch = {e["round"]: e["global_batch"] for e in events if e["event"] == Event.FIRST_STEP and "global_batch" in e}
+    steps = {r: max(0, step - resumed[r + 1]) for r, step in reached.items() if r + 1 in resumed}
+    return sum(steps.values()), sum(n * batch.get(r, 0) for r, n in steps.items())
+
+
+def _evaluations(events: List[Dict], end: float) -> List[Tuple[float, float]]:
+    """(begin, end) of each evaluation; one cut short (its worker died) ends at the host's next state."""
+    spans, begun = [], None
+    for e in events:
+        if e["event"] == Event.EVALUATION_BEGIN:
+            begun = e["time"]
+        elif begun is not None and (e["event"] == Event.EVALUATION_END or e["event"] in _STATE_AFTER):
+            spans.append((begun, e["time"]))
+            begun = None
+    return spans + ([(begun, end)] if begun is not None else [])
+
+
+def _overlap(spans: List[Tuple[float, float]], begin: float, end: float) -> float:
+    return sum(max(0.0, min(end, b) - max(begin, a)) for a, b in spans)
 
 
 def _host_of_worker_events(events: List[Dict]) -> Dict[int, str]:
-    """id(event) -> host, for the agents' events and their workers' first steps (by round and rank)."""
+    """id(event) -> host, for the agents' events and their first worker's (the lowest rank a host has in the
+    round) first step, evaluations and collective failure (the host's round is over from then on)."""
     ranks = {(e["round"], e["rank"]): e["source"].split(":", 1)[1] for e in events
              if e["event"] == Event.WORKER_START and e["source"].startswith("agent:")}
-    hosts, first = {}, set()
+    first_rank: Dict[Tuple[str, int], int] = {}
+    for (round_, rank), host in ranks.items():
+        first_rank[host, round_] = min(rank, first_rank.get((host, round_), rank))
+    hosts, stepped = {}, set()
     for e in events:
         if e["source"].startswith("agent:"):
             hosts[id(e)] = e["source"].split(":", 1)[1]
-        elif e["event"] == Event.FIRST_STEP and (e["round"], e["rank"]) in ranks:
-            host = ranks[(e["round"], e["rank"])]
-            if (host, e["round"]) not in first:  # a host's first rank to step starts its training
-                first.add((host, e["round"]))
-                hosts[id(e)] = host
+            continue
+        host = ranks.get((e.get("round"), e.get("rank")))
+        if host is None or first_rank[host, e["round"]] != e["rank"]:
+            continue
+        if e["event"] in _EVALUATION or e["event"] == Event.COLLECTIVE_FAILURE:
+            hosts[id(e)] = host
+        elif e["event"] == Event.FIRST_STEP and (host, e["round"]) not in stepped:
+            stepped.add((host, e["round"]))
+            hosts[id(e)] = host
     return hosts
 
 
@@ -120,7 +168,8 @@ def _redone(first_step: Dict, end: float, commits: List[Dict], reached: Optional
             resumed_at: Optional[int]) -> float:
     """Seconds of a failed round spent on steps the next round trained again: the steps past the one it
     resumed from, up to the last the round reached (its workers' `collective_failure` events), at the
-    round's average pace. Where a step is unknown: all that came after the round's last announced commit."""
+    round's average pace (`end` leaves out its evaluations). Where a step is unknown: all that came after
+    the round's last announced commit."""
     if reached is None or resumed_at is None:
         return end - max([c["time"] for c in commits], default=first_step["time"])
     done = reached - first_step["step"]
@@ -188,8 +237,10 @@ def main(argv: List[str]) -> None:
     print(summary(dirs))
     print("\nWhere each host's time went (goodput: training time over wall time):\n")
     print(time_table(time_split(dirs)))
+    steps, samples = samples_redone(dirs)
+    print(f"\nredone after failures: {steps} steps, {samples} samples")
     if any(RunDir(d).indices.is_dir() for d in run_dirs(dirs)):
-        print(f"\nsteps trained again after a restart (from the index logs): {audit.steps_redone(dirs)}")
+        print(f"steps trained again after a restart (from the index logs): {audit.steps_redone(dirs)}")
     plot(dirs, dirs[0] / "run.png", size)
     print(f"\nplot: {dirs[0] / 'run.png'}")
 

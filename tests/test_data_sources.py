@@ -18,7 +18,8 @@ from tf_elastic.elastic.worker.data import tfrecord_format
 from tf_elastic.elastic.worker.data.parse_key import parse_key
 from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.errors import ConfigurationError
-from tf_elastic.testing import audit, data_files
+from tf_elastic.elastic import audit
+from tf_elastic.testing import data_files
 from tf_elastic.testing.local_job import LocalJob, repo_env
 
 KINDS = ("folder", "tfrecord", "tfds")

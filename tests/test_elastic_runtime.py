@@ -7,7 +7,7 @@ import pytest
 
 from launch import report
 from tf_elastic.elastic.store import open_store
-from tf_elastic.testing import audit
+from tf_elastic.elastic import audit
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 
 pytestmark = pytest.mark.slow
@@ -84,6 +84,8 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     job.start_agent("c")
     joined = job.wait_for(lambda: _first_step(job, survivor["round"] + 1, world_size=2), what="c joining")[0]
     assert _restores(job)[joined["round"]] == _max_step_before(job, joined["round"]), "a join lost steps"
+    assert f"round {survivor['round']} ends: join c (round {joined['round']}); its workers commit and stop" in (
+        job.tmp / "agent-a.log").read_text(errors="replace")
 
     job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == joined["round"]], what="a commit with c")
     job.agents["c"].send_signal(signal.SIGTERM)

@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from conftest import run_python
 from tf_elastic import LARS, BatchResizeSchedule, elastic
+from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.worker import keras_compat, training
 from tf_elastic.elastic.worker import world as world_module
 from tf_elastic.elastic.worker.world import World
@@ -358,11 +359,22 @@ def test_data_smaller_than_one_global_batch_is_a_clear_error(tmp_path):
 
 
 
-def test_fits_validation_batches_count_as_progress():
-    """An ImageNet validation inside `fit` takes minutes: the watchdog must see it move."""
+def test_fits_validation_counts_as_progress_and_is_bracketed_by_events(tmp_path):
+    """An ImageNet validation inside `fit` takes minutes: the watchdog must see each batch, and the report
+    must count its time apart from training (an event before and after each evaluation)."""
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    model, _ = _training_setup()
+    model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    elastic.fit(model, x, y, batch_size=16, epochs=2, validation_data=(x[:20], y[:20]), run_dir=str(tmp_path),
+                verbose=0)
+    marks = [e for e in read_events(tmp_path) if e["event"].startswith("evaluation_")]
+    assert [e["event"] for e in marks] == ["evaluation_begin", "evaluation_end"] * 2, marks
+    assert {(e["round"], e["rank"]) for e in marks} == {(0, 0)}, marks
+    validation = training._Validation(tf.data.Dataset.from_tensor_slices((x[:20], y[:20])).batch(8), 1)
     before = world_module._progress["progress"]
-    training._ElasticCallback(trainer=None).on_test_batch_end(0)
-    assert world_module._progress["progress"] == before + 1
+    validation.run(model, training.ProgressCallback())
+    assert world_module._progress["progress"] == before + 3  # 20 rows in batches of 8
 
 
 def test_a_global_batch_the_world_does_not_divide_names_the_agents_flag():

@@ -24,7 +24,7 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.optimizers import LARS
 from tf_elastic.schedules import BatchResizeSchedule
-from tf_elastic.testing import audit
+from tf_elastic.elastic import audit
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 

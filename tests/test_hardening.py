@@ -28,7 +28,7 @@ from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
 from tf_elastic.elastic.store.etcd import EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.elastic.worker.world import World
-from tf_elastic.testing import audit
+from tf_elastic.elastic import audit
 from tf_elastic.testing.etcd_server import EtcdServer
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
 from tf_elastic.testing.net import free_port

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tf_elastic.testing import audit
+from tf_elastic.elastic import audit
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.testing.local_job import REPO
 from tf_elastic.elastic.events import read_events

@@ -105,7 +105,9 @@ class Event(str, enum.Enum):
     REMAINDER_SKIPPED = "remainder_skipped"
     COLLECTIVE_FAILURE = "collective_failure"
     WORKER_EXIT = "worker_exit"
-    EVALUATION = "evaluation"
+    EVALUATION_BEGIN = "evaluation_begin"  # every worker, around each evaluation (fit's validation included)
+    EVALUATION_END = "evaluation_end"
+    EVALUATION = "evaluation"  # launch.train's test accuracy
 
 
 class RunDir:

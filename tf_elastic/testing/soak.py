@@ -23,7 +23,7 @@ from tf_elastic.elastic.agent import ports
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import Env, Event, RunDir
 from tf_elastic.elastic.worker import datasets
-from tf_elastic.testing import audit
+from tf_elastic.elastic import audit
 from tf_elastic.testing.etcd_server import EtcdServer
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
 from tf_elastic.testing.net import bindable

@@ -332,6 +332,9 @@ class ElasticAgent:
         self._count_own_failure(own)
         # After a failure the group is broken and nothing more can be committed: kill at once.
         # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
+        logging.info("round %d ends: %s; its workers %s", round_.number,
+                     "the group changed" if current is None else f"{current.reason} (round {current.number})",
+                     "are killed" if change is GroupChange.RESTARTED else "commit and stop")
         if change is GroupChange.RESTARTED:
             self._kill(running)
         else:

@@ -59,8 +59,26 @@ class FitConfig:
 
 
 class ProgressCallback(keras.callbacks.Callback):
-    """Tells the agent's progress watchdog that evaluation (or prediction) moves on: pass it to
-    `model.evaluate` after `fit`, which reports training steps and commits itself."""
+    """Tells the agent's progress watchdog that evaluation (or prediction) moves on, and brackets each
+    evaluation with `evaluation_begin` / `evaluation_end` events, so that `launch.report` counts its time
+    apart from training: pass it to `model.evaluate` after `fit`, which reports training steps and commits
+    itself. Outside `elastic.run` (no run dir) it writes no events."""
+
+    def __init__(self, events: Optional[EventLog] = None, world: Optional[World] = None):
+        super().__init__()
+        context = entry.current()
+        self._world = world or (context.world if context else None)
+        self._events = events or (EventLog(context.run_dir, f"worker:{context.world.rank}") if context else None)
+
+    def on_test_begin(self, logs=None):
+        self._write(Event.EVALUATION_BEGIN)
+
+    def on_test_end(self, logs=None):
+        self._write(Event.EVALUATION_END)
+
+    def _write(self, event: Event) -> None:
+        if self._events is not None:
+            self._events.write(event, round=self._world.round, rank=self._world.rank)
 
     def on_test_batch_end(self, batch, logs=None):
         report_activity()
@@ -73,7 +91,7 @@ class _ElasticCallback(ProgressCallback):
     """Hands Keras's epoch and batch boundaries to the trainer; `fit`'s validation batches are progress."""
 
     def __init__(self, trainer: "_ElasticTrainer"):
-        super().__init__()
+        super().__init__(trainer.events, trainer.world)
         self.trainer = trainer
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -159,7 +177,8 @@ class _ElasticTrainer:
         if not self.first_step_logged:
             self.first_step_logged = True
             self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
-                              world_size=self.world.size, examples=self.source.num_examples)
+                              world_size=self.world.size, examples=self.source.num_examples,
+                              global_batch=self.global_batch)
         every = self.config.commit_every_steps
         commit = bool(every) and self.step % every == 0
         if self.step % self.config.sync_every_steps == 0:
@@ -189,7 +208,7 @@ class _ElasticTrainer:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=epoch, samples=skipped, rank=self.world.rank)
         self.commit(epoch + 1, 0)  # before validation: an evaluation that fails loses no training
         if self.validation.due(epoch):  # statistics were averaged by the commit: every worker evaluates one model
-            logs.update(self.validation.run(self.model))
+            logs.update(self.validation.run(self.model, ProgressCallback(self.events, self.world)))
         self.set_batches(epoch + 1, 0)
 
     # Commit and agreement ------------------------------------------------------------------------
@@ -500,8 +519,8 @@ class _Validation:
             return False
         return (epoch + 1) % self.freq == 0 if isinstance(self.freq, (int, np.integer)) else epoch + 1 in self.freq
 
-    def run(self, model: keras.Model) -> Dict[str, float]:
-        logs = model.evaluate(self.dataset, verbose=0, callbacks=[ProgressCallback()], return_dict=True)
+    def run(self, model: keras.Model, progress: ProgressCallback) -> Dict[str, float]:
+        logs = model.evaluate(self.dataset, verbose=0, callbacks=[progress], return_dict=True)
         return {f"val_{name}": value for name, value in logs.items()}
 
 

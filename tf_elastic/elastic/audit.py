@@ -1,6 +1,6 @@
 """What a finished elastic job did, checked from its own records: events, index logs, checkpoints.
 
-Shared by the tests and `launch.chaos`. Committed work is what survived: a round's steps up to the step
+Read by `launch.report`, `launch.chaos` and the tests. Committed work is what survived: a round's steps up to the step
 the next round restored from; steps after it were redone.
 """
 import collections

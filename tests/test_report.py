@@ -1,0 +1,75 @@
+"""`launch.report`: each host's time by cause and the work redone, from a run's events (written here by hand)."""
+import json
+
+import pytest
+
+from launch import report
+
+
+def _events(tmp_path, rows):
+    """Writes (time, event, source, fields) rows as `events.jsonl`; returns the run dir."""
+    with open(tmp_path / "events.jsonl", "w") as f:
+        for time, event, source, fields in rows:
+            f.write(json.dumps({"time": time, "event": event, "source": source, **fields}) + "\n")
+    return tmp_path
+
+
+def _two_hosts_a_failure_and_a_restart(tmp_path):
+    """Hosts a (rank 0) and b (rank 1); b is lost at t=50 after the round reached step 30; a resumes alone
+    from step 20. Each first worker evaluates once (a: 40-44 in round 0; b: 30-33) and a again at the end."""
+    a, b = "agent:a", "agent:b"
+    return _events(tmp_path, [
+        (0, "agent_start", a, {}), (1, "agent_start", b, {}),
+        (5, "rendezvous", a, {"round": 0, "ranks": [0], "restarts": 0}),
+        (5, "rendezvous", b, {"round": 0, "ranks": [1], "restarts": 0}),
+        (6, "worker_start", a, {"round": 0, "rank": 0}), (6, "worker_start", b, {"round": 0, "rank": 1}),
+        (10, "restore", "worker:0", {"round": 0, "rank": 0, "step": 0}),
+        (10, "first_step", "worker:0", {"round": 0, "rank": 0, "step": 0, "global_batch": 64}),
+        (11, "first_step", "worker:1", {"round": 0, "rank": 1, "step": 0, "global_batch": 64}),
+        (20, "commit", "worker:0", {"round": 0, "step": 20, "seconds": 1.0, "check_seconds": 0.5}),
+        (30, "evaluation_begin", "worker:1", {"round": 0, "rank": 1}),
+        (33, "evaluation_end", "worker:1", {"round": 0, "rank": 1}),
+        (40, "evaluation_begin", "worker:0", {"round": 0, "rank": 0}),
+        (44, "evaluation_end", "worker:0", {"round": 0, "rank": 0}),
+        (49, "collective_failure", "worker:0", {"round": 0, "rank": 0, "step": 30}),
+        (50, "failure", a, {"round": 0, "host": "b", "kind": "host_lost"}),
+        (52, "rendezvous", a, {"round": 1, "ranks": [0], "restarts": 1}),
+        (53, "worker_start", a, {"round": 1, "rank": 0}),
+        (55, "restore", "worker:0", {"round": 1, "rank": 0, "step": 20}),
+        (56, "first_step", "worker:0", {"round": 1, "rank": 0, "step": 20, "global_batch": 32}),
+        (90, "evaluation_begin", "worker:0", {"round": 1, "rank": 0}),
+        (95, "evaluation_end", "worker:0", {"round": 1, "rank": 0}),
+        (96, "workers_done", a, {"round": 1}), (97, "exit", a, {}),
+    ])
+
+
+def test_the_causes_tile_each_hosts_wall_time_with_evaluation_apart(tmp_path):
+    split = report.time_split(_two_hosts_a_failure_and_a_restart(tmp_path))
+    a, b = split["a"], split["b"]
+    assert a["wall"] == 97 and b["wall"] == 49  # b's timeline ends where its loss was noticed
+    for causes in (a, b):
+        assert sum(causes[c] for c in report.CAUSES) == pytest.approx(causes["wall"])
+    assert a["evaluation"] == pytest.approx(4 + 5) and b["evaluation"] == pytest.approx(3)
+    assert a["commits on the training path"] == pytest.approx(1.5)
+    # Round 0 trained 30 steps in 39 s (to its collective failure) without its 4 s of evaluation: the 10
+    # redone steps took a third of 35 s.
+    assert a["redone after a failure"] == pytest.approx(35 / 3)
+    assert a["training"] == pytest.approx(35 - 1.5 - 35 / 3 + (96 - 56 - 5))
+    assert a["start-up"] == pytest.approx(10 + 4) and a["rendezvous and restarts"] == pytest.approx(3)
+    assert a["finishing"] == pytest.approx(1)
+
+
+def test_the_samples_redone_are_the_failed_rounds_steps_past_the_resumed_one(tmp_path):
+    assert report.samples_redone(_two_hosts_a_failure_and_a_restart(tmp_path)) == (10, 10 * 64)
+
+
+def test_an_evaluation_cut_short_by_a_kill_ends_at_the_hosts_next_state(tmp_path):
+    run = _events(tmp_path, [
+        (0, "agent_start", "agent:a", {}), (1, "rendezvous", "agent:a", {"round": 0, "ranks": [0], "restarts": 0}),
+        (2, "worker_start", "agent:a", {"round": 0, "rank": 0}),
+        (3, "first_step", "worker:0", {"round": 0, "rank": 0, "step": 0, "global_batch": 8}),
+        (5, "evaluation_begin", "worker:0", {"round": 0, "rank": 0}),
+        (9, "failure", "agent:a", {"round": 0, "host": "a", "kind": "worker_exit"}), (10, "exit", "agent:a", {}),
+    ])
+    causes = report.time_split(run)["a"]
+    assert causes["evaluation"] == pytest.approx(4) and causes["rendezvous and restarts"] == pytest.approx(1)
