@@ -102,3 +102,14 @@ def test_agent_help_lists_the_agents_flags():
     help_text = " ".join(proc.stdout.split())  # (absl wraps lines)
     assert "visible to every user in ps" in help_text  # --job_token
     assert "password crosses the network in clear text" in help_text  # --rdzv_user without TLS
+
+
+def test_the_trainers_help_exits_0_with_a_synopsis_and_never_imports_tensorflow():
+    """`--help` used to wait about 6 s for TensorFlow's import (its flags' choices came from modules that need it)."""
+    check = ("import sys\nsys.argv = ['tf-elastic-train', '--help']\nfrom launch import train\ntry:\n"
+             "    train.run()\nexcept SystemExit as end:\n"
+             "    print('exit', end.code, 'tensorflow' in sys.modules, 'keras' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.startswith("usage: tf-elastic-train"), proc.stdout[:500] + proc.stderr[-2000:]
+    assert "<inception_v3|mnist_cnn|mobilenet_v2|resnet20|resnet50>" in proc.stdout  # --model lists its values
+    assert proc.stdout.rstrip().endswith("exit 0 False False"), proc.stdout[-500:]
