@@ -28,10 +28,7 @@ def summary(run_dir: RunDirs) -> str:
     for number, rendezvous in sorted(rounds.items()):
         first = firsts.get(number)
         first_at = "-" if first is None else f"{first['time'] - start:.1f}s"
-        # The reason is what the host that opened the round saw (a survivor's collective failing); `lost`
-        # names the hosts whose lease was gone when the round froze: the failure's culprit.
-        why = rendezvous["reason"] + (f"; lost: {', '.join(rendezvous['lost'])}" if rendezvous.get("lost") else "")
-        lines.append(f"| {number} | {rendezvous['world_size']} | {why} | {rendezvous['restarts']} | "
+        lines.append(f"| {number} | {rendezvous['world_size']} | {_why(rendezvous)} | {rendezvous['restarts']} | "
                      f"{restores[number]['step']} | {first_at} |")
     failures = [e for e in events if e["event"] == Event.FAILURE]
     evaluation = [e for e in events if e["event"] == Event.EVALUATION]
@@ -43,6 +40,16 @@ def summary(run_dir: RunDirs) -> str:
     if any(RunDir(d).indices.is_dir() for d in run_dirs(run_dir)):
         lines.append(f"- examples used more than once in an epoch (committed work): {audit.repeats(run_dir)}")
     return "\n".join(lines)
+
+
+def _why(rendezvous: Dict) -> str:
+    """Why a round began, culprit first: the reason is what the host that opened it saw (a survivor's
+    collective failing); `lost` names the hosts whose lease was gone when the round froze."""
+    if not rendezvous.get("lost"):
+        return rendezvous["reason"]
+    seen = rendezvous["reason"]
+    return (f"lost {', '.join(rendezvous['lost'])} (lease expired); noticed as "
+            f"{seen[:97] + '...' if len(seen) > 100 else seen}")
 
 
 CAUSES = ("training", "commits on the training path", "redone after a failure", "evaluation", "start-up",

@@ -78,7 +78,7 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     # report's "why" and the survivor agent's log.
     assert [e for e in job.events("failure") if e["kind"] == "host_lost" and e["host"] == "b"], job.events("failure")
     row = [line for line in report.summary(job.run_dir).splitlines() if line.startswith(f"| {survivor['round']} |")]
-    assert row and "lost: b" in row[0], report.summary(job.run_dir)
+    assert row and "| lost b (lease expired); noticed as " in row[0], report.summary(job.run_dir)
     assert "lost b (lease expired)" in (job.tmp / "agent-a.log").read_text(errors="replace")
 
     job.start_agent("c")

@@ -73,3 +73,10 @@ def test_an_evaluation_cut_short_by_a_kill_ends_at_the_hosts_next_state(tmp_path
     ])
     causes = report.time_split(run)["a"]
     assert causes["evaluation"] == pytest.approx(4) and causes["rendezvous and restarts"] == pytest.approx(1)
+
+
+def test_a_rounds_why_names_the_lost_host_first_and_shortens_what_the_survivor_saw():
+    seen = "peer_failure rank=0 host=a: PeerFailure: " + "x" * 300
+    why = report._why({"reason": seen, "lost": ["b", "c"]})
+    assert why.startswith("lost b, c (lease expired); noticed as peer_failure rank=0 host=a") and len(why) < 160
+    assert report._why({"reason": "join c"}) == "join c"

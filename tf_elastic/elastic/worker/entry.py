@@ -16,6 +16,7 @@ process ends at once (`exit_now`: MWMS has no clean shutdown). `elastic.fit` and
 world and strategy `run` made.
 """
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -72,6 +73,7 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
         tpu: a TPU name or grpc://HOST:PORT for `strategy="tpu"` (None).
         run_dir: where commits go without an agent (default `runs/train`); the agent's otherwise.
     """
+    faulthandler.enable()  # a crash in native code (TensorFlow) still leaves every thread's stack in the log
     code, world = 1, None
     try:
         prepared = (prepare(),) if prepare is not None else ()
