@@ -10,20 +10,21 @@ backgrounds, Gaussian noise) under, with the same seeds (same initial weights, s
 - ramp: Dynamic SGD's linear ramp (`--ramp_per_factor` steps per factor of batch growth);
 - equal-LR control: jumps at once, like immediate, to the constant scale that gives each phase the ramp's
   average learning rate: separates "the ramp is smooth" from "the ramp trains at a lower average rate";
-- momentum (optional, `--configs`): the parameter-free momentum-share transition.
+- momentum: the parameter-free transition that follows the share of the momentum buffer still made of
+  old-batch gradients (`BatchResizeSchedule(transition="momentum")`).
 
 The phases must be long enough for every ramp to finish: the script checks and says so. Prints a table
 (test accuracy, final train loss, loss spikes after the plan's resizes, each with a 95 % interval over
 seeds) and paired comparisons per seed, and writes a plot.
 
-    python -m launch.reproduce_dynamic_sgd               # ~50 min on 2 CPU cores
+    python -m launch.reproduce_dynamic_sgd               # ~60 min on 2 CPU cores (5 configurations)
     python -m launch.reproduce_dynamic_sgd --quick       # ~1 min, for the test suite
 """
 import json
 import os
 import time
 from pathlib import Path
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List
 
 from absl import app, flags, logging
 
@@ -48,7 +49,7 @@ flags.DEFINE_float("learning_rate", 0.025, "SGD learning rate at the base batch 
                    "the run); 0.025 at 16 is 0.2 at 128.", lower_bound=0.0)
 flags.DEFINE_float("weight_decay", 5e-4, "SGD weight decay.", lower_bound=0.0)
 flags.DEFINE_float("ramp_per_factor", 1.0, "Ramp length in steps per factor of batch growth.", lower_bound=0.0)
-flags.DEFINE_list("configs", ["static", "immediate", "ramp", "equal_lr"], f"Which of {', '.join(CONFIGS)} to run.")
+flags.DEFINE_list("configs", list(CONFIGS), f"Which of {', '.join(CONFIGS)} to run.")
 flags.DEFINE_integer("seeds", 5, "Seeds per configuration.", lower_bound=1)
 flags.DEFINE_integer("train_examples", 4000, "Training examples used (a prefix of the training set).",
                      lower_bound=100)
@@ -62,142 +63,39 @@ flags.DEFINE_bool("quick", False, "A minute-long version (mnist_cnn on MNIST, 10
 FLAGS = flags.FLAGS
 require_finite_floats(__name__)
 
-MOMENTUM = 0.9
 
-
-class Run(NamedTuple):
-    samples: List[int]
-    losses: List[float]
-    learning_rates: List[float]
-    batches: List[int]
-    test_accuracy: float
-
-
-def phases(config: str = "resized") -> List[Tuple[int, int]]:
-    """(global batch, steps) per phase of the plan: whole batches only, each phase `--phase_epochs` long. The
-    static configuration sees the same samples in base-batch steps."""
-    out, seen, end = [], 0, 0
-    for multiple in FLAGS.plan:
-        batch = FLAGS.base_batch * int(multiple)
-        end += int(FLAGS.phase_epochs * FLAGS.train_examples)
-        steps = max(0, (end - seen) // batch)
-        seen += steps * batch
-        out.append((FLAGS.base_batch, steps * int(multiple)) if config == "static" else (batch, steps))
-    return out
+def design() -> reproduction.Design:
+    """The experiment the flags describe."""
+    return reproduction.Design(FLAGS.model, [int(m) for m in FLAGS.plan],
+                               [int(FLAGS.phase_epochs * FLAGS.train_examples)] * len(FLAGS.plan), FLAGS.base_batch,
+                               FLAGS.learning_rate, FLAGS.ramp_per_factor, FLAGS.weight_decay)
 
 
 def schedule_for(config: str) -> keras.optimizers.schedules.LearningRateSchedule:
     """The learning-rate schedule of `config`, its resizes already recorded (the plan is known in advance)."""
-    from tf_elastic import BatchResizeSchedule
-
-    if config == "equal_lr":
-        return _equal_lr()
-    plan = phases(config)
-    total = sum(batch * steps for batch, steps in plan) // FLAGS.base_batch
-    base = keras.optimizers.schedules.CosineDecay(FLAGS.learning_rate, total, alpha=0.01)
-    transition = {"static": "none", "immediate": "none", "ramp": "linear", "momentum": "momentum"}[config]
-    schedule = BatchResizeSchedule(base, FLAGS.base_batch, batch_size=plan[0][0], transition=transition,
-                                   momentum=MOMENTUM, ramp_steps_per_factor=FLAGS.ramp_per_factor)
-    step = 0
-    for batch, steps in plan:
-        schedule.resize(step, batch)
-        step += steps
-    return schedule
+    return _equal_lr() if config == "equal_lr" else reproduction.schedule_for(design(), config)
 
 
 def _equal_lr() -> "StepTable":
     """Immediate jumps, each phase scaled so that its summed learning rate equals the ramp's in that phase."""
     import numpy as np
 
-    steps = sum(n for _, n in phases())
+    plan = reproduction.phases(design())
+    steps = sum(n for _, n in plan)
     ramp, immediate = (np.array([float(schedule_for(c)(step)) for step in range(steps)])
                        for c in ("ramp", "immediate"))
     start = 0
-    for _, n in phases():
+    for _, n in plan:
         part = slice(start, start + n)
         immediate[part] *= ramp[part].sum() / immediate[part].sum()
         start += n
     return StepTable(immediate)
 
 
-def ramp_check(plan: List[Tuple[int, int]]) -> str:
-    """Whether every ramp finishes inside its phase, and how long the phase trains at the full scale after it."""
-    if FLAGS.ramp_per_factor == 0:
-        return "ramp: 0 steps (the ramp configuration jumps at once)"
-    lines, done = [], True
-    for (old, _), (new, steps) in zip(plan, plan[1:]):
-        if new > old:
-            ramp = round(FLAGS.ramp_per_factor * new / old)
-            done &= ramp <= steps
-            lines.append(f"{ramp} of {steps} steps" + ("" if ramp <= steps else " (UNFINISHED)"))
-    verdict = "every ramp finishes inside its phase" if done else "NOT every ramp finishes: lengthen the phases"
-    return f"ramp check: {verdict} (ramp per batch increase: {', '.join(lines) or 'none'})"
-
-
-def train(config: str, seed: int, train_data, test_data) -> Run:
-    import numpy as np
-    import tensorflow as tf
-
-    from tf_elastic import models
-
-    keras.utils.set_random_seed(seed)
-    x, y = train_data
-    model = models.get(FLAGS.model, x.shape[1:], 10)
-    optimizer = keras.optimizers.SGD(schedule_for(config), momentum=MOMENTUM, weight_decay=FLAGS.weight_decay)
-    optimizer.build(model.trainable_variables)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-    @tf.function(input_signature=[tf.TensorSpec([None, *x.shape[1:]]), tf.TensorSpec([None], tf.int32)])
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(yb, model(xb, training=True))
-        lr = optimizer.learning_rate
-        optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
-        return loss, lr
-
-    rng = np.random.default_rng(seed)  # the same example stream for every configuration of a seed
-    order, cursor, seen = rng.permutation(len(x)), 0, 0
-    samples, losses, lrs, seen_batches = [], [], [], []
-    for batch, steps in phases(config):
-        for _ in range(steps):
-            if cursor + batch > len(x):
-                order, cursor = np.concatenate([order[cursor:], rng.permutation(len(x))]), 0
-            index = order[cursor: cursor + batch]
-            cursor += batch
-            loss, lr = step(x[index], y[index])
-            seen += batch
-            samples.append(seen)
-            losses.append(float(loss))
-            lrs.append(float(lr))
-            seen_batches.append(batch)
-    logits = model.predict(test_data[0], batch_size=500, verbose=0)
-    accuracy = float(np.mean(np.argmax(logits, axis=1) == test_data[1]))
-    return Run(samples, losses, lrs, seen_batches, accuracy)
-
-
-def resize_samples() -> List[int]:
-    """Sample counts at which the plan resizes: where every configuration's spikes are read, static included."""
-    plan, out, seen = phases(), [], 0
-    for (old, steps), (new, _) in zip(plan, plan[1:]):
-        seen += old * steps
-        if new != old:
-            out.append(seen)
-    return out
-
-
-def spikes(run: Run) -> List[float]:
+def spikes(run: reproduction.Run) -> List[float]:
     """Per resize: the highest running-mean loss in the `--spike_window` steps after it, less the mean of the
     running mean over the window before it."""
-    import numpy as np
-
-    smooth = np.convolve(run.losses, np.ones(FLAGS.spike_smoothing) / FLAGS.spike_smoothing, mode="full")
-    smooth = smooth[: len(run.losses)]  # causal: step i averages steps i-k+1..i
-    out, window = [], FLAGS.spike_window
-    for boundary in resize_samples():
-        at = int(np.searchsorted(run.samples, boundary, side="right"))
-        if window <= at < len(smooth):
-            out.append(float(smooth[at: at + window].max() - smooth[at - window: at].mean()))
-    return out
+    return reproduction.spikes(run, design(), FLAGS.spike_window, FLAGS.spike_smoothing)
 
 
 class StepTable(keras.optimizers.schedules.LearningRateSchedule):
@@ -214,7 +112,7 @@ class StepTable(keras.optimizers.schedules.LearningRateSchedule):
         return {"table": self.table}
 
 
-def summarise(results: Dict[str, List[Run]]) -> str:
+def summarise(results: Dict[str, List[reproduction.Run]]) -> str:
     import numpy as np
 
     lines = ["| configuration | test accuracy % (mean ± 95 % CI) | final train loss | mean loss spike after a resize "
@@ -234,7 +132,7 @@ def summarise(results: Dict[str, List[Run]]) -> str:
             lines.append(reproduction.paired([r.test_accuracy * 100 for r in results[a]],
                                              [r.test_accuracy * 100 for r in results[b]])
                          .row(f"accuracy: {a} - {b} (points)"))
-    for a, b in [("immediate", "ramp"), ("immediate", "equal_lr"), ("equal_lr", "ramp")]:
+    for a, b in [("immediate", "ramp"), ("immediate", "equal_lr"), ("equal_lr", "ramp"), ("immediate", "momentum")]:
         if a in results and b in results:
             lines.append(reproduction.paired([np.mean(spikes(r)) for r in results[a]],
                                              [np.mean(spikes(r)) for r in results[b]])
@@ -242,7 +140,7 @@ def summarise(results: Dict[str, List[Run]]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: Dict[str, List[Run]], path: Path) -> None:
+def plot(results: Dict[str, List[reproduction.Run]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,7 +158,7 @@ def plot(results: Dict[str, List[Run]], path: Path) -> None:
         axes[3].scatter([n] * len(accuracies), accuracies, color=f"C{n}")
     for ax in axes[:3]:
         ax.sharex(axes[0])
-        for boundary in resize_samples():
+        for boundary in reproduction.resize_samples(design()):
             ax.axvline(boundary, color="grey", linestyle=":", linewidth=0.8)
     axes[0].set_ylabel("learning rate")
     axes[1].set_ylabel("global batch")
@@ -276,18 +174,6 @@ def plot(results: Dict[str, List[Run]], path: Path) -> None:
     plt.close(fig)
 
 
-def load_task():
-    """(train, test) arrays of the chosen task: images in [0, 1], int32 labels."""
-    from tf_elastic.elastic.worker import datasets
-
-    data = datasets.load("mnist", FLAGS.data_dir or datasets.DEFAULT_DATA_DIR)
-    x, y = data.x_train[: FLAGS.train_examples], data.y_train[: FLAGS.train_examples]
-    xt, yt = data.x_test[: FLAGS.test_examples], data.y_test[: FLAGS.test_examples]
-    if FLAGS.task == "colour_digits":  # train and test get different draws of the same distortions
-        x, xt = reproduction.colour_digits(x), reproduction.colour_digits(xt, reproduction.TASK_SEED + 1)
-    return (x, y), (xt, yt)
-
-
 def main(argv: List[str]) -> None:
     del argv
     if FLAGS.quick:
@@ -297,16 +183,18 @@ def main(argv: List[str]) -> None:
     unknown = sorted(set(FLAGS.configs) - set(CONFIGS))
     if unknown:
         raise app.UsageError(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
-    train_data, test_data = load_task()
-    check = ramp_check(phases())
+    train_data, test_data = reproduction.load_task(FLAGS.task, FLAGS.data_dir, FLAGS.train_examples,
+                                                   FLAGS.test_examples)
+    check = reproduction.ramp_check(design())
     print(check, flush=True)
     out = Path(FLAGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results: Dict[str, List[Run]] = {}
+    results: Dict[str, List[reproduction.Run]] = {}
     started = time.time()
     for seed in range(FLAGS.seeds):  # seed by seed, so that a run cut short still has balanced, paired results
         for config in [c for c in CONFIGS if c in FLAGS.configs]:
-            run = train(config, seed, train_data, test_data)
+            run = reproduction.train(design(), reproduction.phases(design(), config), schedule_for(config), seed,
+                                     train_data, test_data)
             results.setdefault(config, []).append(run)
             logging.info("%s seed %d: test accuracy %.4f (%.0f s so far)", config, seed, run.test_accuracy,
                          time.time() - started)
@@ -315,12 +203,12 @@ def main(argv: List[str]) -> None:
     print(f"\nplot: {out / 'dynamic_sgd.png'}")
 
 
-def _write(results: Dict[str, List[Run]], out: Path, check: str, seconds: float) -> str:
+def _write(results: Dict[str, List[reproduction.Run]], out: Path, check: str, seconds: float) -> str:
     seeds = len(next(iter(results.values())))
     header = (f"{FLAGS.model} on {FLAGS.task} ({FLAGS.train_examples} training, {FLAGS.test_examples} test "
               f"examples); plan {'x,'.join(FLAGS.plan)}x of batch {FLAGS.base_batch}, {FLAGS.phase_epochs:g} epochs "
-              f"a phase; SGD lr {FLAGS.learning_rate:g} at the base batch, momentum {MOMENTUM}, cosine decay; "
-              f"ramp {FLAGS.ramp_per_factor:g} steps per factor; {seeds} of {FLAGS.seeds} seeds; spikes: "
+              f"a phase; SGD lr {FLAGS.learning_rate:g} at the base batch, momentum {reproduction.MOMENTUM}, "
+              f"cosine decay; ramp {FLAGS.ramp_per_factor:g} steps per factor; {seeds} of {FLAGS.seeds} seeds; spikes: "
               f"{FLAGS.spike_smoothing}-step running mean, {FLAGS.spike_window}-step windows; {seconds:.0f} s\n{check}")
     report = header + "\n\n" + summarise(results) + "\n"
     (out / "table.md").write_text(report)
