@@ -75,3 +75,26 @@ def test_the_schedule_is_found_on_the_optimizer_and_a_different_one_is_refused()
     assert schedule_of(keras.optimizers.SGD(0.1)) is None
     with pytest.raises(ConfigurationError, match="schedule is not the optimizer's learning rate"):
         schedule_of(model.optimizer, BatchResizeSchedule(0.1, 16, batch_size=32))
+
+
+def test_an_error_in_the_background_finish_is_raised_at_the_next_commit_and_at_close(tmp_path):
+    """Beyond the errors a commit reports and outlives (a full disk), what the commit thread raises (here
+    the announcement callback) comes back in the training thread instead of vanishing with its future."""
+    model, schedule = _model()
+
+    def broken(blocked, in_force):
+        raise RuntimeError("announcement bug")
+
+    state = CommittedState(World(), str(tmp_path / "next"), model, schedule, background=True)
+    state.commit(epoch=0, samples=16, step=1, global_batch=16, on_kept=broken)
+    for future in list(state._finishing):
+        future.exception()  # wait for the finish to fail, without consuming what it raised
+    with pytest.raises(RuntimeError, match="announcement bug"):
+        state.commit(epoch=0, samples=32, step=2, global_batch=16)
+    assert state.in_force == 0  # the broken commit was never put in force
+    state.close()
+
+    state = CommittedState(World(), str(tmp_path / "close"), model, schedule, background=True)
+    state.commit(epoch=0, samples=16, step=1, global_batch=16, on_kept=broken)
+    with pytest.raises(RuntimeError, match="announcement bug"):
+        state.close()

@@ -80,6 +80,7 @@ class CommittedState:
         self.generation = world.round  # of this round's commits: see `begin_generation`
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tf_elastic-commit") if background else None
         self._warm: Optional[concurrent.futures.Future] = None
+        self._finishing: List[concurrent.futures.Future] = []  # background finishes not yet checked
         if world.keeps_commits:
             tf.io.gfile.makedirs(self.directory)
             kept = tf.train.get_checkpoint_state(self.directory)
@@ -222,6 +223,7 @@ class CommittedState:
         started = time.perf_counter() if started is None else started
         if self._warm is not None:
             self._warm.result()  # done long before, unless a commit comes within the first steps
+        self._raise_background_error()
         epoch, samples, step, _, generation = (int(v) for v in self.progress.numpy())
         # Named by generation and the whole position: a commit never overwrites the files the state file names.
         prefix = posixpath.join(self.directory, f"ckpt-{generation}-{step}-{epoch}-{samples}")
@@ -234,7 +236,20 @@ class CommittedState:
         if self._pool is None:
             self._finish(prefix, self.commits_made, time.time(), started, blocked, on_kept)
         else:
-            self._pool.submit(self._finish, prefix, self.commits_made, time.time(), started, blocked, on_kept)
+            self._finishing.append(self._pool.submit(self._finish, prefix, self.commits_made, time.time(), started,
+                                                     blocked, on_kept))
+
+    def _raise_background_error(self, wait: bool = False) -> None:
+        """Re-raises, in the training thread, what a background finish raised beyond the errors it reports
+        and outlives (a full disk, a store that failed): a bug there would otherwise vanish with its future,
+        and `in_force` would stop advancing, so that no commit is announced again. Checked at each commit
+        and at `close` (`wait`: after every finish has ended)."""
+        if wait:
+            concurrent.futures.wait(self._finishing)
+        done = [future for future in self._finishing if future.done()]
+        self._finishing = [future for future in self._finishing if not future.done()]
+        for future in done:
+            future.result()
 
     def _finish(self, prefix: str, number: int, written: float, started: float, blocked: float,
                 on_kept: Optional[OnKept]) -> None:
@@ -298,7 +313,10 @@ class CommittedState:
         """Waits for what the background thread still has to do; `final`: the chief also copies the last
         commit to durable storage (the end of training)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            try:
+                self._raise_background_error(wait=True)
+            finally:
+                self._pool.shutdown(wait=True)
         if final and self.durable and self._kept and self._copied != self._kept[-1][0]:
             self._copy(self._kept[-1][0])
 
