@@ -83,30 +83,38 @@ def test_world_reads_tf_config():
 
 
 def test_keras_fit_fix_is_installed_only_where_the_bug_is():
-    """The detector reads the real Keras source; a copy patched the way an upstream fix would (the local
-    results for the build, axis=None for scalars) must switch each fix off, one at a time."""
+    """Each fix is installed exactly where the detector finds its bug in the installed Keras's source; where
+    the bug is there, a copy patched the way an upstream fix would (the local results for the build,
+    axis=None for scalars, all replicas' finiteness) switches that fix off alone. On a Keras that fixed
+    them, nothing is installed and the patched copies have nothing left to change."""
     import inspect
 
     from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    installed = keras_compat.install_fit_fix()
-    assert installed == {"symbolic_build": True, "scalar_reduce": True, "loss_scale_finite": True}, keras.__version__
-    real = inspect.getsource(tf_trainer)
-    build_fixed = real.replace('data_batch = self.distribute_strategy.reduce(\n                        "MEAN",\n'
-                               '                        maybe_distributed_data_batch,',
-                               'data_batch = self.distribute_strategy.experimental_local_results(\n'
-                               '                        maybe_distributed_data_batch,')
-    reduce_fixed = real.replace('return strategy.reduce("MEAN", v, axis=0)',
-                                'return strategy.reduce("MEAN", v, axis=0 if v.shape.rank else None)')
-    assert build_fixed != real and reduce_fixed != real, "Keras's source moved: update the patched copies"
-    assert keras_compat.bugs_in(real) == {"symbolic_build": True, "scalar_reduce": True}
-    assert keras_compat.bugs_in(build_fixed) == {"symbolic_build": False, "scalar_reduce": True}
-    assert keras_compat.bugs_in(reduce_fixed) == {"symbolic_build": True, "scalar_reduce": False}
     from keras.src.optimizers import loss_scale_optimizer
 
-    source = inspect.getsource(loss_scale_optimizer)
-    fixed = source.replace("finite = distribution.experimental_local_results(", "finite = all_replicas_finite(")
-    assert fixed != source and keras_compat.local_finite_bug_in(source) and not keras_compat.local_finite_bug_in(fixed)
+    real, source = inspect.getsource(tf_trainer), inspect.getsource(loss_scale_optimizer)
+    found = dict(keras_compat.bugs_in(real), loss_scale_finite=keras_compat.local_finite_bug_in(source))
+    assert keras_compat.install_fit_fix() == found, keras.__version__
+    fixes = {"symbolic_build": ('data_batch = self.distribute_strategy.reduce(\n                        "MEAN",\n'
+                                '                        maybe_distributed_data_batch,',
+                                'data_batch = self.distribute_strategy.experimental_local_results(\n'
+                                '                        maybe_distributed_data_batch,'),
+             "scalar_reduce": ('return strategy.reduce("MEAN", v, axis=0)',
+                               'return strategy.reduce("MEAN", v, axis=0 if v.shape.rank else None)')}
+    for name, (bug, fix) in fixes.items():
+        if found[name]:
+            assert bug in real, f"Keras's source moved: update the patched copy for {name}"
+            assert keras_compat.bugs_in(real.replace(bug, fix)) == dict(keras_compat.bugs_in(real), **{name: False})
+    if found["loss_scale_finite"]:
+        fixed = source.replace("finite = distribution.experimental_local_results(", "finite = all_replicas_finite(")
+        assert fixed != source and not keras_compat.local_finite_bug_in(fixed)
+    # The detectors themselves, on the two forms of each line (so a detector that never fires fails here too):
+    assert keras_compat.bugs_in(fixes["symbolic_build"][0] + "\n" + fixes["scalar_reduce"][0]) == \
+        {"symbolic_build": True, "scalar_reduce": True}
+    assert keras_compat.bugs_in(fixes["symbolic_build"][1] + "\n" + fixes["scalar_reduce"][1]) == \
+        {"symbolic_build": False, "scalar_reduce": False}
+    assert keras_compat.local_finite_bug_in("finite = distribution.experimental_local_results(finite_per_replica)[0]")
+    assert not keras_compat.local_finite_bug_in("finite = all_replicas_finite(finite_per_replica)[0]")
 
 
 def _training_setup():
