@@ -79,7 +79,8 @@ def test_agent_flag_errors_name_the_flag(tmp_path, arguments, fragment):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0
     assert fragment in proc.stderr + proc.stdout, proc.stderr[-2000:]
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    written = [p for p in (tmp_path / "run").rglob("*") if p.is_file()] if (tmp_path / "run").exists() else []
+    assert written == [], written  # refused before it started anything: no event, log or worker output
 
 
 @pytest.mark.parametrize("script,argument", [

@@ -434,15 +434,19 @@ def test_the_heartbeat_outlives_disk_errors_and_workers_ignore_notice_signals_un
     assert Heartbeat.from_text(heartbeat.read_text()).step == 1
 
 
-def test_the_derived_progress_timeout_measures_the_longest_wait_for_progress(tmp_path):
+def test_the_derived_progress_timeout_measures_the_longest_wait_for_progress(tmp_path, monkeypatch):
+    """Timed on the agent's monotonic clock (here a controlled one): the longest gap between two changes of
+    the progress counter, not between beats."""
+    clock = [100.0]
+    monkeypatch.setattr(workers.time, "monotonic", lambda: clock[0])
     beat = tmp_path / "heartbeat"
     worker = workers.Worker(0, subprocess.Popen(["true"]), beat)
-    for progress, pause in [(1, 0.0), (2, 0.05), (3, 0.4), (4, 0.05)]:
-        time.sleep(pause)
-        write_heartbeat(beat, Heartbeat(step=progress, progress=progress, beat=progress))
+    for progress, beat_count, pause in [(1, 1, 0.0), (2, 2, 0.05), (2, 3, 0.3), (3, 4, 0.4), (4, 5, 0.05)]:
+        clock[0] += pause
+        write_heartbeat(beat, Heartbeat(step=progress, progress=progress, beat=beat_count))
         worker.observe()
     worker.process.wait()
-    assert 0.35 < worker.longest_gap < 5.0  # (the other gaps were 0.05 s)
+    assert worker.longest_gap == pytest.approx(0.7)  # progress 2 -> 3: two beats apart, 0.3 + 0.4 s
 
 
 def test_host_dirs_of_live_agents_are_kept_whatever_their_pid(tmp_path, monkeypatch):
