@@ -17,6 +17,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
+from tf_elastic.elastic import proc
 from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.testing.etcd_server import EtcdServer
 from tf_elastic.testing.rendezvous_sim import Simulation
@@ -33,12 +34,6 @@ flags.DEFINE_float("phase_timeout", 300.0, "Seconds a phase may take before the 
 FLAGS = flags.FLAGS
 
 PHASES = ("start", "loss", "leave", "join")
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _phase(sim: Simulation, result: Dict, name: str, hosts: List, after: int, act) -> int:
@@ -62,7 +57,7 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
     sim = Simulation(url, f"bench-{uuid.uuid4().hex[:8]}", min_workers=max(1, n - 2), max_workers=n,
                      timeouts=timeouts, monitor_interval=FLAGS.monitor_interval)
     result: Dict = {"n": n}
-    etcd_cpu, sim_cpu, began = etcd_pid and _cpu_seconds(etcd_pid), time.process_time(), time.monotonic()
+    etcd_cpu, sim_cpu, began = etcd_pid and proc.cpu_seconds(etcd_pid), time.process_time(), time.monotonic()
     try:
         hosts: List = []
         number = _phase(sim, result, "start", hosts, -1, lambda: hosts.extend(sim.start_hosts(n)))
@@ -77,7 +72,7 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
         _phase(sim, result, "join", joined, number, lambda: joined.extend(sim.start_hosts(1)))
     finally:
         sim.stop()
-    result["etcd_cpu"] = _cpu_seconds(etcd_pid) - etcd_cpu if etcd_pid else None
+    result["etcd_cpu"] = proc.cpu_seconds(etcd_pid) - etcd_cpu if etcd_pid else None
     result["sim_cpu"], result["wall"] = time.process_time() - sim_cpu, time.monotonic() - began
     return result
 

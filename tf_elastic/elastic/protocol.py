@@ -190,7 +190,20 @@ def read_error_file(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
     return record if isinstance(record, dict) and isinstance(record.get("type"), str) else None
 
 
-def describe_error(record: Dict[str, Any]) -> str:
+def first_line(error: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (a TensorFlow error's `message`, without its op context);
+    '' for none. The one way every module shortens an error for a log line, an event or a refusal."""
+    text = getattr(error, "message", None) or str(error)
+    return text.splitlines()[0][:limit] if text.strip() else ""
+
+
+def error_line(error: BaseException, limit: int = 200) -> str:
+    """`Type: first line of the message`, as a traceback's last line reads."""
+    line = first_line(error, limit)
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def error_record_line(record: Dict[str, Any]) -> str:
     """`Type: message` on one line, as a traceback's last line reads."""
     message = " ".join(str(record.get("message", "")).split())[:300]
     return f"{record['type']}: {message}" if message else record["type"]

@@ -24,7 +24,7 @@ from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.agent.worker_output import WorkerOutput, logs_dir
 from tf_elastic.elastic.agent.workers import Spare, Worker
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, describe_error, read_error_file
+from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, error_record_line, read_error_file
 from tf_elastic.elastic.store import Store, StoreError
 
 
@@ -381,7 +381,7 @@ class ElasticAgent:
             return None
         record = read_error_file(self.host_dir.error_file(round_.number, worker.rank))
         if record is not None:
-            return describe_error(record)
+            return error_record_line(record)
         line = workers.last_error_line(worker.process)
         return line or (f"killed by {signal.Signals(-code).name}" if code < 0 else None)
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from tf_elastic.elastic import proc
 from tf_elastic.elastic.agent.worker_output import WorkerOutput
 from tf_elastic.elastic.protocol import Heartbeat, HostDir, read_heartbeat
 
@@ -112,19 +113,8 @@ def group_running(process: subprocess.Popen) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return True  # no /proc: a member exists, zombie or not
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as stat:
-                state, _, group = stat.read().rsplit(b")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        if int(group) == process.pid and state != b"Z":
-            return True
-    return False
+    live = proc.group_has_live_member(process.pid)
+    return True if live is None else live  # no /proc: a member exists, zombie or not
 
 
 def kill(process: subprocess.Popen) -> None:

@@ -23,7 +23,7 @@ from absl import logging
 from tensorflow.python.ops import resource_variable_ops
 
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.protocol import Event, RunDir
+from tf_elastic.elastic.protocol import Event, RunDir, error_line, first_line
 from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
@@ -131,7 +131,7 @@ class CommittedState:
                 self.checkpoint.sync()
                 tf.io.gfile.rmtree(directory)
             except tf.errors.OpError as error:  # only time is lost: the first commit sets it up instead
-                logging.warning("the commit warm-up failed: %s", _describe(error))
+                logging.warning("the commit warm-up failed: %s", error_line(error))
 
         self._warm = self._pool.submit(second)
 
@@ -170,7 +170,7 @@ class CommittedState:
             try:
                 self.durable.mark_generation(self.generation)
             except (tf.errors.OpError, OSError) as error:  # as a durable copy that fails: the next round tries again
-                self._report(Event.DURABLE_COPY, path=self.durable.directory, error=_describe(error))
+                self._report(Event.DURABLE_COPY, path=self.durable.directory, error=error_line(error))
 
     def restore(self) -> Tuple[Optional[str], List[Tuple[str, str]]]:
         """Restores the newest readable commit this host keeps; the chief also looks at the durable copies
@@ -195,10 +195,10 @@ class CommittedState:
                 self.restored = path
                 return path, skipped
             except (tf.errors.OpError, IndexError, OSError) as error:  # IndexError: the reader's, on a short file
-                skipped.append((path, f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
+                skipped.append((path, error_line(error)))
             except (AssertionError, ValueError) as error:
                 raise ConfigurationError(f"the committed state {path} does not fit this model or optimizer "
-                                         f"({str(error).splitlines()[0][:300]}); use another --run_dir "
+                                         f"({first_line(error, 300)}); use another --run_dir "
                                          f"(--checkpoint_dir) or the configuration it was written with") from None
         if skipped:
             raise ConfigurationError(f"no readable commit in {self.directory}: " + "; ".join(e for _, e in skipped))
@@ -230,7 +230,7 @@ class CommittedState:
         try:
             self._write(prefix)
         except tf.errors.OpError as error:
-            self._report(Event.COMMIT_FAILED, step=step, path=prefix, error=_describe(error))
+            self._report(Event.COMMIT_FAILED, step=step, path=prefix, error=error_line(error))
             return
         blocked = time.perf_counter() - started
         if self._pool is None:
@@ -270,7 +270,7 @@ class CommittedState:
                 for path in tf.io.gfile.glob(old + ".*"):
                     tf.io.gfile.remove(path)
         except (tf.errors.OpError, OSError) as error:
-            self._report(Event.COMMIT_FAILED, path=prefix, error=_describe(error))
+            self._report(Event.COMMIT_FAILED, path=prefix, error=error_line(error))
             return
         if on_kept is not None:
             on_kept(blocked, time.perf_counter() - started)
@@ -285,7 +285,7 @@ class CommittedState:
             self.durable.mark_generation(self.generation)  # again: in case it failed at the round's start
             copied = self.durable.copy(prefix, before_marker=lambda: test_pause("durable", self.world.rank))
         except (tf.errors.OpError, OSError, ConfigurationError) as error:
-            self._report(Event.DURABLE_COPY, path=prefix, error=_describe(error))
+            self._report(Event.DURABLE_COPY, path=prefix, error=error_line(error))
             return
         self._copied = prefix
         self._report(Event.DURABLE_COPY, path=posixpath.join(self.durable.directory, posixpath.basename(prefix)),
@@ -319,11 +319,6 @@ class CommittedState:
                 self._pool.shutdown(wait=True)
         if final and self.durable and self._kept and self._copied != self._kept[-1][0]:
             self._copy(self._kept[-1][0])
-
-
-def _describe(error: BaseException) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _tf_variable(variable):

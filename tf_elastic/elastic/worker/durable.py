@@ -24,6 +24,7 @@ from typing import Callable, List, NamedTuple, Optional
 
 import tensorflow as tf
 
+from tf_elastic.elastic.protocol import error_line
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.storage import Storage, open_storage
 
@@ -107,7 +108,7 @@ class DurableCopies:
             self.storage.remove(probe)
         except (tf.errors.OpError, OSError) as error:
             raise ConfigurationError(f"--checkpoint_dir={self.directory} cannot be written "
-                                     f"({type(error).__name__}: {_first_line(error)}): give a directory this "
+                                     f"({error_line(error)}): give a directory this "
                                      f"job may write, or --durable_every_commits=0 for no durable copies") from None
 
     def copies(self) -> List[Copy]:
@@ -161,8 +162,3 @@ class DurableCopies:
         for item in copies:
             if item.id not in kept and (item.complete or item.id < complete[-1].id):
                 self.storage.rmtree(posixpath.dirname(item.prefix))
-
-
-def _first_line(error: BaseException) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return text.splitlines()[0][:200] if text else ""

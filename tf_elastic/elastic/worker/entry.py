@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import tensorflow as tf
 
-from tf_elastic.elastic.protocol import Env
+from tf_elastic.elastic.protocol import Env, error_line
 from tf_elastic.elastic.worker import errors
 from tf_elastic.elastic.worker.cluster import resolve_world
 from tf_elastic.elastic.worker.strategy import make_strategy
@@ -98,7 +98,7 @@ def _report(error: BaseException) -> int:
     """Prints what ended `main` (one line for what the agent handles, a traceback otherwise) and writes it
     to the agent's error file; returns its exit code."""
     if isinstance(error, COLLECTIVE_FAILURES):  # outside fit (an evaluation after it): a peer is gone
-        error = errors.PeerFailure(-1, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        error = errors.PeerFailure(-1, error_line(error, 300))
     if isinstance(error, SystemExit):
         return error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
     if not isinstance(error, errors.StopRequested):

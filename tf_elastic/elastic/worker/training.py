@@ -18,7 +18,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_elastic.elastic.events import EventLog
-from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir
+from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir, error_line
 from tf_elastic.elastic.worker import entry, keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
@@ -364,9 +364,8 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
     except COLLECTIVE_FAILURES as error:
         events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
                      step=trainer.step)
-        first_line = str(error).splitlines()[0] if str(error) else ""
-        logging.error("collective failure at step %d (%s): %s", trainer.step, type(error).__name__, first_line)
-        raise PeerFailure(trainer.step, f"{type(error).__name__}: {first_line}") from None
+        logging.error("collective failure at step %d: %s", trainer.step, error_line(error, 300))
+        raise PeerFailure(trainer.step, error_line(error, 300)) from None
     except (tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError, tf.errors.UnauthenticatedError) as error:
         # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
         # may not read: the error names the file; a restart would only meet it again (on every host).

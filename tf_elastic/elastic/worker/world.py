@@ -22,6 +22,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 from absl import logging
 
+from tf_elastic.elastic import proc
 from tf_elastic.elastic.protocol import Env, Heartbeat, write_heartbeat
 
 
@@ -181,12 +182,8 @@ def test_pause(point: str, rank: int) -> None:
 
 def _alive(pid: int) -> bool:
     """Is `pid` running? A killed agent whose parent has not reaped it yet is a zombie: not running."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc (not Linux): ask the kernel whether the PID exists
+    running = proc.running(pid)
+    if running is None:  # no /proc (not Linux): ask the kernel whether the PID exists
         try:
             os.kill(pid, 0)
             return True
@@ -194,6 +191,7 @@ def _alive(pid: int) -> bool:
             return False
         except PermissionError:
             return True
+    return running
 
 
 def _signals(names: Optional[str]) -> Tuple[int, ...]:

@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_elastic.elastic.worker.data.source import AUTOTUNE, Source
+from tf_elastic.elastic.protocol import error_line
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 FETCH = 64  # indices per Python call
@@ -20,8 +21,7 @@ class TFDSSource(Source):
             self.data = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
         except Exception as error:  # noqa: BLE001 - TFDS raises many kinds; all mean "not prepared here"
             raise ConfigurationError(f"tfds:{name} split {split!r}: no prepared ArrayRecord data source in "
-                                     f"--data_dir={data_dir!r} ({type(error).__name__}: "
-                                     f"{str(error).splitlines()[0][:200]})") from None
+                                     f"--data_dir={data_dir!r} ({error_line(error)})") from None
         features = self.data.dataset_info.features
         self.image_key, self.label_key = self.data.dataset_info.supervised_keys or ("image", "label")
         image = features[self.image_key]

@@ -1,0 +1,47 @@
+"""The one reader of Linux's `/proc/PID/stat`, for the agent, the worker and the benchmarks (no TensorFlow).
+
+The fields after the command name (which may hold spaces and parentheses: split after its last `)`):
+state, parent PID, process group, ... , utime and stime (clock ticks) at 12 and 13; see proc(5)."""
+import os
+from typing import List, Optional
+
+STATE, GROUP, USER_TICKS, SYSTEM_TICKS = 0, 2, 11, 12
+
+
+def stat(pid: int) -> List[bytes]:
+    """The fields of `/proc/PID/stat` after the command name; OSError when the process is gone (or there
+    is no /proc: not Linux)."""
+    with open(f"/proc/{pid}/stat", "rb") as file:
+        return file.read().rsplit(b")", 1)[1].split()
+
+
+def running(pid: int) -> Optional[bool]:
+    """Whether `pid` exists and is not a zombie (exited, not yet reaped); None without /proc."""
+    if not os.path.isdir("/proc"):
+        return None
+    try:
+        return stat(pid)[STATE] != b"Z"
+    except (OSError, IndexError):
+        return False  # gone
+
+
+def group_has_live_member(group: int) -> Optional[bool]:
+    """Whether a process of process group `group` runs, zombies aside; None without /proc."""
+    try:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            fields = stat(pid)
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[GROUP]) == group and fields[STATE] != b"Z":
+            return True
+    return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` so far."""
+    fields = stat(pid)
+    return (int(fields[USER_TICKS]) + int(fields[SYSTEM_TICKS])) / os.sysconf("SC_CLK_TCK")
