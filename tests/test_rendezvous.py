@@ -287,6 +287,31 @@ def test_a_round_whose_opener_is_gone_is_frozen_by_another(rdzv_url, job):
     assert rounds["b"].opener in ("b", "c") and sorted(rounds["b"].assignment) == ["b", "c"]
 
 
+@pytest.mark.parametrize("skew", [3600.0, -3600.0], ids=["opener clock ahead", "opener clock behind"])
+def test_last_call_is_timed_on_the_freezers_own_clock_whatever_the_openers_wall_clock(store, job, skew):
+    """The round's `opened` is the opener's wall clock. Ahead by an hour, a freezer comparing it with its own
+    clock never saw last_call pass (the round timed out); behind, it froze at once, leaving out a host that
+    joined within last_call. Now a second host joining 0.05 s after the first is in the round either way."""
+    round_key = _rendezvous(store, job, "a").keys.round
+    assert store.compare_and_set(round_key, None, Round(0, "joining", "start", 0, time.time() + skew, [],
+                                                        "a").to_json())
+    rounds = {}
+
+    def join(host):
+        rounds[host] = _rendezvous(store, job, host, max_workers=3).join()
+
+    threads = [threading.Thread(target=join, args=(host,)) for host in "ab"]
+    threads[0].start()
+    deadline = time.time() + 10
+    while time.time() < deadline and '"round": 0' not in (store.get(f"/{job}/hosts/a") or ""):
+        time.sleep(0.01)
+    time.sleep(0.05)
+    threads[1].start()
+    [t.join(timeout=30) for t in threads]
+    assert set(rounds) == {"a", "b"} and rounds["a"] == rounds["b"], rounds
+    assert rounds["a"].number == 0 and sorted(rounds["a"].assignment) == ["a", "b"]
+
+
 @pytest.mark.slow
 def test_sixteen_simulated_hosts_through_a_loss_a_leave_and_a_join(rdzv_url):
     """The agents' own rendezvous and monitoring code (`rendezvous_sim`): every change is one new round,

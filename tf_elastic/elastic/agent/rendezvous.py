@@ -64,6 +64,7 @@ class Rendezvous:
         self._lease_value = self._lease_record()  # what our lease holds now: renewals compare against it
         self._joined: Optional[int] = None  # the round our lease announces we joined
         self._renewed = float("-inf")  # monotonic time of the last renewal
+        self._round_seen = (-1, 0.0)  # (round, monotonic time this agent first saw it joining)
         self._refused: set = set()  # malformed leases already reported
         # The group as a look just read it, when it showed a new round: the next join step's first look.
         # Stale by the time the workers stopped, which is safe: every change since wakes the next wait.
@@ -260,11 +261,19 @@ class Rendezvous:
             participants = self._participants(leases, round_.number)
             alive = {key.rsplit("/", 1)[-1] for key in leases}
             if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
-                                             time.time() - round_.opened, self.timeouts):
+                                             self._joining_for(round_.number), self.timeouts):
                 return action, None, False
             frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides)
             self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
         return action, None, True
+
+    def _joining_for(self, number: int) -> float:
+        """Seconds since this agent first saw round `number` joining, on its own monotonic clock: the round's
+        `opened` is another host's wall clock when the opener changed, and clock skew between hosts would
+        move `last_call` and `survivor_wait` (a host that takes over a round starts its wait anew)."""
+        if self._round_seen[0] != number:
+            self._round_seen = (number, time.monotonic())
+        return time.monotonic() - self._round_seen[1]
 
     def _participants(self, leases: Dict[str, str], number: int) -> Dict[str, Dict]:
         participants, refused = participants_of(leases, number)

@@ -34,7 +34,7 @@ class Round:
     phase: str  # a `Phase` value (plain text in the record)
     reason: str
     restarts: int
-    opened: float
+    opened: float  # the opener's wall clock, for people (`tf-elastic-status`); no decision compares it
     expected: List[str]
     opener: str
     assignment: Optional[Dict[str, List[int]]] = None
