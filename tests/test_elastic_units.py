@@ -281,8 +281,8 @@ def test_warm_worker_waits_for_its_world_on_stdin():
 
     from conftest import REPO
 
-    code = ("from tf_elastic.elastic.worker.world import World\n"
-            "w = World.from_env()\nprint(w.rank, w.size, w.round, flush=True)")
+    code = ("from tf_elastic.elastic.worker.cluster import resolve_world\n"  # the path elastic.run takes
+            "w = resolve_world('tf_config', 8888, None)\nprint(w.rank, w.size, w.round, flush=True)")
     env = {"PYTHONPATH": str(REPO), "TF_ELASTIC_WARM": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)

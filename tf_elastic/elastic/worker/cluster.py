@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from tf_elastic.choices import RESOLVERS
 from tf_elastic.elastic.protocol import Env
-from tf_elastic.elastic.worker.world import World
+from tf_elastic.elastic.worker.world import World, wait_for_the_agents_world_on_stdin
 
 
 def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_selector: Optional[str] = None,
@@ -26,6 +26,7 @@ def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_select
     if resolver not in RESOLVERS:
         raise ValueError(f"--cluster_resolver must be one of {', '.join(RESOLVERS)}; got {resolver!r}.")
     if resolver == "tf_config":
+        wait_for_the_agents_world_on_stdin()
         return World.from_env()
     if any(name in os.environ for name in (Env.WARM, Env.HEARTBEAT_FILE)):
         raise ValueError(f"--cluster_resolver={resolver}: the elastic agent gives this worker its world; "

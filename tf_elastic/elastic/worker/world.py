@@ -58,15 +58,7 @@ class World:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "World":
-        """The world the agent described; a warm-started worker first waits for it on stdin."""
-        if env is None and os.environ.pop(Env.WARM, None) == "1":
-            ready = os.environ.pop(Env.WARM_READY, None)
-            if ready:
-                Path(ready).touch()
-            line = sys.stdin.readline()
-            if not line:
-                raise SystemExit(0)  # the agent shut down without using this warm worker
-            os.environ.update(json.loads(line))
+        """The world the agent (or TF_CONFIG) describes in `env` (default `os.environ`); reads nothing else."""
         env = os.environ if env is None else env
         tf_config = env.get("TF_CONFIG")
         rank, size, cluster = 0, 1, None
@@ -178,6 +170,22 @@ def test_pause(point: str, rank: int) -> None:
     (Path(directory) / f"{point}.reached-rank{rank}").touch()
     while any(path.exists() for path in held):
         time.sleep(0.05)
+
+
+def wait_for_the_agents_world_on_stdin() -> None:
+    """A warm-started worker (`Env.WARM`, started before its round froze): says it is ready, blocks on stdin
+    until the agent writes its round's variables, and merges them into `os.environ` (TensorFlow reads
+    TF_CONFIG there). End of input: the agent shut down without using it, so the process exits 0. Does
+    nothing in a worker started cold."""
+    if os.environ.pop(Env.WARM, None) != "1":
+        return
+    ready = os.environ.pop(Env.WARM_READY, None)
+    if ready:
+        Path(ready).touch()
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)
+    os.environ.update(json.loads(line))
 
 
 def _alive(pid: int) -> bool:
