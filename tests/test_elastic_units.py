@@ -380,9 +380,9 @@ def test_fits_validation_counts_as_progress_and_is_bracketed_by_events(tmp_path)
     assert [e["event"] for e in marks] == ["evaluation_begin", "evaluation_end"] * 2, marks
     assert {(e["round"], e["rank"]) for e in marks} == {(0, 0)}, marks
     validation = training._Validation(tf.data.Dataset.from_tensor_slices((x[:20], y[:20])).batch(8), 1)
-    before = world_module._progress["progress"]
+    before = world_module.PULSE.progress
     validation.run(model, training.ProgressCallback())
-    assert world_module._progress["progress"] == before + 3  # 20 rows in batches of 8
+    assert world_module.PULSE.progress == before + 3  # 20 rows in batches of 8
 
 
 def test_a_global_batch_the_world_does_not_divide_names_the_agents_flag():

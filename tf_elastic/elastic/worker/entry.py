@@ -45,7 +45,7 @@ class Context:
     run_dir: str
 
 
-_current: dict = {}
+_current: dict = {}  # "context": the process's one `run` (see `world.Pulse` for the worker's process-wide state)
 
 
 def current() -> Optional[Context]:

@@ -93,9 +93,37 @@ class World:
         )
 
 
-_progress = {"step": 0, "progress": 0}
-_heart = {"path": None, "beats": 0, "failing": False}  # the heartbeat file, once started, beats written
-_heart_lock = threading.Lock()  # the heartbeat thread and the first step's write share the file
+class Pulse:
+    """What this process's heartbeat says: the training step (0: still starting up), a progress counter
+    the main thread moves and a beat counter the heartbeat thread moves, and the file they go to.
+
+    A process has one heartbeat file, which the main thread (the first step) and the heartbeat thread
+    both write: hence the one module-level instance, `PULSE` (with the Keras fixes' once-per-process flags
+    and `entry.current()`, the worker side's only process-wide state)."""
+
+    def __init__(self):
+        self.step, self.progress, self.beats = 0, 0, 0
+        self.path: Optional[Path] = None  # set by `start_heartbeat`
+        self._failing = False
+        self._lock = threading.Lock()
+
+    def beat(self) -> None:
+        with self._lock:
+            if self.path is None:
+                return
+            self.beats += 1
+            try:
+                write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats))
+                self._failing = False
+            except OSError as error:
+                # A full or vanished host-local disk: the agent hears silence and restarts this worker.
+                # Neither the training step nor the heartbeat thread (which also watches the agent) dies of it.
+                if not self._failing:
+                    logging.warning("cannot write the heartbeat file %s: %s", self.path, error)
+                self._failing = True
+
+
+PULSE = Pulse()
 
 
 def report_progress(step: int) -> None:
@@ -103,31 +131,16 @@ def report_progress(step: int) -> None:
 
     The first step is written at once, not at the next beat: the agent judges a worker that has not shown
     a step by the long startup timeout, so a stop right after the first step must not fall into it."""
-    first = _progress["step"] == 0 and step > 0
-    _progress["step"] = step
+    first = PULSE.step == 0 and step > 0
+    PULSE.step = step
     report_activity()
     if first:
-        _beat()
+        PULSE.beat()
 
 
 def report_activity() -> None:
     """The main thread moved on (an evaluation batch, a commit): no training step, but no hang either."""
-    _progress["progress"] += 1
-
-
-def _beat() -> None:
-    with _heart_lock:
-        if _heart["path"] is not None:
-            _heart["beats"] += 1
-            try:
-                write_heartbeat(_heart["path"], Heartbeat(_progress["step"], _progress["progress"], _heart["beats"]))
-                _heart["failing"] = False
-            except OSError as error:
-                # A full or vanished host-local disk: the agent hears silence and restarts this worker.
-                # Neither the training step nor the heartbeat thread (which also watches the agent) dies of it.
-                if not _heart["failing"]:
-                    logging.warning("cannot write the heartbeat file %s: %s", _heart["path"], error)
-                _heart["failing"] = True
+    PULSE.progress += 1
 
 
 def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.Thread]:
@@ -140,7 +153,7 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     """
     if not world.heartbeat_file:
         return None
-    _heart["path"] = Path(world.heartbeat_file)
+    PULSE.path = Path(world.heartbeat_file)
     for sig in world.stop_signals:
         if sig != signal.SIGTERM:  # until `fit` handles them: a notice before training must not kill us
             signal.signal(sig, signal.SIG_IGN)
@@ -149,7 +162,7 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
 
     def beat():
         while True:
-            _beat()
+            PULSE.beat()
             if world.agent_pid and not _alive(world.agent_pid):
                 exit_now(1)
             time.sleep(interval)
