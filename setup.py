@@ -1,6 +1,19 @@
 """Installs `tf_elastic`, with the checkout's `models/` and `launch/` mapped into it as `tf_elastic.models` and
 `tf_elastic.launch`: an installed wheel trains without the checkout, and has no top-level `models` or `launch`."""
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+# What runs only from a checkout, left out of the wheel: the harness, which starts `launch.*` scripts from the
+# checkout as real agents and workers, and the launch tools that drive local jobs through it.
+CHECKOUT_ONLY = {"tf_elastic.launch": {"main_job", "chaos", "partition", "bench_elastic", "bench_durable",
+                                       "bench_input", "bench_rendezvous", "bench_goodput", "preemption_trace"}}
+
+
+class BuildPyWithoutTheHarness(build_py):
+    def find_package_modules(self, package, package_dir):
+        left_out = CHECKOUT_ONLY.get(package, set())
+        return [found for found in super().find_package_modules(package, package_dir) if found[1] not in left_out]
+
 
 setup(
     name="tf_elastic",
@@ -10,7 +23,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["tf_elastic", "tf_elastic.*"]) + ["tf_elastic.models", "tf_elastic.launch"],
+    packages=find_packages(include=["tf_elastic", "tf_elastic.*"], exclude=["tf_elastic.testing"])
+    + ["tf_elastic.models", "tf_elastic.launch"],
+    cmdclass={"build_py": BuildPyWithoutTheHarness},
     package_dir={"tf_elastic.models": "models", "tf_elastic.launch": "launch"},
     install_requires=[
         "tensorflow>=2.20,<2.22",

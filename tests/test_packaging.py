@@ -40,6 +40,10 @@ def test_the_wheel_maps_launch_and_models_into_the_package(wheel_env):
     names = zipfile.ZipFile(wheel).namelist()
     assert "tf_elastic/launch/train.py" in names and "tf_elastic/models/__init__.py" in names
     assert not [n for n in names if n.split("/")[0] in ("launch", "models", "tests")], names
+    # The harness and the checkout-only launch tools that import it are left out; nothing left imports it.
+    assert not [n for n in names if n.startswith("tf_elastic/testing/") or n == "tf_elastic/launch/main_job.py"]
+    shipped = [n for n in names if n.endswith(".py")]
+    assert not [n for n in shipped if "tf_elastic.testing" in zipfile.ZipFile(wheel).read(n).decode()], shipped
     where = subprocess.run(["python", "-c", "import tf_elastic, importlib.util as u; print(tf_elastic.__file__, "
                             "u.find_spec('launch'), u.find_spec('models'))"], cwd=root / "elsewhere", env=env,
                            check=True, capture_output=True, text=True).stdout

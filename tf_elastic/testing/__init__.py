@@ -2,4 +2,5 @@
 (`local_job`), a throwaway etcd (`etcd_server`), checks of a finished job from its own records
 (`audit`), the fault-injection soak (`soak`) and loopback port helpers (`net`).
 
-It runs `launch/` scripts from the checkout, so it is for a source checkout, not an installed wheel."""
+It runs `launch/` scripts from the checkout, so it is for a source checkout: `setup.py` leaves it out of the
+wheel, with the launch tools that drive local jobs through it (the main job, the soak, the benchmarks)."""
