@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 from absl import app, flags
 
+from tf_elastic.elastic.agent.round import why_round_began
 from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic import audit
@@ -28,7 +29,8 @@ def summary(run_dir: RunDirs) -> str:
     for number, rendezvous in sorted(rounds.items()):
         first = firsts.get(number)
         first_at = "-" if first is None else f"{first['time'] - start:.1f}s"
-        lines.append(f"| {number} | {rendezvous['world_size']} | {_why(rendezvous)} | {rendezvous['restarts']} | "
+        why = why_round_began(rendezvous["reason"], rendezvous.get("lost"))
+        lines.append(f"| {number} | {rendezvous['world_size']} | {why} | {rendezvous['restarts']} | "
                      f"{restores[number]['step']} | {first_at} |")
     failures = [e for e in events if e["event"] == Event.FAILURE]
     evaluation = [e for e in events if e["event"] == Event.EVALUATION]
@@ -40,16 +42,6 @@ def summary(run_dir: RunDirs) -> str:
     if any(RunDir(d).indices.is_dir() for d in run_dirs(run_dir)):
         lines.append(f"- examples used more than once in an epoch (committed work): {audit.repeats(run_dir)}")
     return "\n".join(lines)
-
-
-def _why(rendezvous: Dict) -> str:
-    """Why a round began, culprit first: the reason is what the host that opened it saw (a survivor's
-    collective failing); `lost` names the hosts whose lease was gone when the round froze."""
-    if not rendezvous.get("lost"):
-        return rendezvous["reason"]
-    seen = rendezvous["reason"]
-    return (f"lost {', '.join(rendezvous['lost'])} (lease expired); noticed as "
-            f"{seen[:97] + '...' if len(seen) > 100 else seen}")
 
 
 CAUSES = ("training", "commits on the training path", "redone after a failure", "evaluation", "start-up",

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from launch import report
+from tf_elastic.elastic.agent.round import why_round_began
 
 
 def _events(tmp_path, rows):
@@ -77,6 +78,20 @@ def test_an_evaluation_cut_short_by_a_kill_ends_at_the_hosts_next_state(tmp_path
 
 def test_a_rounds_why_names_the_lost_host_first_and_shortens_what_the_survivor_saw():
     seen = "peer_failure rank=0 host=a: PeerFailure: " + "x" * 300
-    why = report._why({"reason": seen, "lost": ["b", "c"]})
+    why = why_round_began(seen, ["b", "c"])
     assert why.startswith("lost b, c (lease expired); noticed as peer_failure rank=0 host=a") and len(why) < 160
-    assert report._why({"reason": "join c"}) == "join c"
+    assert why_round_began("join c", None) == why_round_began("join c", []) == "join c"
+
+
+def test_an_errors_line_skips_tensorflows_graph_preamble_and_op_context():
+    import tensorflow as tf
+
+    from tf_elastic.elastic.protocol import error_line
+
+    graph = tf.errors.UnavailableError(None, None, "Graph execution error:\n\nDetected at node X defined at:\n"
+                                       "  File \"a.py\", line 1\n\nCollective ops is aborted by: task 1 is gone\n"
+                                       "\t [[{{node X}}]]")
+    assert error_line(graph) == "UnavailableError: Collective ops is aborted by: task 1 is gone"
+    eager = tf.errors.UnavailableError(None, None, "{{function_node __wrapped__Op}} Collective ops is aborted by: x")
+    assert error_line(eager) == "UnavailableError: Collective ops is aborted by: x"
+    assert error_line(RuntimeError("boom\nmore")) == "RuntimeError: boom" and error_line(RuntimeError()) == "RuntimeError"

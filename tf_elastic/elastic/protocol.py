@@ -8,6 +8,7 @@ import dataclasses
 import enum
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
@@ -191,10 +192,16 @@ def read_error_file(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
 
 
 def first_line(error: BaseException, limit: int = 200) -> str:
-    """The first line of an exception's message (a TensorFlow error's `message`, without its op context);
-    '' for none. The one way every module shortens an error for a log line, an event or a refusal."""
+    """The first line of an exception's message that says what happened; '' for none. A TensorFlow error
+    raised in a `tf.function` opens with "Graph execution error:" and the node's traceback (indented): those
+    lines are skipped, and an eager op's `{{function_node ...}}` prefix is dropped. The one way every module
+    shortens an error for a log line, an event or a refusal."""
     text = getattr(error, "message", None) or str(error)
-    return text.splitlines()[0][:limit] if text.strip() else ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    telling = [line for line in lines if line.strip() != "Graph execution error:" and not line[0].isspace()
+               and not line.startswith("Detected at node")]
+    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", (telling or lines or [""])[0].strip())
+    return line[:limit]
 
 
 def error_line(error: BaseException, limit: int = 200) -> str:

@@ -22,7 +22,8 @@ from tf_elastic.elastic.agent.job_record import JobEnded, TokenRefused
 from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous, RendezvousTimeout
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.agent.worker_output import WorkerOutput, logs_dir
-from tf_elastic.elastic.agent.workers import Spare, Worker
+from tf_elastic.elastic.agent.spares import WarmSpares
+from tf_elastic.elastic.agent.workers import Worker
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, error_record_line, read_error_file
 from tf_elastic.elastic.store import Store, StoreError
@@ -85,8 +86,7 @@ class ElasticAgent:
         # (monotonic, wall clock, what) of a preemption notice; reported from the main loop, not the handler
         self._notice: Optional[Tuple[float, datetime.datetime, str]] = None
         self._notice_reported = False
-        self._warm: Dict[int, Spare] = {}  # local slot -> its warm worker
-        self._warm_spawned = 0
+        self.spares = WarmSpares(config.command, self.host_dir, self.events, self._slot_env, self._output)
         self._own_failures = 0  # failures of this host's own workers, in a row
         self._start_failures: List[Optional[str]] = []  # last error lines of workers failed before a step
         self._trained = False  # a worker of this host reached a training step in this job
@@ -105,8 +105,9 @@ class ElasticAgent:
                 watcher.start()
             if self.config.warm_start:
                 # Join only once our workers are warm: the group trains on while a newcomer starts up.
-                self._spawn_warm(range(self.config.nproc))
-                self._wait_warm_ready()
+                self.spares.spawn(range(self.config.nproc))
+                self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
+                                       cancelled=lambda: self._leaving)
             while True:
                 try:
                     self._sit_out_blacklist()
@@ -140,8 +141,7 @@ class ElasticAgent:
                 signal.signal(sig, handler)
             if watcher:
                 watcher.stop()
-            for spare in self._warm.values():
-                workers.kill(spare.process)
+            self.spares.kill_all()
             shutil.rmtree(self.host_dir.path, ignore_errors=True)
 
     def _report_round(self, round_: Round, ranks: List[int]) -> None:
@@ -212,7 +212,7 @@ class ElasticAgent:
         }
         if self.config.index_log:
             world[Env.INDEX_LOG] = "1"
-        process = self._take_warm(slot, world)
+        process = self.spares.take(slot, world)
         if process is None:
             process = workers.spawn(self.config.command, dict(self._slot_env(slot), **world), self._output(),
                                     warm=False)
@@ -232,38 +232,8 @@ class ElasticAgent:
             env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
         return env
 
-    def _spawn_warm(self, slots) -> None:
-        for slot in slots:
-            self._warm_spawned += 1
-            ready = self.host_dir.warm_ready(self._warm_spawned)
-            env = dict(self._slot_env(slot), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
-            self._warm[slot] = Spare(workers.spawn(self.config.command, env, self._output(), warm=True), ready)
-
     def _output(self) -> WorkerOutput:
         return WorkerOutput(logs_dir(self.config.run_dir, self.host_id), self.config.echo_ranks)
-
-    def _wait_warm_ready(self) -> None:
-        """Waits (up to startup_timeout) until every warm worker has done its imports."""
-        deadline = time.monotonic() + self.config.startup_timeout
-        while time.monotonic() < deadline and not self._leaving and any(
-                s.process.poll() is None and not s.ready.exists() for s in self._warm.values()):
-            time.sleep(self.config.monitor_interval)
-        for spare in self._warm.values():
-            spare.ready.unlink(missing_ok=True)
-
-    def _take_warm(self, slot: int, world: Dict[str, str]):
-        """The slot's warm worker's process, handed this round's world on its stdin; None if it is gone."""
-        spare = self._warm.pop(slot, None)
-        return spare.process if spare is not None and spare.hand_world(world) else None
-
-    def _tend_spares(self, round_: Round, running: List[Worker]) -> None:
-        """Once this round trains, pays the next round's start-up (imports, data) ahead of time."""
-        if self.config.warm_start and all(w.training for w in running):
-            self._spawn_warm(slot for slot in range(len(running)) if slot not in self._warm)
-        for spare in self._warm.values():
-            if not spare.announced and spare.ready.exists():
-                spare.announced = True
-                self.events.write(Event.SPARE_READY, round=round_.number, worker_pid=spare.process.pid)
 
     def _monitor(self, round_: Round, running: List[Worker]) -> RoundResult:
         """Watches the workers and the store until the round ends. While the store is unreachable the
@@ -304,7 +274,8 @@ class ElasticAgent:
             return result
         for worker in running:
             worker.observe()
-        self._tend_spares(round_, running)
+        self.spares.tend(round_.number, len(running),
+                         round_trains=self.config.warm_start and all(w.training for w in running))
         silent = {w.rank for w in running if self._silent(w)}
         stalled = {w.rank for w in running if w.stalled_for() > decisions.progress_timeout(
             self.config.progress_timeout, self.config.progress_floor, w.longest_gap)}

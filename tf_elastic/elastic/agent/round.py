@@ -42,6 +42,12 @@ class Round:
     lost: Optional[List[str]] = None  # expected hosts whose lease was gone when it froze: what the failure was
 
     @property
+    def why(self) -> str:
+        """Why it began, culprit first: `reason` is what the host that opened it saw (a survivor's collective
+        failing); `lost` names the hosts whose lease was gone when it froze."""
+        return why_round_began(self.reason, self.lost)
+
+    @property
     def world_size(self) -> int:
         return len(self.cluster or [])
 
@@ -120,3 +126,10 @@ def _is_participant(info: Dict) -> bool:
             and is_finite_number(info.get("joined")) and isinstance(info.get("ports"), list)
             and len(info["ports"]) >= info["nproc"] and all(_is_int(p) and 0 < p < 65536 for p in info["ports"])
             and (info.get("previous_rank") is None or _is_int(info["previous_rank"])))
+
+
+def why_round_began(reason: str, lost: Optional[List[str]]) -> str:
+    """`reason`, or with hosts lost: "lost b (lease expired); noticed as <reason, shortened>"."""
+    if not lost:
+        return reason
+    return f"lost {', '.join(lost)} (lease expired); noticed as {reason[:97] + '...' if len(reason) > 100 else reason}"

@@ -83,7 +83,7 @@ def render(view: JobStatusView, now: Optional[float] = None) -> str:
     lines = [f"job {view.job_id}: {state}"]
     if r:
         lines.append(f"round {r.number} ({r.phase}), world size {r.world_size}, restarts {r.restarts}; "
-                     f"opened {now - r.opened:.0f} s ago because: {r.reason}")
+                     f"opened {now - r.opened:.0f} s ago because: {r.why}")
     lines += ["| host | ranks | addresses |", "|---|---|---|"]
     lines += [f"| {m.host} | {','.join(map(str, m.ranks))} | {' '.join(m.addresses)} |" for m in view.members]
     lines.append("standby: " + (", ".join(view.standbys) or "none"))
