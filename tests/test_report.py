@@ -94,4 +94,5 @@ def test_an_errors_line_skips_tensorflows_graph_preamble_and_op_context():
     assert error_line(graph) == "UnavailableError: Collective ops is aborted by: task 1 is gone"
     eager = tf.errors.UnavailableError(None, None, "{{function_node __wrapped__Op}} Collective ops is aborted by: x")
     assert error_line(eager) == "UnavailableError: Collective ops is aborted by: x"
-    assert error_line(RuntimeError("boom\nmore")) == "RuntimeError: boom" and error_line(RuntimeError()) == "RuntimeError"
+    assert error_line(RuntimeError("boom\nmore")) == "RuntimeError: boom"
+    assert error_line(RuntimeError()) == "RuntimeError"
