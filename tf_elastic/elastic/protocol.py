@@ -194,13 +194,13 @@ def read_error_file(path: Union[str, Path]) -> Optional[Dict[str, Any]]:
 def first_line(error: BaseException, limit: int = 200) -> str:
     """The first line of an exception's message that says what happened; '' for none. A TensorFlow error
     raised in a `tf.function` opens with "Graph execution error:" and the node's traceback (indented): those
-    lines are skipped, and an eager op's `{{function_node ...}}` prefix is dropped. The one way every module
+    lines are skipped, and an eager op's `{{function_node ...}}` context prefix is dropped. The one way every module
     shortens an error for a log line, an event or a refusal."""
     text = getattr(error, "message", None) or str(error)
     lines = [line for line in text.splitlines() if line.strip()]
     telling = [line for line in lines if line.strip() != "Graph execution error:" and not line[0].isspace()
                and not line.startswith("Detected at node")]
-    line = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", (telling or lines or [""])[0].strip())
+    line = re.sub(r"^\{\{[^}]*\}\}\s*", "", (telling or lines or [""])[0].strip())
     return line[:limit]
 
 

@@ -13,6 +13,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from tf_elastic.elastic.protocol import first_line
 from tf_elastic.elastic.worker.data.image_files import is_image
 from tf_elastic.elastic.worker.data.index_cache import IndexCache, shard_identity
 from tf_elastic.elastic.worker.data.parse import default_parse, vector_parse
@@ -24,9 +25,8 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 
 def _reason(error: tf.errors.OpError) -> str:
     """An error's first line, without the prefix tf.data puts before an error in a user function."""
-    line = re.sub(r"^\{\{[^}]*\}\}\s*", "", str(error.message).strip()).splitlines()[0]
     return re.sub(r"^Error in user-defined function passed to .*? transformation with iterator: \S+: ", "",
-                  line)[:300]
+                  first_line(error, limit=10_000))[:300]
 
 
 RUN_BYTES = 4 << 20  # a run of records is read with one file open and held whole: at most this many bytes
