@@ -119,6 +119,49 @@ def test_max_restarts_exceeded_records_the_failed_outcome(store, job):
     assert rendezvous.job.outcome() == JobOutcome(JobStatus.FAILED, "max_restarts=0 exceeded (worker_exit)")
 
 
+class _InterleavedStore:
+    """A store that runs `before` once, just before the first read of `key`: another agent acting between
+    two reads of this one."""
+
+    def __init__(self, store, key, before):
+        self._store, self._key, self._before = store, key, before
+
+    def get(self, key):
+        if key == self._key and self._before:
+            self._before, before = None, self._before
+            before()
+        return self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_host_that_finished_and_let_its_lease_go_between_two_reads_is_not_lost(store, job):
+    """b's workers finish: its agent records the outcome, then its lease goes (etcd revokes it at once),
+    just after a read the group and just before a reads b's lease. a must see the job done, not b lost:
+    a lost host restarts the round and kills a's workers while they end (the chief's last evaluation)."""
+    rounds = {}
+
+    def join(host):
+        rounds[host] = _rendezvous(store, job, host, min_workers=2).join()
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in "ab"]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    b = _rendezvous(store, job, "b")
+    b.incarnation = json.loads(store.get(b.keys.host("b")))["incarnation"]  # b's agent, as it joined
+    b._claimed = True
+
+    def b_finishes():
+        b.job.finish(JobStatus.DONE, "training finished")
+        b.leave()
+
+    a = _rendezvous(_InterleavedStore(store, b.keys.host("b"), b_finishes), job, "a")
+    look = a.look(rounds["a"], changed=True)
+    assert store.get(b.keys.host("b")) is None, "b's lease was not let go: the test did not interleave"
+    assert look.change.name == "JOB_DONE" and look.lost == [], look
+
+
 def test_an_agent_with_another_token_is_refused(store, job):
     _rendezvous(store, job, "a", token="secret").job.check_token()
     _rendezvous(store, job, "b", token="secret").job.check_token()

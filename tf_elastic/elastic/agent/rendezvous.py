@@ -158,8 +158,14 @@ class Rendezvous:
         if change in (decisions.GroupChange.RESIZED, decisions.GroupChange.RESTARTED):
             self._seen = (outcome, current, raw)  # the next join starts from it instead of reading again
         watched = self._watched_host(round_)
-        lost = change is decisions.GroupChange.NONE and watched and self.store.get(self.keys.host(watched)) is None
-        return GroupLook(change, current, [watched] if lost else [])
+        if change is not decisions.GroupChange.NONE or not watched or self.store.get(self.keys.host(watched)):
+            return GroupLook(change, current, [])
+        # Its lease is gone. A host whose workers finished records the outcome and then lets its lease go,
+        # maybe between the two reads above: read the group again before calling the host lost, or the
+        # finished host's exit would kill this host's workers while they end (the chief's last evaluation).
+        outcome, current, _ = self.read_group()
+        change = decisions.judge_group(round_, outcome and outcome.status, current)
+        return GroupLook(change, current, [watched] if change is decisions.GroupChange.NONE else [])
 
     def open_next(self, seen: Round, reason: str, failure: bool, leaving: bool = False) -> bool:
         """Opens round `seen.number + 1` (this agent then freezes it) unless someone already moved past
