@@ -37,7 +37,7 @@ from tf_elastic.elastic.flag_checks import require_finite_floats  # noqa: E402
 
 CONFIGS = ("static", "immediate", "ramp", "equal_lr", "momentum")
 
-flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data, else a download).")
+flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ~/.keras/datasets, else a download).")
 flags.DEFINE_string("out_dir", "runs/dynamic_sgd", "Where the table, raw results and plot are written.")
 flags.DEFINE_enum("task", "colour_digits", ["colour_digits", "mnist"],
                   "colour_digits: the harder 32x32 RGB task built from MNIST; mnist: plain MNIST.")

@@ -23,7 +23,7 @@ from absl import app, flags, logging
 from . import reproduction
 from tf_elastic.elastic.flag_checks import require_finite_floats
 
-flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ../shared/data, else a download).")
+flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz (default: ~/.keras/datasets, else a download).")
 flags.DEFINE_string("out_dir", "runs/lars", "Where the tables, raw results and plot are written.")
 flags.DEFINE_enum("task", "mnist", ["mnist", "colour_digits"], "mnist, or the harder 32x32 RGB task built from it.")
 flags.DEFINE_string("model", "mnist_cnn", "A name from models.NAMES.")

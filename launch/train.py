@@ -26,8 +26,8 @@ flags.DEFINE_enum("model", "mnist_cnn", choices.MODELS, "Model of the registry (
 flags.DEFINE_string("dataset", "digits", "digits (ships with scikit-learn), mnist (--data_dir, else Keras's download), "
                     "synthetic, folder:PATH (PATH/train/<class>/*, PATH/validation/<class>/*), tfrecord:DIR "
                     "(DIR/train-*, DIR/validation-*), or tfds:NAME (prepared as ArrayRecord in --data_dir).")
-flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz or TFDS data (default: ../shared/data beside the "
-                    "repo).")
+flags.DEFINE_string("data_dir", None, "Directory holding mnist.npz or TFDS data (default: Keras's cache, "
+                    "~/.keras/datasets).")
 # Host-local, outside the run dir: a warm-started worker makes its sources before the agent tells it the run dir.
 flags.DEFINE_string("index_cache_dir", os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                                                  "tf_elastic", "tfrecord_index"),

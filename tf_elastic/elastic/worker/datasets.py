@@ -1,6 +1,7 @@
 """The datasets of `launch/train.py`: in-memory examples (MNIST from a local `mnist.npz` or Keras's
 download, scikit-learn's digits, a synthetic set) and file-backed sources (an image folder, TFRecord
 shards, a prepared TFDS dataset), each as a (train, evaluation) pair of `data.Source`s."""
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, Optional, Tuple
 
@@ -9,8 +10,10 @@ import numpy as np
 if TYPE_CHECKING:
     from tf_elastic.elastic.worker.data import Source
 
-# ../shared/data beside the repository root, whatever the current directory.
-DEFAULT_DATA_DIR = str(Path(__file__).resolve().parents[3].parent / "shared" / "data")
+# Keras's own dataset cache (`$KERAS_HOME/datasets`, else `~/.keras/datasets`): where
+# `keras.datasets.mnist.load_data()` keeps the mnist.npz it downloads, so one download serves every run.
+DEFAULT_DATA_DIR = os.path.join(os.path.expanduser(os.environ.get("KERAS_HOME", os.path.join("~", ".keras"))),
+                                "datasets")
 DATASETS = ("mnist", "digits", "synthetic", "folder:PATH", "tfrecord:DIR", "tfds:NAME")
 FILE_KINDS = ("folder:", "tfrecord:", "tfds:")
 
