@@ -3,6 +3,7 @@
     python -m launch.report --run_dir=RUN_DIR
     python -m launch.report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR   # host-local run dirs
 """
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -10,6 +11,7 @@ from absl import app, flags
 
 from tf_elastic.elastic.agent.round import why_round_began
 from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
+from tf_elastic.elastic.flag_checks import run_program
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic import audit
 
@@ -244,9 +246,15 @@ def main(argv: List[str]) -> None:
     print(f"\nplot: {dirs[0] / 'run.png'}")
 
 
+SYNOPSIS = """usage: python -m launch.report --run_dir=DIR[,DIR...] [--dataset_size=N]
+
+Prints a job's rounds and each host's time split by cause with its goodput, from the run dirs' events
+(every host's, comma-separated), and writes run.png into the first run dir.
+"""
+
 if __name__ == "__main__":
     flags.DEFINE_list("run_dir", None, "The run directory (holding events.jsonl), or several, comma-separated "
                       "(hosts with run dirs of their own).", required=True)
     flags.DEFINE_integer("dataset_size", None, "Training examples an epoch, to place commits on the samples axis "
                          "(default: what the workers' events say).", lower_bound=1)
-    app.run(main)
+    run_program(main, "launch.report", SYNOPSIS, sys.argv[0])

@@ -6,14 +6,13 @@ age and recent steps per second.
     python -m launch.status --rdzv=etcd://10.0.0.1:2379 --job_id=job1 --run_dir=/shared/run --watch=2
 """
 import os
-import sys
 import time
 from typing import List
 
 from absl import app, flags
 
 from tf_elastic.elastic.agent.status import read_status, render
-from tf_elastic.elastic.flag_checks import require_finite_floats
+from tf_elastic.elastic.flag_checks import require_finite_floats, run_program
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
 
@@ -59,9 +58,19 @@ def main(argv: List[str]) -> int:
         store.close()
 
 
+SYNOPSIS = """usage: tf-elastic-status --rdzv=URL --job_id=ID [--run_dir=DIR,...] [--watch=SECONDS]
+   (or: python -m launch.status ...)
+
+Prints a running job's status from its rendezvous store, and its last commit from the run dirs' events.
+
+example:
+  tf-elastic-status --rdzv=file:///tmp/rdzv --job_id=demo --run_dir=/tmp/run-a,/tmp/run-b --watch=2
+"""
+
+
 def run() -> None:
-    """The entry point of `tf-elastic-status`."""
-    app.run(lambda argv: sys.exit(main(argv)))
+    """The entry point of `tf-elastic-status` (`flag_checks.run_program`)."""
+    run_program(main, "tf-elastic-status", SYNOPSIS, __name__)
 
 
 if __name__ == "__main__":

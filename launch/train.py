@@ -11,13 +11,13 @@ from typing import List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 # Only what TensorFlow does not need: `--help` answers before TF's import (seconds); train() imports the rest.
 from tf_elastic import choices  # noqa: E402
 from tf_elastic.elastic.events import EventLog  # noqa: E402
-from tf_elastic.elastic.flag_checks import help_if_asked, require_finite_floats  # noqa: E402
-from tf_elastic.elastic.protocol import Event, RunDir  # noqa: E402
+from tf_elastic.elastic.flag_checks import require_finite_floats, run_program  # noqa: E402
+from tf_elastic.elastic.protocol import Event, ExitCode, RunDir  # noqa: E402
 from tf_elastic.elastic.worker import data_plan, datasets, errors  # noqa: E402
 from tf_elastic.elastic.worker.world import World  # noqa: E402
 
@@ -266,8 +266,7 @@ examples:
 
 def run() -> None:
     """The console script's entry point (`tf-elastic-train`): `--help` answers without TensorFlow, exits 0."""
-    help_if_asked(sys.argv[1:], SYNOPSIS, __name__)
-    app.run(main)
+    run_program(main, "tf-elastic-train", SYNOPSIS, __name__, usage_exit=ExitCode.CONFIG_ERROR)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Bad flag values give an error that names the flag, before anything runs."""
+import os
 import subprocess
 import sys
 
@@ -114,3 +115,29 @@ def test_the_trainers_help_exits_0_with_a_synopsis_and_never_imports_tensorflow(
     assert proc.stdout.startswith("usage: tf-elastic-train"), proc.stdout[:500] + proc.stderr[-2000:]
     assert "<inception_v3|mnist_cnn|mobilenet_v2|resnet20|resnet50>" in proc.stdout  # --model lists its values
     assert proc.stdout.rstrip().endswith("exit 0 False False"), proc.stdout[-500:]
+
+
+COMMAND_LINES = [
+    # (module, a bad flag, the exit code, what the one line must name)
+    ("launch.train", ["--epochs=0"], 78, "tf-elastic-train: error: flag --epochs=0"),  # 78: the agent does not retry
+    ("launch.train", ["--no_such_flag=1"], 78, "tf-elastic-train: error: Unknown command line flag 'no_such_flag'"),
+    ("launch.elastic_run", ["--rdzv=file:///tmp/x", "--job_id=j", "--run_dir=/tmp/r", "--max_workers=0", "--",
+                            "true"], 2, "tf-elastic-run: error: flag --max_workers=0"),
+    ("launch.status", ["--job_id=j"], 2, "tf-elastic-status: error: flag --rdzv=None"),
+    ("launch.report", ["--run_dir=/tmp/r", "--dataset_size=0"], 2, "launch.report: error: flag --dataset_size=0"),
+]
+
+
+@pytest.mark.parametrize("module,arguments,code,line", COMMAND_LINES,
+                         ids=[c[0] + " " + c[1][-1] for c in COMMAND_LINES])
+def test_a_flag_error_is_one_line_naming_the_flag_and_help_exits_0(module, arguments, code, line):
+    """absl printed two lines (or the agent's whole help) and exited 1, also for the trainer under an agent,
+    which then restarted it; `--help` of the status and the report exited 1."""
+    proc = subprocess.run([sys.executable, "-m", module, *arguments], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    lines = [text for text in proc.stderr.splitlines() if text.strip() and "absl::InitializeLog" not in text]
+    assert proc.returncode == code and len(lines) == 1, (proc.returncode, proc.stderr[-2000:])
+    assert lines[0].startswith(line) and lines[0].endswith("(see --help)"), lines
+    helped = subprocess.run([sys.executable, "-m", module, "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: "), helped.stdout[:300] + helped.stderr[-300:]

@@ -1,9 +1,10 @@
-"""Checks absl cannot express, shared by the agent's and the trainer's command lines."""
+"""Checks absl cannot express, and one way to run a command line, shared by the agent, the trainer, the
+status and the report: `--help` exits 0 with a synopsis, a bad flag is one line naming it."""
 import math
 import sys
-from typing import Sequence
+from typing import Callable, List, Optional, Sequence
 
-from absl import flags
+from absl import app, flags
 
 
 def require_finite_floats(module_name: str, flag_values: flags.FlagValues = flags.FLAGS) -> None:
@@ -29,3 +30,31 @@ def help_if_asked(arguments: Sequence[str], synopsis: str, module_name: str,
         flag_values.register_key_flag_for_module(sys.argv[0], flag)
     print(flag_values.module_help(sys.argv[0]))
     sys.exit(0)
+
+
+def run_program(main: Callable[[List[str]], Optional[int]], program: str, synopsis: str, module_name: str,
+                usage_exit: int = 2, arguments: Optional[Sequence[str]] = None) -> None:
+    """`app.run(main)`, with `--help` answered by `help_if_asked` and every flag error (absl's own: bounds,
+    required flags, validators, unknown flags; and `app.UsageError` from `main`) printed as one line,
+    `PROGRAM: error: ... (see --help)`, exiting `usage_exit`; absl would print two lines, or the whole
+    help, and exit 1. `arguments`: the ones that may ask for help (default: all of them)."""
+    help_if_asked(sys.argv[1:] if arguments is None else arguments, synopsis, module_name)
+
+    def refuse(error: Exception) -> None:
+        print(f"{program}: error: {error} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(usage_exit)
+
+    def parse(argv: List[str]) -> List[str]:
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as error:
+            refuse(error)
+
+    def guarded(argv: List[str]) -> None:
+        try:
+            code = main(argv)
+        except app.UsageError as error:
+            refuse(error)
+        sys.exit(code or 0)
+
+    app.run(guarded, flags_parser=parse)

@@ -13,7 +13,7 @@ from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.elastic.agent.worker_output import ECHO_CHOICES
-from tf_elastic.elastic.flag_checks import help_if_asked, require_finite_floats
+from tf_elastic.elastic.flag_checks import require_finite_floats, run_program
 from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
@@ -220,15 +220,6 @@ example (two agents on one machine sharing a file store; on separate hosts --hos
 
 
 def run() -> None:
-    """The entry point of `tf-elastic-run` and `python -m launch.elastic_run`. `--help` prints the synopsis and
-    the agent's flags and exits 0; a bad flag is one line naming it (absl would print the whole help)."""
-    help_if_asked(sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:], SYNOPSIS, __name__)
-    app.run(lambda argv: sys.exit(_main_or_one_line(argv)))
-
-
-def _main_or_one_line(argv: List[str]) -> int:
-    try:
-        return main(argv)
-    except app.UsageError as error:
-        print(f"tf-elastic-run: error: {error} (see --help)", file=sys.stderr, flush=True)
-        return 2
+    """The entry point of `tf-elastic-run` and `python -m launch.elastic_run` (`flag_checks.run_program`)."""
+    run_program(main, "tf-elastic-run", SYNOPSIS, __name__,
+                arguments=sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:])
