@@ -138,6 +138,8 @@ def test_a_worker_configuration_error_fails_the_job_at_once_without_restarts(com
     assert proc.returncode == 1
     events = [json.loads(line) for line in (committed / "events.jsonl").read_text().splitlines()]
     mine = [e for e in events if e["source"] == "agent:bad"]
-    assert "stopped on a configuration error (exit code 78)" in mine[-1]["reason"], mine[-1]
+    reason = mine[-1]["reason"]  # the worker's own error, not "see the worker's log"
+    assert "rank 0 on bad stopped on a configuration error (exit code 78)" in reason, mine[-1]
+    assert "does not fit this model or optimizer" in reason and reason in proc.stderr.splitlines()[-1], reason
     assert len([e for e in mine if e["event"] == "worker_start"]) == 1
     assert _digest(committed / "checkpoints") == before

@@ -325,13 +325,16 @@ class ElasticAgent:
             self.rendezvous.open_next(current, reason=f"rank {verdict.rank} stopped", failure=False)
             self._stop(running)
             return RoundResult.RESTART
-        if verdict.state is WorkersState.CONFIG_ERROR:
-            self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} stopped on a configuration error (exit code "
-                                              f"{verdict.code}); a restart cannot fix it: see the worker's log")
-            self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
-                              code=verdict.code, host=self.host_id, counted=False)
-            return RoundResult.FAILED
         failed = next(w for w in running if w.rank == verdict.rank)
+        if verdict.state is WorkersState.CONFIG_ERROR:
+            cause = self._cause(failed, round_)
+            self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} on {self.host_id} stopped on a configuration "
+                                              f"error (exit code {verdict.code}); a restart cannot fix it: "
+                                              f"{cause or 'see the worker log'}")
+            self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
+                              code=verdict.code, host=self.host_id, counted=False,
+                              **({"error": cause} if cause else {}))
+            return RoundResult.FAILED
         if self._failed_alike_before_start(failed, verdict, round_):
             return RoundResult.FAILED
         cause = self._cause(failed, round_)  # before a hung worker is killed: its signal would read as the cause
@@ -345,16 +348,18 @@ class ElasticAgent:
         return RoundResult.RESTART
 
     def _cause(self, worker: Worker, round_: Round) -> Optional[str]:
-        """What an exited worker said about its end: its error file (`Env.ERROR_FILE`), else its last line on
-        stderr, else the signal that killed it. None while it runs (a hang: the agent kills it)."""
+        """Why an exited worker ended: the signal that killed it, else its error file (`Env.ERROR_FILE`), else
+        its last line on stderr. None while it runs (a hang: the agent kills it)."""
         code = worker.process.poll()
         if code is None:
             return None
+        if code < 0:  # its last line on stderr would be whatever it last logged, not why it ended
+            workers.finish_output(worker.process)
+            return f"killed by {signal.Signals(-code).name}"
         record = read_error_file(self.host_dir.error_file(round_.number, worker.rank))
         if record is not None:
             return error_record_line(record)
-        line = workers.last_error_line(worker.process)
-        return line or (f"killed by {signal.Signals(-code).name}" if code < 0 else None)
+        return workers.last_error_line(worker.process)
 
     def _failed_alike_before_start(self, worker: Worker, verdict: WorkersVerdict, round_: Round) -> bool:
         """Ends the job when this host's workers, none of which ever trained in this job, failed the same way
@@ -364,8 +369,8 @@ class ElasticAgent:
         if worker.training or verdict.failure is not Failure.WORKER_EXIT or self._trained:
             self._start_failures = []
             return False
-        worker.process.wait()
-        self._start_failures.append(self._cause(worker, round_))
+        # A signal from outside (a kill, the OOM killer) says nothing of the next start: never "alike".
+        self._start_failures.append(None if worker.process.wait() < 0 else self._cause(worker, round_))
         line = decisions.repeated_start_failure(self._start_failures)
         if line is None:
             return False
@@ -390,7 +395,8 @@ class ElasticAgent:
         self._count_own_failure(own)
         current = self.rendezvous.current()
         # Name only what is known: a lost host has no rank, a hang no exit code.
-        known = [kind.value] + ([f"rank={rank}"] if rank is not None else []) + [f"host={host or self.host_id}"]
+        known = ([kind.value] + ([f"rank={rank}"] if rank is not None else []) + [f"host={host or self.host_id}"]
+                 + ([f"code={code}"] if code is not None else []))
         reason = " ".join(known) + (f": {cause[:200]}" if cause else "")
         counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
             current, reason=reason, failure=True)
