@@ -34,13 +34,18 @@ def summary(run_dir: RunDirs) -> str:
         why = why_round_began(rendezvous["reason"], rendezvous.get("lost"))
         lines.append(f"| {number} | {rendezvous['world_size']} | {why} | {rendezvous['restarts']} | "
                      f"{restores[number]['step']} | {first_at} |")
-    failures = [e for e in events if e["event"] == Event.FAILURE]
+    # One failure, one line: a lost host is recorded by the host that watched its lease and by rank 0's agent.
+    failures = list({(e["round"], e["kind"], e.get("host"), e.get("rank")): e for e in events
+                     if e["event"] == Event.FAILURE}.values())
+    exits = [e for e in events if e["event"] == Event.EXIT]
     evaluation = [e for e in events if e["event"] == Event.EVALUATION]
     commits = [e for e in events if e["event"] == Event.COMMIT]
     kinds = ", ".join(sorted({f["kind"] for f in failures})) or "none"
     lines += ["", f"- failures detected: {len(failures)} ({kinds})",
               f"- final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" if commits else "- no commit",
-              f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a"]
+              f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a",
+              f"- last agent exit: {exits[-1]['host']}, code {exits[-1]['code']}: {exits[-1]['reason']}" if exits
+              else "- no agent has exited"]
     if any(RunDir(d).indices.is_dir() for d in run_dirs(run_dir)):
         lines.append(f"- examples used more than once in an epoch (committed work): {audit.repeats(run_dir)}")
     return "\n".join(lines)
@@ -76,8 +81,7 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
         evaluations = _evaluations(mine, states[-1]["time"])
         causes = dict.fromkeys(CAUSES, 0.0)
         for event, following in zip(states, states[1:]):
-            state = "standby" if event["event"] == Event.RENDEZVOUS and not event.get("ranks") \
-                else _STATE_AFTER[event["event"]]
+            state = _STATE_AFTER[event["event"]]
             evaluating = _overlap(evaluations, event["time"], following["time"])
             length = following["time"] - event["time"] - evaluating
             causes["evaluation"] += evaluating
@@ -97,8 +101,8 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     return split
 
 
-_STATE_AFTER = {  # (a rendezvous that gave the host no ranks begins "standby")
-    Event.AGENT_START: "start-up", Event.RENDEZVOUS: "start-up", Event.FIRST_STEP: "training",
+_STATE_AFTER = {
+    Event.AGENT_START: "start-up", Event.RENDEZVOUS: "start-up", Event.STANDBY: "standby", Event.FIRST_STEP: "training",
     Event.FAILURE: "rendezvous and restarts", Event.MEMBERSHIP_CHANGE: "rendezvous and restarts",
     Event.COLLECTIVE_FAILURE: "rendezvous and restarts", Event.WORKERS_DONE: "finishing", Event.EXIT: "finishing",
 }

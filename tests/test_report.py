@@ -76,6 +76,33 @@ def test_an_evaluation_cut_short_by_a_kill_ends_at_the_hosts_next_state(tmp_path
     assert causes["evaluation"] == pytest.approx(4) and causes["rendezvous and restarts"] == pytest.approx(1)
 
 
+def test_a_standbys_wait_is_its_own_cause(tmp_path):
+    """The agent's `standby` event (the round trains without this host) begins the standby time, which used to be
+    counted as start-up: no event said it."""
+    run = _events(tmp_path, [
+        (0, "agent_start", "agent:c", {}), (2, "standby", "agent:c", {"round": 0, "host": "c"}),
+        (10, "rendezvous", "agent:c", {"round": 1, "ranks": [1], "restarts": 0}),
+        (11, "worker_start", "agent:c", {"round": 1, "rank": 1}),
+        (13, "first_step", "worker:1", {"round": 1, "rank": 1, "step": 40, "global_batch": 8}),
+        (20, "exit", "agent:c", {}),
+    ])
+    causes = report.time_split(run)["c"]
+    assert causes["standby"] == pytest.approx(8) and causes["start-up"] == pytest.approx(2 + 3)
+    assert causes["training"] == pytest.approx(7) and causes["wall"] == pytest.approx(20)
+
+
+def test_the_summary_counts_a_lost_host_once_and_ends_with_how_the_job_ended(tmp_path):
+    lost = {"round": 0, "kind": "host_lost", "host": "b", "rank": None}
+    run = _events(tmp_path, [
+        (0, "agent_start", "agent:a", {}), (5, "failure", "agent:a", dict(lost, counted=True)),
+        (6, "failure", "agent:a", dict(lost, counted=False)),  # rank 0's agent names it again in the next round
+        (9, "exit", "agent:a", {"host": "a", "code": 0, "reason": "training finished"}),
+    ])
+    text = report.summary(run)
+    assert "- failures detected: 1 (host_lost)" in text, text
+    assert text.endswith("- last agent exit: a, code 0: training finished"), text
+
+
 def test_a_rounds_why_names_the_lost_host_first_and_shortens_what_the_survivor_saw():
     seen = "peer_failure rank=0 host=a: PeerFailure: " + "x" * 300
     why = why_round_began(seen, ["b", "c"])

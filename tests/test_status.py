@@ -52,6 +52,7 @@ def test_the_status_of_a_live_two_host_job_lists_both_members_with_their_ranks(r
         job.wait_for(lambda: len(job.events(Event.WORKER_START)) == 2, what="both workers")
         job.start_agent("c", command=sleeper)
         job.wait_for(lambda: job.in_rendezvous("c"), what="c waiting as a standby")
+        job.wait_for(lambda: job.events(Event.STANDBY, source="agent:c"), what="c's standby event")
         proc = subprocess.run([sys.executable, "-m", "launch.status", f"--rdzv={rdzv_url}", f"--job_id={job.job_id}",
                                f"--run_dir={job.run_dir}"], cwd=REPO, env=repo_env(), capture_output=True, text=True,
                               timeout=60)

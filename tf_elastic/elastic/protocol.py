@@ -82,6 +82,7 @@ class Event(str, enum.Enum):
     AGENT_START = "agent_start"
     BLACKLISTED = "blacklisted"
     RENDEZVOUS = "rendezvous"
+    STANDBY = "standby"  # the job's round is full (or its size must divide a number): this host waits
     WORKER_START = "worker_start"
     SPARE_READY = "spare_ready"
     MEMBERSHIP_CHANGE = "membership_change"

@@ -111,7 +111,8 @@ class ElasticAgent:
             while True:
                 try:
                     self._sit_out_blacklist()
-                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after, cancelled=lambda: self._leaving)
+                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after, cancelled=lambda: self._leaving,
+                                                  on_standby=self._report_standby)
                 except JobEnded as ended:
                     return self._exit(AgentExit.OK if ended.status is JobStatus.DONE else AgentExit.FAILED,
                                       ended.reason)
@@ -157,6 +158,9 @@ class ElasticAgent:
         logging.info("round %d: world size %d, hosts %s, ranks %s here; %s%s (restarts %d)", round_.number,
                      round_.world_size, ",".join(sorted(round_.assignment)), ranks, round_.reason,
                      f"; lost {','.join(lost)} (lease expired)" if lost else "", round_.restarts)
+
+    def _report_standby(self, round_: Round) -> None:
+        self.events.write(Event.STANDBY, round=round_.number, host=self.host_id, world_size=round_.world_size)
 
     def _record_done(self) -> None:
         """Tells every agent the job is done, retrying while the store is unreachable (up to the

@@ -182,9 +182,11 @@ class Rendezvous:
         return opened
 
     def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1,
-             cancelled: Callable[[], bool] = lambda: False) -> Optional[Round]:
+             cancelled: Callable[[], bool] = lambda: False,
+             on_standby: Callable[[Round], None] = lambda round_: None) -> Optional[Round]:
         """Blocks until a frozen round numbered above `after` gives this host ranks; returns it, or None
-        once `cancelled()` (the agent was asked to leave while waiting)."""
+        once `cancelled()` (the agent was asked to leave while waiting). `on_standby(round)` is called when
+        this host begins to wait as a standby beside a round that trains without it."""
         deadline = time.monotonic() + self.timeouts.rendezvous
         unreachable: Optional[Exception] = None
         changed, standing_by = True, False
@@ -192,22 +194,24 @@ class Rendezvous:
             if cancelled():
                 return None
             try:
-                action, taken, wrote = self._join_step(previous_ranks, after, changed)
+                action, seen, wrote = self._join_step(previous_ranks, after, changed)
                 if unreachable is not None:
                     logging.info("rendezvous store reachable again")
                     unreachable = None
             except (StoreError, NoFreePorts) as error:
                 if unreachable is None:
                     logging.warning("rendezvous: %s; retrying until --rendezvous_timeout", error)
-                unreachable, action, taken, wrote = error, None, None, False
-            if taken is not None:
-                return taken
+                unreachable, action, seen, wrote = error, None, None, False
+            if action is JoinAction.TAKE:
+                return seen
             if action is JoinAction.STANDBY:
                 deadline = time.monotonic() + self.timeouts.rendezvous  # the job trains: waiting is no failure
                 if not standing_by:
                     standing_by = True
-                    logging.info("the job's round is full (max_workers=%d): %s waits as a standby", self.max_workers,
-                                 self.host_id)
+                    logging.info("round %d trains without %s (max_workers=%d%s): it waits as a standby",
+                                 seen.number, self.host_id, self.max_workers,
+                                 f", world_size_divides={self.world_size_divides}" if self.world_size_divides else "")
+                    on_standby(seen)
             if time.monotonic() > deadline:
                 raise self._timed_out(unreachable)
             changed = True
@@ -232,7 +236,7 @@ class Rendezvous:
     def _join_step(self, previous_ranks: Optional[List[int]], after: int,
                    changed: bool) -> Tuple[JoinAction, Optional[Round], bool]:
         """One look at the round and the action `decisions` picks for it, carried out. Returns the action,
-        the round to train in (for `TAKE`) and whether the store was written (then look again at once).
+        the round it looked at and whether the store was written (then look again at once).
         `changed`: whether a watch fired since the last look (False: the wait timed out)."""
         self.job.check_token()
         if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
@@ -243,7 +247,7 @@ class Rendezvous:
         self.job.raise_if_ended(outcome)
         action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
         if action in (JoinAction.TAKE, JoinAction.STANDBY):
-            return action, round_ if action is JoinAction.TAKE else None, False
+            return action, round_, False
         if action is JoinAction.CREATE_FIRST:
             first = Round(0, Phase.JOINING.value, "start", 0, time.time(), [], self.host_id)
             self.store.compare_and_set(self.keys.round, None, first.to_json())
@@ -254,11 +258,11 @@ class Rendezvous:
             self.keepalive(self._lease_record(round=round_.number, ports=ports, joined=time.time(),
                                               previous_rank=min(previous_ranks) if previous_ranks else None))
             self._joined = round_.number
-            return action, None, round_.opener == self.host_id  # anyone else waits for the freeze at once
+            return action, round_, round_.opener == self.host_id  # anyone else waits for the freeze at once
         elif action is JoinAction.WAIT:
             # Look at the opener's lease only when no watch fired for a while: a lost opener is rare.
             if (changed and self.store.notifies) or self.store.get(self.keys.host(round_.opener)) is not None:
-                return action, None, False
+                return action, round_, False
             logging.info("round %d: its opener %s is gone; %s freezes it", round_.number, round_.opener,
                          self.host_id)
             self.store.compare_and_set(self.keys.round, raw, dataclasses.replace(round_, opener=self.host_id).to_json())
@@ -268,10 +272,10 @@ class Rendezvous:
             alive = {key.rsplit("/", 1)[-1] for key in leases}
             if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
                                              self._joining_for(round_.number), self.timeouts):
-                return action, None, False
+                return action, round_, False
             frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides)
             self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
-        return action, None, True
+        return action, round_, True
 
     def _joining_for(self, number: int) -> float:
         """Seconds since this agent first saw round `number` joining, on its own monotonic clock: the round's
