@@ -1,5 +1,6 @@
 """The elastic runtime end to end: real agents, real MWMS workers on 127.0.0.1, real signals."""
 import os
+import re
 import signal
 import sys
 
@@ -84,8 +85,10 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     job.start_agent("c")
     joined = job.wait_for(lambda: _first_step(job, survivor["round"] + 1, world_size=2), what="c joining")[0]
     assert _restores(job)[joined["round"]] == _max_step_before(job, joined["round"]), "a join lost steps"
-    assert f"round {survivor['round']} ends: join c (round {joined['round']}); its workers commit and stop" in (
-        job.tmp / "agent-a.log").read_text(errors="replace")
+    log_a = (job.tmp / "agent-a.log").read_text(errors="replace")
+    assert f"round {survivor['round']} ends: join c (round {joined['round']}); its workers commit and stop" in log_a
+    resumed = re.search(rf"round {joined['round']}: rank 0 trains from about step (\d+)", log_a)
+    assert resumed and int(resumed.group(1)) >= _restores(job)[joined["round"]], log_a[-3000:]
 
     job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == joined["round"]], what="a commit with c")
     job.agents["c"].send_signal(signal.SIGTERM)

@@ -90,6 +90,7 @@ class ElasticAgent:
         self._own_failures = 0  # failures of this host's own workers, in a row
         self._start_failures: List[Optional[str]] = []  # last error lines of workers failed before a step
         self._trained = False  # a worker of this host reached a training step in this job
+        self._training_round = -1  # the last round whose first training step was logged
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
@@ -158,6 +159,17 @@ class ElasticAgent:
         logging.info("round %d: world size %d, hosts %s, ranks %s here; %s%s (restarts %d)", round_.number,
                      round_.world_size, ",".join(sorted(round_.assignment)), ranks, round_.reason,
                      f"; lost {','.join(lost)} (lease expired)" if lost else "", round_.restarts)
+
+    def _report_training(self, round_: Round, running: List[Worker]) -> None:
+        """Logs once a round when this host's first worker shows a training step: the round's restored step is
+        one less than the first step a worker reports (it writes that one at once), so the line says where the
+        round resumed, to within the steps trained before the agent's next look."""
+        first = next((w for w in sorted(running, key=lambda w: w.rank) if w.training), None)
+        if first is None or self._training_round == round_.number:
+            return
+        self._training_round = round_.number
+        logging.info("round %d: rank %d trains from about step %d (its first step seen: %d)", round_.number,
+                     first.rank, first.last.step - 1, first.last.step)
 
     def _report_standby(self, round_: Round) -> None:
         self.events.write(Event.STANDBY, round=round_.number, host=self.host_id, world_size=round_.world_size)
@@ -278,6 +290,7 @@ class ElasticAgent:
             return result
         for worker in running:
             worker.observe()
+        self._report_training(round_, running)
         self.spares.tend(round_.number, len(running),
                          round_trains=self.config.warm_start and all(w.training for w in running))
         silent = {w.rank for w in running if self._silent(w)}
