@@ -9,6 +9,8 @@ import pytest
 from conftest import REPO, agent_argv
 from tf_elastic.elastic.agent import workers
 from tf_elastic.elastic.agent.worker_output import WorkerOutput, logs_dir
+from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.protocol import Event
 from tf_elastic.testing.local_job import repo_env
 
 SCRIPT = ("import sys\n"
@@ -77,5 +79,10 @@ def test_a_worker_that_raises_on_every_start_ends_the_job_naming_its_exception(t
     last = proc.stderr.strip().splitlines()[-1]
     assert "before its first step on 2 tries in a row: RuntimeError: boom" in last, last
     assert "[round 0 rank 0] about to fail" in proc.stdout, proc.stdout[-2000:]
+    failures = [e for e in read_events(run_dir) if e["event"] == Event.FAILURE]
+    assert len(failures) == 2 and all(f["error"] == "RuntimeError: boom" and f["code"] == 1 for f in failures)
+    for failure in failures:  # the traceback's last lines, from the worker's error file
+        assert failure["traceback"][-1] == "RuntimeError: boom" and "raise RuntimeError('boom')" in " ".join(
+            failure["traceback"]), failure
     log = (logs_dir(str(run_dir), "h") / "round-0" / "rank-0.log").read_text()
     assert "about to fail" in log and "Traceback (most recent call last):" in log and "RuntimeError: boom" in log

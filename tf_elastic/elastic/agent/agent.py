@@ -350,7 +350,7 @@ class ElasticAgent:
                                               f"{cause or 'see the worker log'}")
             self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
                               code=verdict.code, host=self.host_id, counted=False,
-                              **({"error": cause} if cause else {}))
+                              **self._raised(failed, round_, cause))
             return RoundResult.FAILED
         if self._failed_alike_before_start(failed, verdict, round_):
             return RoundResult.FAILED
@@ -361,8 +361,16 @@ class ElasticAgent:
             # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
             # the host keeps healthy peers out of the blacklist; the restart still counts.
             own = verdict.failure is Failure.HANG
-        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=cause)
+        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=cause,
+                      details=self._raised(failed, round_, cause))
         return RoundResult.RESTART
+
+    def _raised(self, worker: Worker, round_: Round, cause: Optional[str]) -> Dict[str, object]:
+        """A failure event's account of the cause: `error` (one line) and, for a worker that raised, the
+        `traceback`'s last lines from its error file."""
+        record = read_error_file(self.host_dir.error_file(round_.number, worker.rank))
+        return dict({"error": cause} if cause else {}, **({"traceback": record["traceback"]}
+                                                           if record and record.get("traceback") else {}))
 
     def _cause(self, worker: Worker, round_: Round) -> Optional[str]:
         """Why an exited worker ended: the signal that killed it, else its error file (`Env.ERROR_FILE`), else
@@ -395,7 +403,7 @@ class ElasticAgent:
         self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} on {self.host_id} exited with code {verdict.code} "
                                           f"before its first step on {tries} tries in a row: {line}")
         self.events.write(Event.FAILURE, round=round_.number, kind=Failure.WORKER_EXIT.value, rank=verdict.rank,
-                          code=verdict.code, host=self.host_id, counted=False, error=line)
+                          code=verdict.code, host=self.host_id, counted=False, **self._raised(worker, round_, line))
         return True
 
     def _count_own_failure(self, own: bool) -> None:
@@ -408,7 +416,8 @@ class ElasticAgent:
                             self.config.blacklist_after, seconds)
 
     def _failure(self, round_: Round, kind: Failure, rank: Optional[int], code: Optional[int],
-                 host: Optional[str] = None, own: bool = False, cause: Optional[str] = None) -> None:
+                 host: Optional[str] = None, own: bool = False, cause: Optional[str] = None,
+                 details: Optional[Dict[str, object]] = None) -> None:
         self._count_own_failure(own)
         current = self.rendezvous.current()
         # Name only what is known: a lost host has no rank, a hang no exit code.
@@ -418,7 +427,8 @@ class ElasticAgent:
         counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
             current, reason=reason, failure=True)
         self.events.write(Event.FAILURE, round=round_.number, kind=kind.value, rank=rank, code=code,
-                          host=host or self.host_id, counted=counted, **({"error": cause} if cause else {}))
+                          host=host or self.host_id, counted=counted,
+                          **(details if details is not None else {"error": cause} if cause else {}))
         logging.warning("round %d: %s", round_.number, reason)
 
     def _silent(self, worker: Worker) -> bool:
