@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from test_training import _training_setup
 from tf_elastic import LARS, BatchResizeSchedule
 from tf_elastic.elastic.worker import commit
 from tf_elastic.elastic.worker.commit import CommittedState
@@ -98,3 +99,76 @@ def test_an_error_in_the_background_finish_is_raised_at_the_next_commit_and_at_c
     state.commit(epoch=0, samples=16, step=1, global_batch=16, on_kept=broken)
     with pytest.raises(RuntimeError, match="announcement bug"):
         state.close()
+
+
+def test_commit_then_restore_is_bit_exact(tmp_path):
+    model, schedule = _training_setup()
+    x = np.random.default_rng(0).standard_normal((64, 4)).astype(np.float32)
+    model.fit(x, x[:, :2], batch_size=16, epochs=2, verbose=0)
+    schedule.resize(int(model.optimizer.iterations.numpy()), 64)
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    state.commit(epoch=2, samples=48, step=8, global_batch=64)
+
+    fresh, fresh_schedule = _training_setup()
+    restored = CommittedState(World(), str(tmp_path), fresh, fresh_schedule)
+    assert restored.restore() == (str(tmp_path / "checkpoints" / "ckpt-0-8-2-48"), [])
+    assert (restored.epoch, restored.samples, restored.step) == (2, 48, 8)
+    assert fresh_schedule.history == schedule.history == [(0, 32), (8, 64)]
+    for a, b in zip(model.optimizer.variables, fresh.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy(), err_msg=a.path)
+    for a, b in zip(model.weights, fresh.weights):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_commits_keep_the_newest_three_in_a_state_file_tensorflow_reads(tmp_path):
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    for step in range(1, 6):
+        state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
+    directory = tmp_path / "checkpoints"
+    names = [f"ckpt-0-{s}-0-{32 * s}" for s in (3, 4, 5)]
+    assert tf.train.latest_checkpoint(str(directory)) == str(directory / names[-1])
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(), str(directory), max_to_keep=3)
+    assert manager.checkpoints == [str(directory / n) for n in names]
+    assert sorted({p.name.split(".")[0] for p in directory.glob("ckpt-*")}) == names
+
+
+def test_the_chief_sweeps_what_killed_commits_left(tmp_path):
+    """A SIGKILL mid-write leaves TF's `_temp` directory; one between the state file's update and the
+    deletion of the expired commit leaves that commit's files. The next chief removes both, and keeps
+    every commit the state file names."""
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    for step in range(1, 4):
+        state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
+    directory = tmp_path / "checkpoints"
+    kept = sorted(p.name for p in directory.iterdir())
+    (directory / "ckpt-9-0-288_temp").mkdir()
+    (directory / "ckpt-9-0-288_temp" / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x")
+    (directory / "ckpt-0-0-0.index").write_bytes(b"expired")
+    CommittedState(World(), str(tmp_path), model, schedule)
+    assert sorted(p.name for p in directory.iterdir()) == kept
+
+
+def test_a_corrupted_newest_commit_is_skipped_for_the_previous_one(tmp_path):
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(tmp_path), model, schedule)
+    state.commit(epoch=0, samples=32, step=1, global_batch=32)
+    state.commit(epoch=0, samples=64, step=2, global_batch=32)
+    for data in (tmp_path / "checkpoints").glob("ckpt-0-2-*.data-*"):
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    fresh, fresh_schedule = _training_setup()
+    path, skipped = CommittedState(World(), str(tmp_path), fresh, fresh_schedule).restore()
+    assert path.endswith("ckpt-0-1-0-32") and len(skipped) == 1 and skipped[0][0].endswith("ckpt-0-2-0-64")
+    assert "Read less bytes than requested" in skipped[0][1], skipped
+
+
+def test_a_commit_of_another_model_is_a_clear_error_and_stays_on_disk(tmp_path):
+    model, schedule = _training_setup()
+    CommittedState(World(), str(tmp_path), model, schedule).commit(epoch=0, samples=32, step=1, global_batch=32)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(2)])
+    other.compile(optimizer=LARS(0.1), loss="mse")
+    other.optimizer.build(other.trainable_variables)
+    with pytest.raises(ValueError, match=r"ckpt-0-1-0-32 does not fit this model or optimizer .*--run_dir"):
+        CommittedState(World(), str(tmp_path), other).restore()
+    assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-1-0-32")

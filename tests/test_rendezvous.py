@@ -8,11 +8,13 @@ import uuid
 import pytest
 
 from tf_elastic.testing.etcd_server import EtcdServer
-from tf_elastic.elastic.agent.job_record import JobOutcome, TokenRefused
-from tf_elastic.elastic.agent.rendezvous import Rendezvous, RendezvousTimeout
+from tf_elastic.elastic.agent.job_record import JobOutcome, JobRecord, TokenRefused
+from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous, RendezvousTimeout
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
+from tf_elastic.elastic.store.file import FileStore
+from tf_elastic.testing.net import free_port
 from tf_elastic.testing.rendezvous_sim import Simulation
 
 FAST = Timeouts(rendezvous=10, last_call=0.3, survivor_wait=5, host_ttl=1.0, poll=0.05)
@@ -383,3 +385,179 @@ def test_sixteen_simulated_hosts_through_a_loss_a_leave_and_a_join(rdzv_url):
                 assert sim.requests.total - requests <= 4 * len(hosts) + 40, (change, sim.requests.total - requests)
     finally:
         sim.stop()
+
+
+def _round_record(**change):
+    record = json.loads(Round(0, "joining", "start", 0, 1.0, [], "a").to_json())
+    record.update(change)
+    return json.dumps(record)
+
+
+@pytest.mark.parametrize("text", [
+    _round_record(number="3"), _round_record(opener=None), _round_record(opened="soon"),
+    _round_record(expected=[1]), _round_record(assignment={"a": ["0"]}), "[]", "null",
+    _round_record(opened=float("nan")), _round_record(cluster=[1]),
+], ids=["number as text", "no opener", "opened as text", "expected ints", "ranks as text", "a list",
+        "null", "opened NaN", "cluster ints"])
+def test_malformed_round_records_are_store_errors_naming_the_field(text):
+    with pytest.raises(StoreError, match="malformed rendezvous round record"):
+        Round.from_json(text)
+
+
+# The host lease tests' rendezvous: job "job" unless given, and a 0.4 s --host_ttl.
+FAST_LEASES = Timeouts(rendezvous=10, last_call=0.2, survivor_wait=5, host_ttl=0.4, poll=0.05)
+
+
+def _host_rendezvous(store, host, job="job", **kwargs):
+    args = dict(nproc=1, addr="127.0.0.1", min_workers=1, max_workers=2, max_restarts=3, timeouts=FAST_LEASES)
+    return Rendezvous(store, job, host, **dict(args, **kwargs))
+
+
+def _incarnation_at(rendezvous):
+    return json.loads(rendezvous.store.get(rendezvous.keys.host("node1")))["incarnation"]
+
+
+def test_a_second_live_agent_with_the_same_host_id_is_refused(tmp_path):
+    store = FileStore(str(tmp_path))
+    first = _host_rendezvous(store, "node1")
+    first.claim_host_id()
+    stop = threading.Event()
+
+    def renew():
+        while not stop.is_set():
+            first.keepalive()
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    try:
+        with pytest.raises(HostIdTaken, match="another live agent already uses --host_id='node1'"):
+            _host_rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()
+    finally:
+        stop.set()
+        thread.join()
+    _host_rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()  # once the first is gone, the id is free
+
+
+@pytest.mark.parametrize("raw", ["[]", "5", "null", '{"until": NaN}', '{"strikes": true}', "{"])
+def test_a_malformed_blacklist_record_is_a_store_error(tmp_path, raw):
+    store = FileStore(str(tmp_path))
+    store.set("/job/blacklist/a", raw)
+    with pytest.raises(StoreError, match="malformed blacklist record at /job/blacklist/a"):
+        JobRecord(store, "job", "a").blacklisted_for()
+
+
+def test_two_agents_started_at_once_with_one_host_id_get_one_claim(tmp_path):
+    """Containers started together with the same host name: both used to read 'free' and both claim."""
+    for attempt in range(2):
+        job = f"job{attempt}"
+        barrier, stop, outcomes = threading.Barrier(2), threading.Event(), []
+
+        def agent():
+            rendezvous = Rendezvous(FileStore(str(tmp_path)), job, "node1", nproc=1, addr="127.0.0.1",
+                                    min_workers=1, max_workers=2, max_restarts=3,
+                                    timeouts=dataclasses.replace(FAST, host_ttl=1.0))  # (stalls on a busy machine)
+            barrier.wait()
+            try:
+                rendezvous.claim_host_id()
+                outcomes.append("claimed")
+                while not stop.is_set():  # a live agent renews its lease
+                    rendezvous.keepalive()
+                    time.sleep(0.05)
+            except HostIdTaken:
+                outcomes.append("refused")
+                stop.set()
+
+        threads = [threading.Thread(target=agent) for _ in range(2)]
+        [t.start() for t in threads]
+        deadline = time.time() + 20
+        while len(outcomes) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        [t.join() for t in threads]
+        assert sorted(outcomes) == ["claimed", "refused"], (attempt, outcomes)
+
+
+def test_a_dead_agents_lease_that_etcd_lengthened_is_waited_out():
+    """etcd raises a lease below 1.5 election timeouts to that minimum (3 s here, for a 0.4 s --host_ttl):
+    an agent restarted after a SIGKILL used to give up on its own old lease after 2.2 s (exit 2)."""
+    server = EtcdServer(election_timeout_ms=2000).start()
+    try:
+        dead = _host_rendezvous(open_store(server.url), "node1")
+        dead.claim_host_id()  # then SIGKILLed: nobody renews its lease
+        restarted = _host_rendezvous(open_store(server.url), "node1")
+        restarted.claim_host_id()  # refused (HostIdTaken) before the fix
+        assert _incarnation_at(restarted) == restarted.incarnation
+    finally:
+        server.close()
+
+
+def test_an_agent_whose_lapsed_lease_was_taken_by_another_stops(tmp_path):
+    store = FileStore(str(tmp_path))
+    first = _host_rendezvous(store, "node1")
+    first.claim_host_id()
+    store.delete("/job/hosts/node1")  # as if its lease expired while it was stopped or cut off
+    _host_rendezvous(FileStore(str(tmp_path)), "node1").claim_host_id()
+    with pytest.raises(HostIdTaken, match="took --host_id='node1'"):
+        first.keepalive()
+
+
+def test_a_renewal_never_overwrites_a_newcomers_lease(rdzv_url, monkeypatch):
+    """The lease lapses and a newcomer takes the id just after the renewal's read: a read-then-write
+    renewal used to overwrite the newcomer's lease (the newcomer then found itself refused)."""
+    job = uuid.uuid4().hex
+    first = _host_rendezvous(open_store(rdzv_url), "node1", job=job)
+    first.claim_host_id()
+    first.store.delete(first.keys.host("node1"))  # lapsed
+    newcomer = _host_rendezvous(open_store(rdzv_url), "node1", job=job)
+    newcomer.claim_host_id()
+    with monkeypatch.context() as patch:
+        patch.setattr(first.store, "get", lambda key: first._lease())  # a read from before the takeover
+        with pytest.raises(HostIdTaken):
+            first.keepalive()
+    newcomer.keepalive()  # still its own
+    first.leave()  # and a refused agent's leave never deletes it
+    assert _incarnation_at(newcomer) == newcomer.incarnation
+
+
+def test_a_lease_that_lapsed_unclaimed_is_taken_back_and_kept_by_renewals(rdzv_url):
+    job = uuid.uuid4().hex
+    first = _host_rendezvous(open_store(rdzv_url), "node1", job=job)
+    first.claim_host_id()
+    first.store.delete(first.keys.host("node1"))
+    for _ in range(5):
+        first.keepalive()
+    assert _incarnation_at(first) == first.incarnation
+    _host_rendezvous(open_store(rdzv_url), "node1", job=job).leave()  # one that never claimed it leaves it alone
+    assert _incarnation_at(first) == first.incarnation
+
+
+def test_two_agents_of_one_address_get_different_ports_from_a_port_range(tmp_path):
+    low = free_port()
+    store = FileStore(str(tmp_path))
+    rounds = {}
+    threads = [threading.Thread(target=lambda h=h: rounds.update({h: _host_rendezvous(
+        store, h, port_range=(low, low + 1), min_workers=2).join()})) for h in "ab"]
+    [t.start() for t in threads]
+    [t.join(timeout=20) for t in threads]
+    ports = [int(addr.rsplit(":", 1)[1]) for addr in rounds["a"].cluster]
+    assert sorted(ports) == [low, low + 1]
+
+
+def test_an_advertised_address_that_is_not_this_hosts_still_gets_ports(tmp_path):
+    """A NAT or public address (here TEST-NET-3) cannot be bound here; the probe used to loop forever."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(round=_host_rendezvous(
+        FileStore(str(tmp_path)), "a", addr="203.0.113.7", max_workers=1).join()), daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive() and result["round"].cluster[0].startswith("203.0.113.7:")
+
+
+def test_losing_the_race_to_open_the_next_round_never_fails_the_job(tmp_path):
+    store = FileStore(str(tmp_path))
+    a, b = _host_rendezvous(store, "a", max_restarts=0, max_workers=1), _host_rendezvous(store, "b", max_restarts=0)
+    seen = a.join()
+    assert b.open_next(seen, reason="join b", failure=False)  # b moves on first, without a failure
+    assert not a.open_next(seen, reason="worker_exit", failure=True)
+    assert a.job.outcome() is None
