@@ -47,10 +47,10 @@ MUTATIONS = [
              '{"linear": ratio,', '{"linear": math.sqrt(ratio),', "tests/test_batch_resize_schedule.py"),
     Mutation("data plan: the same permutation every epoch", "tf_elastic/elastic/worker/data_plan.py",
              "default_rng([self.seed, epoch])", "default_rng([self.seed, 0])",
-             "tests/test_elastic_units.py -k data_plan"),
+             "tests/test_data_plan.py -k data_plan"),
     Mutation("data plan: a replica's slice ignores its rank", "tf_elastic/elastic/worker/data_plan.py",
              "rank * batch: k * global_batch + (rank + 1) * batch", "0: k * global_batch + batch",
-             "tests/test_elastic_units.py -k data_plan tests/test_data_sources.py"),
+             "tests/test_data_plan.py -k data_plan tests/test_data_sources.py"),
     Mutation("rendezvous: newcomers ranked before survivors", "tf_elastic/elastic/agent/decisions.py",
              'key=lambda item: (item[1]["previous_rank"] is None,', 'key=lambda item: (item[1]["joined"],',
              "tests/test_decisions.py tests/test_rendezvous.py -k 'survivors or freeze'"),
@@ -68,7 +68,7 @@ MUTATIONS = [
              "tests/test_rendezvous.py -k token"),
     Mutation("file store: leases never expire", "tf_elastic/elastic/store/file.py",
              "self._unchanged_for(path, record[\"version\"]) > ttl", "False",
-             "tests/test_hardening.py -k clock tests/test_rendezvous.py -k 'leases and file'"),
+             "tests/test_store.py -k clock tests/test_rendezvous.py -k 'leases and file'"),
 ]
 
 

@@ -4,7 +4,6 @@ It never imports TensorFlow. Layers: a `Store` holds shared state, `Rendezvous` 
 agent runs its local workers through the states below and turns every change into a new round.
 """
 import dataclasses
-import datetime
 import enum
 import json
 import os
@@ -17,6 +16,7 @@ from typing import Dict, List, Optional, Tuple
 from absl import logging
 
 from tf_elastic.elastic.agent import decisions, preemption, workers
+from tf_elastic.elastic.agent.blacklist import Blacklist
 from tf_elastic.elastic.agent.decisions import GroupChange, WorkersState, WorkersVerdict
 from tf_elastic.elastic.agent.job_record import JobEnded, TokenRefused
 from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous, RendezvousTimeout
@@ -82,37 +82,33 @@ class ElasticAgent:
         self.job = self.rendezvous.job
         self.events = EventLog(config.run_dir, source=f"agent:{self.host_id}")
         self.host_dir = workers.make_host_dir()
-        self._leaving = False
-        # (monotonic, wall clock, what) of a preemption notice; reported from the main loop, not the handler
-        self._notice: Optional[Tuple[float, datetime.datetime, str]] = None
-        self._notice_reported = False
+        self.notices = preemption.Notices(config.preemption_signals, config.preemption_notice_url,
+                                          config.preemption_poll_interval, self.events, self.host_id)
+        self.blacklist = Blacklist(self.job, self.host_id, self.events, config.blacklist_after,
+                                   config.blacklist_cooldown)
         self.spares = WarmSpares(config.command, self.host_dir, self.events, self._slot_env, self._output)
-        self._own_failures = 0  # failures of this host's own workers, in a row
         self._start_failures: List[Optional[str]] = []  # last error lines of workers failed before a step
         self._trained = False  # a worker of this host reached a training step in this job
         self._training_round = -1  # the last round whose first training step was logged
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
-        previous = {sig: signal.signal(sig, self._on_leave_signal) for sig in self.config.preemption_signals}
-        watcher = preemption.NoticeWatcher(self.config.preemption_notice_url, self.config.preemption_poll_interval,
-                                self._on_notice) if self.config.preemption_notice_url else None
         self.events.write(Event.AGENT_START, host=self.host_id, nproc=self.config.nproc,
                           swept=len(workers.sweep_dead_agents_dirs()))
         ranks: Optional[List[int]] = None
         after = -1
         try:
-            if watcher:
-                watcher.start()
+            self.notices.__enter__()
             if self.config.warm_start:
                 # Join only once our workers are warm: the group trains on while a newcomer starts up.
                 self.spares.spawn(range(self.config.nproc))
                 self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
-                                       cancelled=lambda: self._leaving)
+                                       cancelled=lambda: self.notices.received)
             while True:
                 try:
-                    self._sit_out_blacklist()
-                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after, cancelled=lambda: self._leaving,
+                    self.blacklist.sit_out(self.rendezvous.leave, cancelled=lambda: self.notices.received)
+                    round_ = self.rendezvous.join(previous_ranks=ranks, after=after,
+                                                  cancelled=lambda: self.notices.received,
                                                   on_standby=self._report_standby)
                 except JobEnded as ended:
                     return self._exit(AgentExit.OK if ended.status is JobStatus.DONE else AgentExit.FAILED,
@@ -120,7 +116,7 @@ class ElasticAgent:
                 except RendezvousTimeout as timeout:
                     return self._exit(AgentExit.FAILED, str(timeout))
                 if round_ is None:
-                    self._report_notice()
+                    self.notices.report()
                     self._release_lease()
                     return self._exit(AgentExit.OK, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
@@ -139,10 +135,7 @@ class ElasticAgent:
         except StoreError as error:
             return self._exit(AgentExit.FAILED, f"rendezvous store error: {error}")
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if watcher:
-                watcher.stop()
+            self.notices.__exit__()
             self.spares.kill_all()
             shutil.rmtree(self.host_dir.path, ignore_errors=True)
 
@@ -185,23 +178,6 @@ class ElasticAgent:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(self.config.monitor_interval)
-
-    def _sit_out_blacklist(self) -> None:
-        """Stays out of the job while this host is blacklisted: no lease, so no round waits for it."""
-        try:
-            seconds = self.job.blacklisted_for()
-        except StoreError:
-            return  # the rendezvous retries the store and reports it
-        if not seconds:
-            return
-        self.rendezvous.leave()
-        self.events.write(Event.BLACKLISTED, host=self.host_id, seconds=round(seconds, 1))
-        logging.warning("host %s is blacklisted for %.0fs after repeated worker failures", self.host_id, seconds)
-        deadline = time.time() + seconds
-        while time.time() < deadline and not self._leaving:
-            if self.job.outcome() is not None:
-                return  # join() reports how the job ended
-            time.sleep(min(1.0, max(0.0, deadline - time.time())))
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> RoundResult:
@@ -257,7 +233,7 @@ class ElasticAgent:
         unreachable_since = None
         changed = False  # the round was just read; the first wait says what changed since
         while True:
-            if self._leaving:  # before any store call: a notice must be acted on while the store is down
+            if self.notices.received:  # before any store call: a notice must be acted on while the store is down
                 return self._leave(round_, running)
             try:
                 self.rendezvous.renew_if_due()
@@ -317,7 +293,7 @@ class ElasticAgent:
         self.events.write(Event.MEMBERSHIP_CHANGE, round=round_.number,
                           next_round=None if current is None else current.number,
                           reason=None if current is None else current.reason)
-        self._count_own_failure(own)
+        self.blacklist.count(own)
         # After a failure the group is broken and nothing more can be committed: kill at once.
         # After a join or leave, SIGTERM lets the workers agree on a step and commit it.
         logging.info("round %d ends: %s; its workers %s", round_.number,
@@ -406,19 +382,10 @@ class ElasticAgent:
                           code=verdict.code, host=self.host_id, counted=False, **self._raised(worker, round_, line))
         return True
 
-    def _count_own_failure(self, own: bool) -> None:
-        """Blacklists this host after `blacklist_after` failures of its own workers in a row."""
-        self._own_failures = self._own_failures + 1 if own else 0
-        if own and self._own_failures >= self.config.blacklist_after:
-            self._own_failures = 0
-            seconds = self.job.blacklist(self.config.blacklist_cooldown)
-            logging.warning("host %s: %d failures of its own workers in a row; out for %.0fs", self.host_id,
-                            self.config.blacklist_after, seconds)
-
     def _failure(self, round_: Round, kind: Failure, rank: Optional[int], code: Optional[int],
                  host: Optional[str] = None, own: bool = False, cause: Optional[str] = None,
                  details: Optional[Dict[str, object]] = None) -> None:
-        self._count_own_failure(own)
+        self.blacklist.count(own)
         current = self.rendezvous.current()
         # Name only what is known: a lost host has no rank, a hang no exit code.
         known = ([kind.value] + ([f"rank={rank}"] if rank is not None else []) + [f"host={host or self.host_id}"]
@@ -442,7 +409,7 @@ class ElasticAgent:
         """Opens the next round without this host (so the others stop at an agreed step too), then stops
         our workers, who commit. With the store unreachable the workers still stop and commit: the others
         see this host go once its lease expires."""
-        self._report_notice()
+        self.notices.report()
         try:
             current = self.rendezvous.current()
             if current is not None and current.number == round_.number:
@@ -451,10 +418,10 @@ class ElasticAgent:
             logging.warning("leaving while the rendezvous store is unreachable (%s)", error)
         self._stop(running)
         self._release_lease()
-        noticed = self._notice and round(time.monotonic() - self._notice[0], 2)
-        self.events.write(Event.LEAVE, round=round_.number, host=self.host_id, seconds_after_notice=noticed)
+        self.events.write(Event.LEAVE, round=round_.number, host=self.host_id,
+                          seconds_after_notice=self.notices.seconds_since())
         logging.info("round %d: %s left the job (%s); its workers committed and stopped", round_.number,
-                     self.host_id, self._notice[2] if self._notice else "asked to leave")
+                     self.host_id, self.notices.what or "asked to leave")
         return RoundResult.LEFT
 
     def _release_lease(self) -> None:
@@ -491,27 +458,8 @@ class ElasticAgent:
         for worker in running:
             worker.close()
 
-    def _on_leave_signal(self, signum, frame) -> None:
-        del frame
-        self._on_notice(f"signal {signal.Signals(signum).name}")
-
-    def _on_notice(self, what: str) -> None:
-        """A preemption notice (a signal, or the notice URL): commit and leave, once. Only flags are set
-        here: a signal handler that wrote the event log could wait forever on the log's lock, held by
-        the very main thread it interrupted."""
-        if self._notice is None:
-            self._notice = (time.monotonic(), datetime.datetime.now(datetime.timezone.utc), what)
-        self._leaving = True
-
-    def _report_notice(self) -> None:
-        if self._notice is not None and not self._notice_reported:
-            self._notice_reported = True
-            _, when, what = self._notice
-            self.events.write(Event.PREEMPTION_NOTICE, host=self.host_id, notice=what,
-                              seconds_left=preemption.seconds_left(what, when))
-
     def _exit(self, code: AgentExit, reason: str) -> int:
-        self._report_notice()
+        self.notices.report()
         self.events.write(Event.EXIT, code=int(code), reason=reason, host=self.host_id)
         (logging.info if code == AgentExit.OK else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
         return int(code)
