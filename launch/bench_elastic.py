@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 from absl import app, flags
 
 from tf_elastic.elastic.flag_checks import require_finite_floats
-from tf_elastic.elastic.protocol import Env, Event
+from tf_elastic.elastic.protocol import Event
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, stop_jobs_on_sigterm
 
 flags.DEFINE_integer("repeats", 5, "Repetitions of the fault sequence.", lower_bound=1)
@@ -78,8 +78,8 @@ def _fault_sequence(root: Path, rdzv: str = None) -> Dict[str, float]:
     host is lost (SIGKILL of agent and worker), c joins, c gets a preemption notice (SIGUSR1) and leaves."""
     job = _job(root, 60, rdzv=rdzv)
     try:
-        job.start_agent("a", env={Env.TEST_FAULTS: "1"})
-        job.start_agent("b", env={Env.TEST_FAULTS: "1"})
+        job.start_agent("a", faults=True)
+        job.start_agent("b", faults=True)
         started = job.first_step_after(0, world_size=2)
         job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["time"] > started["time"]])
         _spares_ready(job, "a", started["time"])

@@ -279,7 +279,7 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
     job = LocalJob(tmp_path, train, ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1",
                                      "--preemption_signals=SIGTERM,SIGUSR1", "--nowarm_start"])
     try:
-        job.start_agent("a", env={"TF_ELASTIC_TEST_FAULTS": "1"}, progress_timeout=5)
+        job.start_agent("a", faults=True, progress_timeout=5)
         job.start_agent("b")
         job.start_agent("c", preemption_notice_url=url, preemption_poll_interval=0.2)
         job.first_step_after(0, world_size=3, timeout=300)

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from launch import report
-from tf_elastic.elastic.protocol import Env, Event, RunDir
+from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import group
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
@@ -25,6 +25,7 @@ from tf_elastic.elastic.worker.world import World
 from tf_elastic.optimizers import LARS
 from tf_elastic.schedules import BatchResizeSchedule
 from tf_elastic.elastic import audit
+from tf_elastic.testing import faults
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 
@@ -249,8 +250,8 @@ def _obey_file_modes() -> None:
                 raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed: no CAP_SETPCAP")
 
 
-def _train_obeying_file_modes(args, env=None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "launch.train", "--dataset=digits", "--optimizer=sgd", "--threads=1",
+def _train_obeying_file_modes(args, env=None, module_args=(sys.executable, "-m", "launch.train")) -> subprocess.Popen:
+    command = [*module_args, "--dataset=digits", "--optimizer=sgd", "--threads=1",
                "--commit_every_steps=10", "--durable_every_commits=1", *args]
     try:
         return subprocess.Popen(command, cwd=REPO, env=repo_env(**(env or {})), stdout=subprocess.PIPE,
@@ -276,7 +277,7 @@ def test_a_read_only_checkpoint_dir_fails_at_start_and_a_copy_failing_later_does
     pause.mkdir()
     (pause / "durable").touch()
     proc = _train_obeying_file_modes(["--epochs=2", f"--run_dir={run}", f"--checkpoint_dir={durable}"],
-                                     env={Env.TEST_PAUSE_DIR: str(pause)})
+                                     env={faults.PAUSE_DIR: str(pause)}, module_args=faults.command("launch.train"))
     try:
         deadline = time.time() + 180
         while not (pause / "durable.reached-rank0").exists() and proc.poll() is None and time.time() < deadline:
@@ -388,14 +389,14 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     every recovery, and committed work used every example once per epoch."""
     remote, pause = "s3://bucket/remote", tmp_path / "pause"
     pause.mkdir()
-    env = {**s3, Env.TEST_PAUSE_DIR: str(pause)}
+    env = {**s3, faults.PAUSE_DIR: str(pause)}
     job = LocalJob(tmp_path / "job", TRAIN + ["--epochs=200", f"--checkpoint_dir={remote}", f"--data_dir={mnist_dir}"],
                    AGENT,
                    host_run_dirs=True)
     (tmp_path / "job").mkdir()
     try:
-        job.start_agent("a", env=env)
-        job.start_agent("b", env=env)
+        job.start_agent("a", env=env, faults=True)
+        job.start_agent("b", env=env, faults=True)
         pair = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2
                                      and e["step"] >= COMMIT_EVERY], what="a commit at world size 2")[0]
         chief = _round_host(job, pair["round"], 0)
@@ -416,7 +417,7 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         survivor = _first_step(job, pair["round"], 1)
         assert _restored(job, survivor["round"]) >= _last_commit_before(job, survivor["round"]), "lost a commit"
 
-        job.start_agent("c", env=env)
+        job.start_agent("c", env=env, faults=True)
         joined = _first_step(job, survivor["round"], 2)
         assert _restored(job, joined["round"]) == _last_commit_before(job, joined["round"]), "a join lost steps"
         received = job.events(Event.STATE_TRANSFER, round=joined["round"])

@@ -122,11 +122,16 @@ def test_a_copy_that_fails_later_is_a_storage_error_not_a_crash(s3, tmp_path):
 
 
 def test_the_marker_is_written_last(s3, tmp_path):
-    """`before_marker` runs with every file up and no marker: the point a kill leaves a partial copy."""
+    """When the marker is written every file is up: a kill before it leaves a partial copy."""
     copies = DurableCopies("s3://bucket/job")
-    seen = []
-    copies.copy(_commit_files(tmp_path, "ckpt-0-1-0-1", {"index": 10, "data": 10}),
-                before_marker=lambda: seen.append(sorted(copies.storage.listdir("s3://bucket/job/ckpt-0-1-0-1"))))
+    seen, write_marker = [], copies._write_marker
+
+    def look_then_write_marker(folder, name):
+        seen.append(sorted(copies.storage.listdir(folder)))
+        write_marker(folder, name)
+
+    copies._write_marker = look_then_write_marker
+    copies.copy(_commit_files(tmp_path, "ckpt-0-1-0-1", {"index": 10, "data": 10}))
     assert seen == [["ckpt-0-1-0-1.data", "ckpt-0-1-0-1.index"]]
     assert MARKER in copies.storage.listdir("s3://bucket/job/ckpt-0-1-0-1")
 

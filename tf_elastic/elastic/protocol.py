@@ -31,10 +31,6 @@ class Env:
     # Where a worker whose main raised writes the exception (type, message, traceback tail) as JSON, so that
     # the agent names the cause of a failure (torchrun's @record error files, without a decorator).
     ERROR_FILE = "TF_ELASTIC_ERROR_FILE"
-    TEST_FAULTS = "TF_ELASTIC_TEST_FAULTS"  # test only: SIGUSR2 blocks the worker's main thread (a stuck step)
-    # Test only: a directory; while it holds a file named after a point of a commit ("local": files written,
-    # state file not yet; "durable": a copy's files written, marker not yet), commits wait there.
-    TEST_PAUSE_DIR = "TF_ELASTIC_TEST_PAUSE_DIR"
     # Warm start: the agent starts a worker before its round exists; it imports what it needs, then blocks
     # until the agent writes the round's variables to its stdin as one JSON line.
     WARM = "TF_ELASTIC_WARM"

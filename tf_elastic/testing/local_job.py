@@ -17,6 +17,7 @@ from tf_elastic.elastic.agent.worker_output import logs_dir
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import Env, Event
 from tf_elastic.elastic.store import open_store
+from tf_elastic.testing.faults import command as faults_command
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: agents run `launch/` scripts from it
 
@@ -40,11 +41,13 @@ class LocalJob:
         self.agents: Dict[str, subprocess.Popen] = {}
 
     def start_agent(self, host: str, command: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None,
-                    **flags) -> subprocess.Popen:
+                    faults: bool = False, **flags) -> subprocess.Popen:
+        """Starts `host`'s agent with `flags` beside the job's, running `command` (default: the trainer with
+        the job's arguments, with `tf_elastic.testing.faults` installed if `faults`)."""
+        trainer = faults_command("launch.train") if faults else [sys.executable, "-m", "launch.train"]
         args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
                 f"--run_dir={self.run_dir_of(host)}", f"--host_id={host}", *self.agent_args,
-                *[f"--{k}={v}" for k, v in flags.items()], "--",
-                *(command or [sys.executable, "-m", "launch.train", *self.train_args])]
+                *[f"--{k}={v}" for k, v in flags.items()], "--", *(command or [*trainer, *self.train_args])]
         log = open(self.tmp / f"agent-{host}.log", "ab")
         env = repo_env(**(env or {}))
         self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

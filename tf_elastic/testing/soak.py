@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 
 from tf_elastic.elastic.agent import ports
 from tf_elastic.elastic.events import read_events
-from tf_elastic.elastic.protocol import Env, Event, RunDir
+from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.elastic import audit
 from tf_elastic.testing.etcd_server import EtcdServer
@@ -68,7 +68,7 @@ class Soak:
     def start_host(self) -> str:
         host = f"h{self.spawned}"
         self.spawned += 1
-        self.job.start_agent(host, env={"TMPDIR": str(self.tmp), Env.TEST_FAULTS: "1"})
+        self.job.start_agent(host, env={"TMPDIR": str(self.tmp)}, faults=True)
         self.live.append(host)
         return host
 

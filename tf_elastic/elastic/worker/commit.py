@@ -27,7 +27,7 @@ from tf_elastic.elastic.protocol import Event, RunDir, error_line, first_line
 from tf_elastic.elastic.worker import keras_compat
 from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
-from tf_elastic.elastic.worker.world import World, test_pause
+from tf_elastic.elastic.worker.world import World
 from tf_elastic.schedules import BatchResizeSchedule
 
 OnKept = Callable[[float, float], None]
@@ -262,9 +262,7 @@ class CommittedState:
             kept = self._kept + [(prefix, written)]
             expired, kept = kept[:-self._max_to_keep], kept[-self._max_to_keep:]
             paths, times = zip(*kept)
-            test_pause("local", self.world.rank)
-            tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=paths,
-                                                       all_model_checkpoint_timestamps=times)
+            self._name_in_state_file(prefix, paths, times)
             self._kept = kept
             for old, _ in expired:
                 for path in tf.io.gfile.glob(old + ".*"):
@@ -279,11 +277,17 @@ class CommittedState:
         if self.durable and self._commits % self._durable_every == 0:
             self._copy(prefix)
 
+    def _name_in_state_file(self, prefix: str, paths, times) -> None:
+        """Makes the commit at `prefix` the newest the state file names, beside the kept ones (atomically:
+        TensorFlow writes a temporary file and renames it); until then a restore does not see it."""
+        tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=paths,
+                                                   all_model_checkpoint_timestamps=times)
+
     def _copy(self, prefix: str) -> None:
         started = time.time()
         try:
             self.durable.mark_generation(self.generation)  # again: in case it failed at the round's start
-            copied = self.durable.copy(prefix, before_marker=lambda: test_pause("durable", self.world.rank))
+            copied = self.durable.copy(prefix)
         except (tf.errors.OpError, OSError, ConfigurationError) as error:
             self._report(Event.DURABLE_COPY, path=prefix, error=error_line(error))
             return

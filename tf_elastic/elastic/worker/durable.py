@@ -20,7 +20,7 @@ import os
 import posixpath
 import re
 import uuid
-from typing import Callable, List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import tensorflow as tf
 
@@ -126,7 +126,7 @@ class DurableCopies:
         complete = [c for c in self.copies() if c.complete]
         return complete[-1] if complete else None
 
-    def copy(self, prefix: str, before_marker: Callable[[], None] = lambda: None) -> int:
+    def copy(self, prefix: str) -> int:
         """Copies the commit at `prefix` (a local checkpoint prefix); returns the bytes copied (0 if a
         complete copy was there already). Then removes copies beyond the newest `keep`."""
         name = os.path.basename(prefix)
@@ -137,10 +137,13 @@ class DurableCopies:
         copied = 0
         for path in tf.io.gfile.glob(prefix + ".*"):
             copied += self.storage.upload(path, posixpath.join(folder, os.path.basename(path)))
-        before_marker()
-        self.storage.write_text(posixpath.join(folder, MARKER), name)
+        self._write_marker(folder, name)
         self.collect()
         return copied
+
+    def _write_marker(self, folder: str, name: str) -> None:
+        """Written last: a copy without it (its writer died part-way) never counts and is collected."""
+        self.storage.write_text(posixpath.join(folder, MARKER), name)
 
     def readable(self, item: Copy, scratch: str) -> str:
         """A prefix `tf.train.Checkpoint.read` can read for `item`: its own, or that of a download into the

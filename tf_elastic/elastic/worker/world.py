@@ -157,8 +157,6 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     for sig in world.stop_signals:
         if sig != signal.SIGTERM:  # until `fit` handles them: a notice before training must not kill us
             signal.signal(sig, signal.SIG_IGN)
-    if os.environ.get(Env.TEST_FAULTS) == "1":
-        signal.signal(signal.SIGUSR2, lambda *_: threading.Event().wait())  # test only: a stuck main thread
 
     def beat():
         while True:
@@ -170,19 +168,6 @@ def start_heartbeat(world: World, interval: float = 0.5) -> Optional[threading.T
     thread = threading.Thread(target=beat, name="tf_elastic-heartbeat", daemon=True)
     thread.start()
     return thread
-
-
-def test_pause(point: str, rank: int) -> None:
-    """Test only (`Env.TEST_PAUSE_DIR`): waits while the file `point` (every rank) or `point.rankN` (rank N
-    only) exists there, after creating `point.reached-rankN`, so that a test can SIGKILL a worker at a known
-    point of a commit, or hold one host's commit while another's completes."""
-    directory = os.environ.get(Env.TEST_PAUSE_DIR)
-    held = [Path(directory) / name for name in (point, f"{point}.rank{rank}")] if directory else []
-    if not any(path.exists() for path in held):
-        return
-    (Path(directory) / f"{point}.reached-rank{rank}").touch()
-    while any(path.exists() for path in held):
-        time.sleep(0.05)
 
 
 def wait_for_the_agents_world_on_stdin() -> None:
