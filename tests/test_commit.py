@@ -79,25 +79,28 @@ def test_the_schedule_is_found_on_the_optimizer_and_a_different_one_is_refused()
 
 
 def test_an_error_in_the_background_finish_is_raised_at_the_next_commit_and_at_close(tmp_path):
-    """Beyond the errors a commit reports and outlives (a full disk), what the commit thread raises (here
-    the announcement callback) comes back in the training thread instead of vanishing with its future."""
+    """Beyond the errors a commit reports and outlives (a full disk), what the commit thread raises (here a
+    bug naming the commit in the state file) comes back in the training thread instead of vanishing with
+    its future."""
     model, schedule = _model()
 
-    def broken(blocked, in_force):
-        raise RuntimeError("announcement bug")
+    def broken(prefix, paths, times):
+        raise RuntimeError("state file bug")
 
     state = CommittedState(World(), str(tmp_path / "next"), model, schedule, background=True)
-    state.commit(epoch=0, samples=16, step=1, global_batch=16, on_kept=broken)
+    state._name_in_state_file = broken
+    state.commit(epoch=0, samples=16, step=1, global_batch=16)
     for future in list(state._finishing):
         future.exception()  # wait for the finish to fail, without consuming what it raised
-    with pytest.raises(RuntimeError, match="announcement bug"):
+    with pytest.raises(RuntimeError, match="state file bug"):
         state.commit(epoch=0, samples=32, step=2, global_batch=16)
-    assert state.in_force == 0  # the broken commit was never put in force
+    assert state.log.in_force == 0  # the broken commit was never put in force
     state.close()
 
     state = CommittedState(World(), str(tmp_path / "close"), model, schedule, background=True)
-    state.commit(epoch=0, samples=16, step=1, global_batch=16, on_kept=broken)
-    with pytest.raises(RuntimeError, match="announcement bug"):
+    state._name_in_state_file = broken
+    state.commit(epoch=0, samples=16, step=1, global_batch=16)
+    with pytest.raises(RuntimeError, match="state file bug"):
         state.close()
 
 

@@ -14,7 +14,7 @@ import inspect
 import posixpath
 import time
 import uuid
-from typing import Callable, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import keras
 import numpy as np
@@ -25,12 +25,11 @@ from tensorflow.python.ops import resource_variable_ops
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, RunDir, error_line, first_line
 from tf_elastic.elastic.worker import keras_compat
+from tf_elastic.elastic.worker.commit_log import CommitLog
 from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.schedules import BatchResizeSchedule
-
-OnKept = Callable[[float, float], None]
 
 
 class CommittedState:
@@ -70,12 +69,7 @@ class CommittedState:
         self._durable_every, self._commits, self._copied = durable_every_commits, 0, None
         self._max_to_keep = max_to_keep
         self._kept: List[Tuple[str, float]] = []
-        # Commits of this round are numbered alike on every worker (all commit at the same steps; two may share a
-        # step: a cadence commit on an epoch's last step, then the epoch's). `in_force` is the newest number this
-        # worker has put in force on its host (0: none); a worker that keeps no commits holds nothing back. Read by
-        # the trainer to announce a commit only once every host holds it.
-        self.commits_made = 0
-        self.in_force = 0.0 if world.keeps_commits else float("inf")
+        self.log = CommitLog(world.keeps_commits, events if world.is_chief else None)  # each commit's life
         self.restored: Optional[str] = None
         self.generation = world.round  # of this round's commits: see `begin_generation`
         self._pool = concurrent.futures.ThreadPoolExecutor(1, "tf_elastic-commit") if background else None
@@ -204,17 +198,17 @@ class CommittedState:
             raise ConfigurationError(f"no readable commit in {self.directory}: " + "; ".join(e for _, e in skipped))
         return None, skipped
 
-    def commit(self, epoch: int, samples: int, step: int, global_batch: int,
-               on_kept: Optional[OnKept] = None) -> None:
-        """All workers call this at the same step; the host's first worker writes. `on_kept(blocked,
-        in_force)` is called once the commit is in force on this host, with the seconds the caller was
-        blocked and the seconds until then."""
-        started = time.perf_counter()
+    def commit(self, epoch: int, samples: int, step: int, global_batch: int, announce: Optional[Dict] = None,
+               started: Optional[float] = None) -> None:
+        """All workers call this at the same step; the host's first worker writes. The chief gives the
+        fields of the `commit` event `log` writes once every host holds the commit (`announce`), and when
+        the commit began (`started`, `time.perf_counter()`: the group's check before it counts)."""
+        started = time.perf_counter() if started is None else started
         self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation], np.int64))
-        self.commits_made += 1
-        self.keep(on_kept, started)
+        self.log.make(announce, started)
+        self.keep(started)
 
-    def keep(self, on_kept: Optional[OnKept] = None, started: Optional[float] = None) -> None:
+    def keep(self, started: Optional[float] = None) -> None:
         """Writes the state as it is now (a commit, or one this worker received) if this worker keeps its
         host's commits. A write that fails (a full disk) is reported and the previous commit stays in
         force: the group holds the state, and the next commit tries again."""
@@ -234,15 +228,15 @@ class CommittedState:
             return
         blocked = time.perf_counter() - started
         if self._pool is None:
-            self._finish(prefix, self.commits_made, time.time(), started, blocked, on_kept)
+            self._finish(prefix, self.log.made, time.time(), started, blocked)
         else:
-            self._finishing.append(self._pool.submit(self._finish, prefix, self.commits_made, time.time(), started,
-                                                     blocked, on_kept))
+            self._finishing.append(self._pool.submit(self._finish, prefix, self.log.made, time.time(), started,
+                                                     blocked))
 
     def _raise_background_error(self, wait: bool = False) -> None:
         """Re-raises, in the training thread, what a background finish raised beyond the errors it reports
         and outlives (a full disk, a store that failed): a bug there would otherwise vanish with its future,
-        and `in_force` would stop advancing, so that no commit is announced again. Checked at each commit
+        and `log.in_force` would stop advancing, so that no commit is announced again. Checked at each commit
         and at `close` (`wait`: after every finish has ended)."""
         if wait:
             concurrent.futures.wait(self._finishing)
@@ -251,8 +245,7 @@ class CommittedState:
         for future in done:
             future.result()
 
-    def _finish(self, prefix: str, number: int, written: float, started: float, blocked: float,
-                on_kept: Optional[OnKept]) -> None:
+    def _finish(self, prefix: str, number: int, written: float, started: float, blocked: float) -> None:
         """Waits for the commit's files, names it in the state file (atomically), deletes the expired one
         and, on the chief, makes a durable copy when one is due."""
         try:
@@ -270,9 +263,7 @@ class CommittedState:
         except (tf.errors.OpError, OSError) as error:
             self._report(Event.COMMIT_FAILED, path=prefix, error=error_line(error))
             return
-        if on_kept is not None:
-            on_kept(blocked, time.perf_counter() - started)
-        self.in_force = max(self.in_force, float(number))
+        self.log.kept(number, blocked, time.perf_counter() - started)
         self._commits += 1
         if self.durable and self._commits % self._durable_every == 0:
             self._copy(prefix)

@@ -129,8 +129,6 @@ class _ElasticTrainer:
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
         self.last_loss = None
-        # The chief's commits not yet in force on every host: (number, started, event fields).
-        self._unannounced: List[Tuple[int, float, Dict]] = []
         self._index_log: Optional[TextIO] = None
         if world.index_log and world.run_dir:
             path = RunDir(world.run_dir).index_log(world.round, world.rank)
@@ -218,7 +216,7 @@ class _ElasticTrainer:
         next agreement): `seconds` is what the training step paid for the write, `check_seconds` for averaging
         the replicas' statistics and comparing every variable across workers, `in_force_seconds` the time
         until the chief's state file named it, `everywhere_seconds` until it was known in force everywhere."""
-        on_kept, fields, started = None, {}, time.perf_counter()
+        fields, started = None, time.perf_counter()
         self.state.check_unchanged()
         self.average_statistics()
         if self.group is not None:
@@ -228,13 +226,7 @@ class _ElasticTrainer:
                           loss=None if self.last_loss is None else float(self.last_loss),
                           learning_rate=_learning_rate(self.model), world_size=self.world.size,
                           global_batch=self.global_batch, check_seconds=round(time.perf_counter() - started, 4))
-
-            def on_kept(blocked: float, in_force: float) -> None:  # on the commit thread
-                fields.update(seconds=round(blocked, 4), in_force_seconds=round(in_force, 4))
-
-        self.state.commit(epoch, samples, self.step, self.global_batch, on_kept=on_kept)
-        if on_kept is not None:
-            self._unannounced.append((self.state.commits_made, started, fields))
+        self.state.commit(epoch, samples, self.step, self.global_batch, announce=fields, started=started)
         report_activity()
         self.last_commit = time.time()
 
@@ -254,13 +246,9 @@ class _ElasticTrainer:
 
     def _sum_with_in_force(self, values: List[float]) -> List[float]:
         slots = [0.0] * self.world.size
-        slots[self.world.rank] = self.state.in_force
+        slots[self.world.rank] = self.state.log.in_force
         total = self.sum_over_workers(values + slots)
-        everywhere = min(total[len(values):])
-        while self._unannounced and self._unannounced[0][0] <= everywhere:
-            _, started, fields = self._unannounced.pop(0)
-            if "seconds" in fields:  # else the chief's own write failed (`commit_failed`): a later one covers it
-                self.events.write(Event.COMMIT, everywhere_seconds=round(time.perf_counter() - started, 4), **fields)
+        self.state.log.in_force_everywhere(min(total[len(values):]))
         return list(total[:len(values)])
 
     def remaining_epochs(self, epochs: int) -> List[int]:
