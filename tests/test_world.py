@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tf_elastic.elastic.protocol import Heartbeat
-from tf_elastic.elastic.worker.cluster import resolve_world
+from tf_elastic.elastic.worker.cluster import resolve_world_and_export_tf_config
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.testing.local_job import REPO, repo_env
 
@@ -30,8 +30,9 @@ def test_warm_worker_waits_for_its_world_on_stdin():
 
     from conftest import REPO
 
-    code = ("from tf_elastic.elastic.worker.cluster import resolve_world\n"  # the path elastic.run takes
-            "w = resolve_world('tf_config', 8888, None)\nprint(w.rank, w.size, w.round, flush=True)")
+    code = ("from tf_elastic.elastic.worker.cluster import resolve_world_and_export_tf_config as resolve\n"
+            "w = resolve('tf_config', 8888, None)\n"  # the path elastic.run takes
+            "print(w.rank, w.size, w.round, flush=True)")
     env = {"PYTHONPATH": str(REPO), "TF_ELASTIC_WARM": "1", "PATH": "/usr/bin:/bin"}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
@@ -48,7 +49,7 @@ def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
     """TF's KubernetesClusterResolver against a stand-in for the Kubernetes API (its `override_client`; no
     cluster here): it lists pods sorted by name, so worker w-10 comes before w-2. Each pod must find
     its own index from its node address."""
-    monkeypatch.setenv("TF_CONFIG", "")  # restored (unset) afterwards: resolve_world writes it
+    monkeypatch.setenv("TF_CONFIG", "")  # restored (unset) afterwards: resolve_world_and_export_tf_config writes it
     mine = "10.0.0.2"  # pinned: computing it the way the code does would hide a wrong lookup
     monkeypatch.setattr(socket, "gethostname", lambda: "w-2")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: {"w-2": mine}[name])
@@ -69,14 +70,14 @@ def test_a_kubernetes_pod_finds_its_index_by_address_not_by_name(monkeypatch):
                                                           status=SimpleNamespace(phase=self.phase, host_ip=ip))
                                           for name, ip in addresses.items()])
 
-    world = resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())
+    world = resolve_world_and_export_tf_config("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())
     assert world.cluster == {"worker": ["10.0.0.1:2222", "10.0.0.3:2222", f"{mine}:2222"]}
     assert (world.rank, world.size) == (2, 3)
     with pytest.raises(ValueError, match='--cluster_resolver=kubernetes: Pod "w-0" is not running; phase: "Pending"'):
-        resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi("Pending"))
+        resolve_world_and_export_tf_config("kubernetes", 2222, "job-name=w", k8s_client=PodsApi("Pending"))
     addresses["w-2"] = "10.0.0.9"
     with pytest.raises(ValueError, match="should hold this pod's node address"):
-        resolve_world("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())
+        resolve_world_and_export_tf_config("kubernetes", 2222, "job-name=w", k8s_client=PodsApi())
 
 
 def test_the_heartbeat_outlives_disk_errors_and_workers_ignore_notice_signals_until_fit(tmp_path):

@@ -5,7 +5,7 @@ import importlib
 _NAMES = {
     "World": "world", "start_heartbeat": "world", "exit_now": "world",
     "ConfigurationError": "errors", "PeerFailure": "errors", "StopRequested": "errors", "exit_code": "errors",
-    "resolve_world": "cluster", "RESOLVERS": "cluster",
+    "resolve_world_and_export_tf_config": "cluster", "RESOLVERS": "cluster",
     "make_strategy": "strategy", "STRATEGIES": "strategy", "COLLECTIVES": "strategy",
     "CommittedState": "commit", "run": "entry", "current": "entry",
     "fit": "training", "FitConfig": "training", "ProgressCallback": "training", "global_batch_size": "training",

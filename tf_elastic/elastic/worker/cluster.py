@@ -13,9 +13,11 @@ from tf_elastic.elastic.protocol import Env
 from tf_elastic.elastic.worker.world import World, wait_for_the_agents_world_on_stdin
 
 
-def resolve_world(resolver: str = "tf_config", port_base: int = 8888, k8s_selector: Optional[str] = None,
-                  k8s_client=None) -> World:
-    """This worker's world. Under the agent, or with `tf_config`: the `TF_CONFIG` it finds (none: one worker).
+def resolve_world_and_export_tf_config(resolver: str = "tf_config", port_base: int = 8888,
+                                       k8s_selector: Optional[str] = None, k8s_client=None) -> World:
+    """This worker's world, with `TF_CONFIG` in `os.environ` saying it (what MultiWorkerMirroredStrategy
+    reads). Under the agent, or with `tf_config`: the `TF_CONFIG` it finds (none: one worker); a warm-started
+    worker first blocks on stdin until the agent hands it its round (`wait_for_the_agents_world_on_stdin`).
 
     Without an agent, `slurm` and `kubernetes` ask TF's cluster resolver and write what it says to
     `TF_CONFIG`, which MultiWorkerMirroredStrategy reads. Such a world has a fixed size: the scheduler

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tf_elastic.elastic.protocol import Env, error_line
 from tf_elastic.elastic.worker import errors
-from tf_elastic.elastic.worker.cluster import resolve_world
+from tf_elastic.elastic.worker.cluster import resolve_world_and_export_tf_config
 from tf_elastic.elastic.worker.strategy import make_strategy
 from tf_elastic.elastic.worker.world import World, exit_now, start_heartbeat
 
@@ -77,7 +77,7 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
     code, world = 1, None
     try:
         prepared = (prepare(),) if prepare is not None else ()
-        world = resolve_world(cluster_resolver, port_base, k8s_selector)
+        world = resolve_world_and_export_tf_config(cluster_resolver, port_base, k8s_selector)
         start_heartbeat(world)
         made = make_strategy(world, strategy, collective, tpu)
         _current["context"] = Context(world, made, world.run_dir or run_dir)

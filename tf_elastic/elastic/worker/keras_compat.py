@@ -23,6 +23,8 @@ _SCALAR_REDUCE_BUG = re.compile(r'strategy\.reduce\("MEAN",\s*v,\s*axis=0\)')
 # gradients in the inner optimizer's apply, the other skips it, and both hang (or, with a timeout, diverge).
 _LOCAL_FINITE_BUG = re.compile(r"finite = distribution\.experimental_local_results\(\s*finite_per_replica\s*\)\[0\]")
 _ASYNC_COPY_BUG = re.compile(r'object_map\[self\]\s*=\s*tf\.Variable\(object_map\[self\.value\]\)')
+# Once per process (a patch of Keras's modules affects the whole process; installing it twice would wrap the
+# wrapped): which fixes are in, by name. See `world.Pulse` for the worker side's other process-wide state.
 _installed: Dict[str, bool] = {}
 _async_fix: Dict[str, bool] = {}
 

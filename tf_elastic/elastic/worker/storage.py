@@ -66,7 +66,8 @@ class Storage:
 
 Factory = Callable[[str], Storage]
 # scheme -> a factory, or "module:function" naming one (imported on first use). Any other scheme (and a
-# plain path) goes to tf.io.gfile, which knows the filesystems TensorFlow has loaded.
+# plain path) goes to tf.io.gfile, which knows the filesystems TensorFlow has loaded. Process-wide on
+# purpose: a registry, which `register_backend` extends for every commit of the process.
 BACKENDS: Dict[str, Union[str, Factory]] = {"s3": "tf_elastic.elastic.worker.storage_s3:from_url"}
 
 

@@ -98,8 +98,11 @@ class Pulse:
     the main thread moves and a beat counter the heartbeat thread moves, and the file they go to.
 
     A process has one heartbeat file, which the main thread (the first step) and the heartbeat thread
-    both write: hence the one module-level instance, `PULSE` (with the Keras fixes' once-per-process flags
-    and `entry.current()`, the worker side's only process-wide state)."""
+    both write: hence the one module-level instance, `PULSE`. The worker side's process-wide state is
+    that and three more, each because the process has one of it: `entry.current()` (the process's one
+    `elastic.run`), `keras_compat`'s once-per-process flags (a patch of Keras's modules is process-wide by
+    nature: installed once, never twice) and `storage.BACKENDS` (the registry of storage schemes, like
+    `store`'s of store schemes, which `register_backend` extends)."""
 
     def __init__(self):
         self.step, self.progress, self.beats = 0, 0, 0
