@@ -201,21 +201,26 @@ class EtcdStore(Store):
         if self.options.user and self._token is None:
             self._token = self._authenticate(endpoint)
         headers = {"Authorization": self._token} if self._token else {}
-        response = self._session.post(self._url(path, endpoint), json=body, headers=headers,
-                                      timeout=self.options.request_timeout, **self._tls)
+        status, text = self._send(endpoint, path, body, headers)
         try:
-            reply = response.json()
+            reply = json.loads(text)
         except ValueError:
-            raise StoreError(f"etcd at {endpoint} answered {path} with HTTP {response.status_code} and no JSON"
-                             ) from None
-        if response.status_code != 200 or "error" in reply:
-            message = reply.get("message") or reply.get("error") or response.text[:200]
+            raise StoreError(f"etcd at {endpoint} answered {path} with HTTP {status} and no JSON") from None
+        if status != 200 or "error" in reply:
+            message = reply.get("message") or reply.get("error") or text[:200]
             if retry_auth and self.options.user and "token" in str(message):
                 self._token = None  # expired: authenticate again, once
                 return self._post(endpoint, path, body, retry_auth=False)
             raise StoreError(f"etcd at {endpoint} refused {path}: {message}")
         self._revision = max(self._revision, int(reply.get("header", {}).get("revision", 0)))
         return reply
+
+    def _send(self, endpoint: str, path: str, body: Dict, headers: Dict[str, str]) -> Tuple[int, str]:
+        """One POST to `endpoint` through the session (TLS as configured): its status and body. Raises
+        `requests.RequestException` when the endpoint cannot be reached (`_call` then tries the next)."""
+        response = self._session.post(self._url(path, endpoint), json=body, headers=headers,
+                                      timeout=self.options.request_timeout, **self._tls)
+        return response.status_code, response.text
 
     def _authenticate(self, endpoint: str) -> str:
         response = self._session.post(self._url("/v3/auth/authenticate", endpoint),
