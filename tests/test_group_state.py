@@ -410,7 +410,9 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         held = min(step for step in _written_steps(other_commits) if step > _in_force_step(other_commits))
         chief_commits = RunDir(job.run_dir_of(chief)).host_commits(chief)
         job.wait_for(lambda: _in_force_step(chief_commits) >= held, what="the held commit in force on the chief's")
-        time.sleep(1.0)  # time in which its commit event would be written, were it announced on one host
+        # Commits are made at agreed steps: a later one written on the chief's host means the group agreed at
+        # least once since the held commit went in force there, when the chief would have announced it.
+        job.wait_for(lambda: any(step > held for step in _written_steps(chief_commits)), what="a later commit")
         assert all(e["step"] < held for e in job.events(Event.COMMIT)), ("announced on one host only", held)
         job.kill_host(chief)
         (pause / "local.rank1").unlink()

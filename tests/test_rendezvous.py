@@ -59,13 +59,30 @@ def test_compare_and_set_list_and_leases(store, job):
     assert store.list(f"/{job}/hosts") == {}
 
 
+def test_a_training_host_on_a_store_that_cannot_notify_reads_it_every_interval(tmp_path, job):
+    """The file store cannot tell that nothing changed (a lease expires without any write): it says
+    `notifies = False`, each wait sends the agent back to read, and a change is seen at the next look."""
+    store = open_store(f"file://{tmp_path / 'rdzv'}")
+    assert not store.notifies
+    rounds = {}
+
+    def join(host):
+        rounds[host] = _rendezvous(store, job, host, min_workers=2).join()
+
+    threads = [threading.Thread(target=join, args=(h,)) for h in "ab"]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    a, b = _rendezvous(store, job, "a"), _rendezvous(store, job, "b")
+    assert a.look(rounds["a"], changed=True).change.name == "NONE"
+    assert b.open_next(rounds["b"], reason="join c", failure=False)
+    assert a.wait_for_change(0.05, training=rounds["a"]), "a store that cannot notify must send the reader back"
+    assert a.look(rounds["a"], changed=True).change.name == "RESIZED"
+
+
+@pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
 def test_wait_wakes_on_a_change(store, job):
-    """Only a notifying store (etcd) can say 'nothing changed'. The file store cannot (a lease expires
-    without any write), so it says `notifies = False` and the agent reads it every interval instead. A
-    key watched for its deletion (a lease that expires) wakes no one when it is rewritten."""
-    if not store.notifies:
-        assert store.wait([f"/{job}/"], 0.01), "a store that cannot notify must always answer: read again"
-        return
+    """Only a notifying store (etcd) can say 'nothing changed'. A key watched for its deletion (a lease that
+    expires) wakes no one when it is rewritten."""
     lease = f"/{job}/hosts/b"
     store.set(lease, "1", ttl=1.0)
     watched, gone = [f"/{job}/group/"], [lease]

@@ -1,4 +1,4 @@
-"""The one reader of Linux's `/proc/PID/stat`, for the agent, the worker and the benchmarks (no TensorFlow).
+"""The one reader of Linux's `/proc`, for the agent, the worker, the harness and the benchmarks (no TensorFlow).
 
 The fields after the command name (which may hold spaces and parentheses: split after its last `)`):
 state, parent PID, process group, ... , utime and stime (clock ticks) at 12 and 13; see proc(5)."""
@@ -39,6 +39,15 @@ def group_has_live_member(group: int) -> Optional[bool]:
         if int(fields[GROUP]) == group and fields[STATE] != b"Z":
             return True
     return False
+
+
+def environment(pid: int) -> List[bytes]:
+    """`pid`'s environment as `NAME=value` byte strings ([] when it is gone or not ours to read)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            return environ.read().split(b"\0")
+    except OSError:
+        return []
 
 
 def cpu_seconds(pid: int) -> float:

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from tf_elastic.elastic import proc as procfs
 from tf_elastic.elastic.agent.job_record import JobKeys
 from tf_elastic.elastic.agent.worker_output import logs_dir
 from tf_elastic.elastic.events import read_events
@@ -145,7 +146,7 @@ class LocalJob:
         this job's agents (a PID long gone may be another process's now)."""
         marks = {f"{Env.AGENT_PID}={proc.pid}".encode() for proc in self.agents.values()}
         return [pid for pid in {e["worker_pid"] for e in self.events() if "worker_pid" in e}
-                if running(pid) and marks & set(_environment(pid))]
+                if running(pid) and marks & set(procfs.environment(pid))]
 
     def cleanup(self) -> None:
         workers = self.worker_pids_alive()
@@ -166,21 +167,9 @@ def stop_jobs_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def _environment(pid: int) -> List[bytes]:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as environ:
-            return environ.read().split(b"\0")
-    except OSError:
-        return []
-
-
 def running(pid: int) -> bool:
     """Is `pid` running (not gone, not a zombie waiting to be reaped)?"""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return "zombie" not in status.read()
-    except FileNotFoundError:
-        return False
+    return bool(procfs.running(pid))
 
 
 def signal_pid(pid: int, sig: int) -> None:
