@@ -15,7 +15,7 @@ from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
     """A benchmark or test used to wait out its whole timeout after every agent had failed."""
     job.start_agent("a", command=[sys.executable, "-c", "raise SystemExit(78)"])
-    with pytest.raises(AssertionError, match=r"every agent exited .*'a': .1: rank 0 stopped on a configuration"):
+    with pytest.raises(AssertionError, match=r"every agent exited .*'a': .1: rank 0 on a stopped on a configuration"):
         job.wait_for(lambda: job.events(Event.FIRST_STEP), timeout=600, what="a first step")
 
 
