@@ -37,7 +37,11 @@ def test_the_status_names_members_standbys_the_blacklist_and_the_last_commit(tmp
     assert "RuntimeError: boom" in text
     assert "| a | 0 | 127.0.0.1:1000 |" in text and "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 |" in text
     assert "\nstandby: d\n" in text and "blacklisted: b (" in text and "s left)" in text
-    assert "last commit: step 30 (epoch 0)" in text and "steps/s" in text
+    assert "last commit: step 30 (epoch 0)" in text and "steps/s" in text and "joining" not in text
+    # While a round is joining, a leased host outside it is joining it, not a standby.
+    store.set(keys.round, Round(4, "joining", "join d", 1, now, [], "a").to_json())
+    text = render(read_status(open_store(f"file://{tmp_path / 'rdzv'}"), "j", lease_wait=0.3))
+    assert "\njoining: a, c, d\nstandby: none\n" in text, text
 
 
 @pytest.mark.parametrize("rdzv_url", ["file", "etcd"], indirect=True)

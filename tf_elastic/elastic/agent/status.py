@@ -9,7 +9,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from tf_elastic.elastic.agent.job_record import JobKeys, JobRecord
-from tf_elastic.elastic.agent.round import Round, is_finite_number
+from tf_elastic.elastic.agent.round import Phase, Round, is_finite_number
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import Event
 from tf_elastic.elastic.store import Store
@@ -30,8 +30,9 @@ class JobStatusView:
     outcome: Optional[str]  # "done: reason", "failed: reason", None while the job runs
     round_: Optional[Round]
     members: List[Member]
-    standbys: List[str]
+    standbys: List[str]  # leased hosts outside a frozen round (a standby, or a host about to open the next)
     blacklisted: Dict[str, float]  # host -> seconds left
+    joining: List[str] = dataclasses.field(default_factory=list)  # leased hosts while the round is joining
     last_commit: Optional[Dict] = None  # the newest `commit` event, if events were readable
     steps_per_second: Optional[float] = None
 
@@ -53,8 +54,11 @@ def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Op
         store.list(keys.hosts)
         time.sleep(lease_wait)
     leased = [key.rsplit("/", 1)[-1] for key in store.list(keys.hosts)]
+    outside = sorted(h for h in leased if h not in assignment)
+    joining = round_ is not None and round_.phase == Phase.JOINING.value  # every leased host is joining it
     view = JobStatusView(job_id, f"{outcome.status.value}: {outcome.reason}" if outcome else None, round_, members,
-                         sorted(h for h in leased if h not in assignment), _blacklisted(store, job_id, now))
+                         [] if joining else outside, _blacklisted(store, job_id, now),
+                         joining=outside if joining else [])
     commits = [e for e in read_events(list(run_dirs)) if e["event"] == Event.COMMIT] if run_dirs else []
     if commits:
         view.last_commit = commits[-1]
@@ -86,6 +90,8 @@ def render(view: JobStatusView, now: Optional[float] = None) -> str:
                      f"opened {now - r.opened:.0f} s ago because: {r.why}")
     lines += ["| host | ranks | addresses |", "|---|---|---|"]
     lines += [f"| {m.host} | {','.join(map(str, m.ranks))} | {' '.join(m.addresses)} |" for m in view.members]
+    if view.joining:
+        lines.append("joining: " + ", ".join(view.joining))
     lines.append("standby: " + (", ".join(view.standbys) or "none"))
     lines.append("blacklisted: " + (", ".join(f"{h} ({s:.0f} s left)" for h, s in sorted(view.blacklisted.items()))
                                     or "none"))
