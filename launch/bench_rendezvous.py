@@ -58,6 +58,7 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
                      timeouts=timeouts, monitor_interval=FLAGS.monitor_interval)
     result: Dict = {"n": n}
     etcd_cpu, sim_cpu, began = etcd_pid and proc.cpu_seconds(etcd_pid), time.process_time(), time.monotonic()
+    result.update(dict.fromkeys(PHASES), steady=None)  # None: not measured (an earlier phase timed out)
     try:
         hosts: List = []
         number = _phase(sim, result, "start", hosts, -1, lambda: hosts.extend(sim.start_hosts(n)))
@@ -70,6 +71,10 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
         number = _phase(sim, result, "leave", hosts[:-2], number, leaver.leave)
         joined: List = hosts[:-2]
         _phase(sim, result, "join", joined, number, lambda: joined.extend(sim.start_hosts(1)))
+    except TimeoutError as error:  # the table says which phase, and the rounds the store saw meanwhile
+        newest = max((max(h.rounds, default=-1) for h in sim.hosts.values()), default=-1)
+        result["timed_out"] = f"{error}; rounds any host got ranks in: {newest + 1}"
+        print(f"  {n} hosts: {result['timed_out']}", flush=True)
     finally:
         sim.stop()
     result["etcd_cpu"] = proc.cpu_seconds(etcd_pid) - etcd_cpu if etcd_pid else None
@@ -78,31 +83,34 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
 
 
 def _row(store: str, r: Dict) -> str:
-    n = r["n"]
-    seconds = " | ".join(f"{r[p]['seconds']:.2f}" + (f" ({r[p]['rounds']} rounds)" if r[p]["rounds"] > 1 else "")
-                         for p in PHASES)
-    per_n = " / ".join(f"{r[p]['requests'] / n:.1f}" for p in PHASES)
-    share = " / ".join(f"{r[p]['sim_cpu'] / r[p]['wall']:.0%}" for p in PHASES)
+    n, measured = r["n"], [p for p in PHASES if r[p]]
+    seconds = " | ".join("timed out" if not r[p] else f"{r[p]['seconds']:.2f}" + (
+        f" ({r[p]['rounds']} rounds)" if r[p]["rounds"] > 1 else "") for p in PHASES)
+    per_n = " / ".join(f"{r[p]['requests'] / n:.1f}" if r[p] else "-" for p in PHASES)
+    share = " / ".join(f"{r[p]['sim_cpu'] / r[p]['wall']:.0%}" if r[p] else "-" for p in PHASES)
     etcd = "-" if r["etcd_cpu"] is None else f"{r['etcd_cpu']:.1f}"
-    return (f"| {store} | {n} | {seconds} | {per_n} | {r['steady']:.2f} | {etcd} | {r['sim_cpu']:.1f} | {share} "
-            f"| {r['wall']:.0f} |")
+    steady = "-" if r["steady"] is None else f"{r['steady']:.2f}"
+    return (f"| {store} | {n} | {seconds} | {per_n} | {steady} | {etcd} | {r['sim_cpu']:.1f} | {share} "
+            f"| {r['wall']:.0f} |") if measured or r.get("timed_out") else ""
 
 
 def _targets(r: Dict) -> List[str]:
     n, ttl = r["n"], FLAGS.host_ttl
     checks = [
-        ("last host's join to its frozen round <= 3 s", r["join"]["seconds"], 3.0),
-        (f"{n} hosts started at once to their frozen round <= 3 s", r["start"]["seconds"], 3.0),
-        (f"host lost to the next frozen round <= TTL + 3 s = {ttl + 3:g} s", r["loss"]["seconds"], ttl + 3),
-        ("graceful leave to the next frozen round <= 3 s", r["leave"]["seconds"], 3.0),
+        ("join", "last host's join to its frozen round <= 3 s", 3.0),
+        ("start", f"{n} hosts started at once to their frozen round <= 3 s", 3.0),
+        ("loss", f"host lost to the next frozen round <= TTL + 3 s = {ttl + 3:g} s", ttl + 3),
+        ("leave", "graceful leave to the next frozen round <= 3 s", 3.0),
     ]
-    lines = [f"{what}: {value:.2f} s ({'met' if value <= bound else 'NOT met'})" for what, value, bound in checks]
-    for phase in PHASES:
+    lines = [f"{what}: " + (f"{r[phase]['seconds']:.2f} s ({'met' if r[phase]['seconds'] <= bound else 'NOT met'})"
+                            if r[phase] else "not measured (NOT met)") for phase, what, bound in checks]
+    for phase in (p for p in PHASES if r[p]):
         per_round = r[phase]["requests"] / r[phase]["rounds"]
         lines.append(f"requests per round ({phase}) <= 4 N = {4 * n}: {per_round:.0f} "
                      f"({'met' if per_round <= 4 * n else 'NOT met'})")
-    lines.append(f"steady state <= 1 request per agent-second: {r['steady']:.2f} "
-                 f"({'met' if r['steady'] <= 1 else 'NOT met'})")
+    if r["steady"] is not None:
+        lines.append(f"steady state <= 1 request per agent-second: {r['steady']:.2f} "
+                     f"({'met' if r['steady'] <= 1 else 'NOT met'})")
     return lines
 
 
@@ -132,6 +140,9 @@ def main(argv: List[str]) -> None:
           "| wall s |\n|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---:|")
     for store, result in rows:
         print(_row(store, result))
+    for store, result in rows:
+        if result.get("timed_out"):
+            print(f"\n{store} at {result['n']} hosts: {result['timed_out']}")
     if largest is not None:
         print(f"\nTargets at {largest['n']} hosts on etcd:")
         for line in _targets(largest):
