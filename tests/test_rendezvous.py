@@ -59,11 +59,8 @@ def test_compare_and_set_list_and_leases(store, job):
     assert store.list(f"/{job}/hosts") == {}
 
 
-def test_a_training_host_on_a_store_that_cannot_notify_reads_it_every_interval(tmp_path, job):
-    """The file store cannot tell that nothing changed (a lease expires without any write): it says
-    `notifies = False`, each wait sends the agent back to read, and a change is seen at the next look."""
-    store = open_store(f"file://{tmp_path / 'rdzv'}")
-    assert not store.notifies
+def _hosts_a_and_b_in_one_round(store, job):
+    """Hosts a and b join together; each one's round (the same)."""
     rounds = {}
 
     def join(host):
@@ -72,6 +69,15 @@ def test_a_training_host_on_a_store_that_cannot_notify_reads_it_every_interval(t
     threads = [threading.Thread(target=join, args=(h,)) for h in "ab"]
     [t.start() for t in threads]
     [t.join(timeout=30) for t in threads]
+    return rounds
+
+
+def test_a_training_host_on_a_store_that_cannot_notify_reads_it_every_interval(tmp_path, job):
+    """The file store cannot tell that nothing changed (a lease expires without any write): it says
+    `notifies = False`, each wait sends the agent back to read, and a change is seen at the next look."""
+    store = open_store(f"file://{tmp_path / 'rdzv'}")
+    assert not store.notifies
+    rounds = _hosts_a_and_b_in_one_round(store, job)
     a, b = _rendezvous(store, job, "a"), _rendezvous(store, job, "b")
     assert a.look(rounds["a"], changed=True).change.name == "NONE"
     assert b.open_next(rounds["b"], reason="join c", failure=False)
@@ -159,14 +165,7 @@ def test_a_host_that_finished_and_let_its_lease_go_between_two_reads_is_not_lost
     """b's workers finish: its agent records the outcome, then its lease goes (etcd revokes it at once),
     just after a read the group and just before a reads b's lease. a must see the job done, not b lost:
     a lost host restarts the round and kills a's workers while they end (the chief's last evaluation)."""
-    rounds = {}
-
-    def join(host):
-        rounds[host] = _rendezvous(store, job, host, min_workers=2).join()
-
-    threads = [threading.Thread(target=join, args=(h,)) for h in "ab"]
-    [t.start() for t in threads]
-    [t.join(timeout=30) for t in threads]
+    rounds = _hosts_a_and_b_in_one_round(store, job)
     b = _rendezvous(store, job, "b")
     b.incarnation = json.loads(store.get(b.keys.host("b")))["incarnation"]  # b's agent, as it joined
     b._claimed = True
