@@ -58,7 +58,7 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
                      timeouts=timeouts, monitor_interval=FLAGS.monitor_interval)
     result: Dict = {"n": n}
     etcd_cpu, sim_cpu, began = etcd_pid and proc.cpu_seconds(etcd_pid), time.process_time(), time.monotonic()
-    result.update(dict.fromkeys(PHASES), steady=None)  # None: not measured (an earlier phase timed out)
+    result.update(dict.fromkeys(PHASES), steady=None)  # None: not measured (a phase before it failed)
     try:
         hosts: List = []
         number = _phase(sim, result, "start", hosts, -1, lambda: hosts.extend(sim.start_hosts(n)))
@@ -71,10 +71,10 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
         number = _phase(sim, result, "leave", hosts[:-2], number, leaver.leave)
         joined: List = hosts[:-2]
         _phase(sim, result, "join", joined, number, lambda: joined.extend(sim.start_hosts(1)))
-    except TimeoutError as error:  # the table says which phase, and the rounds the store saw meanwhile
+    except (TimeoutError, RuntimeError) as error:  # a phase timed out, or a host failed: said below the table
         newest = max((max(h.rounds, default=-1) for h in sim.hosts.values()), default=-1)
-        result["timed_out"] = f"{error}; rounds any host got ranks in: {newest + 1}"
-        print(f"  {n} hosts: {result['timed_out']}", flush=True)
+        result["failed"] = f"{error}; rounds any host got ranks in: {newest + 1}"
+        print(f"  {n} hosts: {result['failed']}", flush=True)
     finally:
         sim.stop()
     result["etcd_cpu"] = proc.cpu_seconds(etcd_pid) - etcd_cpu if etcd_pid else None
@@ -84,14 +84,14 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
 
 def _row(store: str, r: Dict) -> str:
     n, measured = r["n"], [p for p in PHASES if r[p]]
-    seconds = " | ".join("timed out" if not r[p] else f"{r[p]['seconds']:.2f}" + (
+    seconds = " | ".join("not measured" if not r[p] else f"{r[p]['seconds']:.2f}" + (
         f" ({r[p]['rounds']} rounds)" if r[p]["rounds"] > 1 else "") for p in PHASES)
     per_n = " / ".join(f"{r[p]['requests'] / n:.1f}" if r[p] else "-" for p in PHASES)
     share = " / ".join(f"{r[p]['sim_cpu'] / r[p]['wall']:.0%}" if r[p] else "-" for p in PHASES)
     etcd = "-" if r["etcd_cpu"] is None else f"{r['etcd_cpu']:.1f}"
     steady = "-" if r["steady"] is None else f"{r['steady']:.2f}"
     return (f"| {store} | {n} | {seconds} | {per_n} | {steady} | {etcd} | {r['sim_cpu']:.1f} | {share} "
-            f"| {r['wall']:.0f} |") if measured or r.get("timed_out") else ""
+            f"| {r['wall']:.0f} |") if measured or r.get("failed") else ""
 
 
 def _targets(r: Dict) -> List[str]:
@@ -141,8 +141,8 @@ def main(argv: List[str]) -> None:
     for store, result in rows:
         print(_row(store, result))
     for store, result in rows:
-        if result.get("timed_out"):
-            print(f"\n{store} at {result['n']} hosts: {result['timed_out']}")
+        if result.get("failed"):
+            print(f"\n{store} at {result['n']} hosts: {result['failed']}")
     if largest is not None:
         print(f"\nTargets at {largest['n']} hosts on etcd:")
         for line in _targets(largest):
