@@ -326,7 +326,7 @@ class ElasticAgent:
                                               f"{cause or 'see the worker log'}")
             self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
                               code=verdict.code, host=self.host_id, counted=False,
-                              **self._raised(failed, round_, cause))
+                              **_account(cause, self._traceback(failed, round_)))
             return RoundResult.FAILED
         if self._failed_alike_before_start(failed, verdict, round_):
             return RoundResult.FAILED
@@ -338,15 +338,13 @@ class ElasticAgent:
             # the host keeps healthy peers out of the blacklist; the restart still counts.
             own = verdict.failure is Failure.HANG
         self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=cause,
-                      details=self._raised(failed, round_, cause))
+                      traceback=self._traceback(failed, round_))
         return RoundResult.RESTART
 
-    def _raised(self, worker: Worker, round_: Round, cause: Optional[str]) -> Dict[str, object]:
-        """A failure event's account of the cause: `error` (one line) and, for a worker that raised, the
-        `traceback`'s last lines from its error file."""
+    def _traceback(self, worker: Worker, round_: Round) -> Optional[List[str]]:
+        """The last traceback lines a worker that raised wrote to its error file (None: it did not raise)."""
         record = read_error_file(self.host_dir.error_file(round_.number, worker.rank))
-        return dict({"error": cause} if cause else {}, **({"traceback": record["traceback"]}
-                                                           if record and record.get("traceback") else {}))
+        return (record or {}).get("traceback") or None
 
     def _cause(self, worker: Worker, round_: Round) -> Optional[str]:
         """Why an exited worker ended: the signal that killed it, else its error file (`Env.ERROR_FILE`), else
@@ -379,12 +377,13 @@ class ElasticAgent:
         self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} on {self.host_id} exited with code {verdict.code} "
                                           f"before its first step on {tries} tries in a row: {line}")
         self.events.write(Event.FAILURE, round=round_.number, kind=Failure.WORKER_EXIT.value, rank=verdict.rank,
-                          code=verdict.code, host=self.host_id, counted=False, **self._raised(worker, round_, line))
+                          code=verdict.code, host=self.host_id, counted=False,
+                          **_account(line, self._traceback(worker, round_)))
         return True
 
     def _failure(self, round_: Round, kind: Failure, rank: Optional[int], code: Optional[int],
                  host: Optional[str] = None, own: bool = False, cause: Optional[str] = None,
-                 details: Optional[Dict[str, object]] = None) -> None:
+                 traceback: Optional[List[str]] = None) -> None:
         self.blacklist.count(own)
         current = self.rendezvous.current()
         # Name only what is known: a lost host has no rank, a hang no exit code.
@@ -394,8 +393,7 @@ class ElasticAgent:
         counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
             current, reason=reason, failure=True)
         self.events.write(Event.FAILURE, round=round_.number, kind=kind.value, rank=rank, code=code,
-                          host=host or self.host_id, counted=counted,
-                          **(details if details is not None else {"error": cause} if cause else {}))
+                          host=host or self.host_id, counted=counted, **_account(cause, traceback))
         logging.warning("round %d: %s", round_.number, reason)
 
     def _silent(self, worker: Worker) -> bool:
@@ -463,3 +461,8 @@ class ElasticAgent:
         self.events.write(Event.EXIT, code=int(code), reason=reason, host=self.host_id)
         (logging.info if code == AgentExit.OK else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
         return int(code)
+
+
+def _account(error: Optional[str], traceback: Optional[List[str]]) -> Dict[str, object]:
+    """A failure event's account of its cause: `error` (one line) and the raising worker's `traceback`."""
+    return {**({"error": error} if error else {}), **({"traceback": traceback} if traceback else {})}
