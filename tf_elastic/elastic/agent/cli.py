@@ -220,6 +220,11 @@ example (two agents on one machine sharing a file store; on separate hosts --hos
 
 
 def run() -> None:
-    """The entry point of `tf-elastic-run` and `python -m launch.elastic_run` (`flag_checks.run_program`)."""
+    """The entry point of `tf-elastic-run`, `python -m tf_elastic.elastic.agent.cli` and `python -m launch.elastic_run`
+    (`flag_checks.run_program`)."""
     run_program(main, "tf-elastic-run", SYNOPSIS, __name__,
                 arguments=sys.argv[1:sys.argv.index("--")] if "--" in sys.argv else sys.argv[1:])
+
+
+if __name__ == "__main__":
+    run()
