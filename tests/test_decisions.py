@@ -66,17 +66,23 @@ def test_freeze_waits_for_a_live_survivor_up_to_survivor_wait():
     assert decisions.ready_to_freeze(round_, participants, 1, 4, {"a", "b"}, 31.0, TIMEOUTS)
 
 
-def test_freeze_ranks_survivors_first_then_newcomers_by_join_time_and_caps_at_max_workers():
+def test_freeze_ranks_survivors_first_then_newcomers_in_arrival_order_and_caps_at_max_workers():
+    """Newcomers rank in the order the freezing agent saw them arrive, whatever their hosts' clocks wrote
+    into `joined` (newcomer_late's clock runs behind)."""
     participants = {
-        "newcomer_early": _participant(joined=1.0, port=3000),  # joined first, but is not a survivor
+        "newcomer_early": _participant(joined=1.0, port=3000),  # arrived first, but is not a survivor
         "survivor_rank1": _participant(previous_rank=1, joined=5.0, port=2000),
         "survivor_rank0": _participant(previous_rank=0, joined=9.0, port=1000),
-        "newcomer_late": _participant(2, joined=2.0, port=4000)}
-    frozen = decisions.freeze(_round(), participants, max_workers=4)
+        "newcomer_late": _participant(2, joined=0.5, port=4000),
+        "newcomer_unseen": _participant(joined=0.1, port=5000)}
+    arrival = {"survivor_rank0": 0, "newcomer_early": 1, "survivor_rank1": 2, "newcomer_late": 3}
+    frozen = decisions.freeze(_round(), participants, max_workers=4, arrival=arrival)
     assert frozen.phase == "frozen"
     assert frozen.assignment == {"survivor_rank0": [0], "survivor_rank1": [1], "newcomer_early": [2],
-                                 "newcomer_late": [3]}
+                                 "newcomer_late": [3], "newcomer_unseen": []}
     assert frozen.cluster == ["127.0.0.1:1000", "127.0.0.1:2000", "127.0.0.1:3000", "127.0.0.1:4000"]
+    by_host_id = decisions.freeze(_round(), participants, max_workers=5)  # no arrivals known: by host id
+    assert list(by_host_id.assignment)[2:] == ["newcomer_early", "newcomer_late", "newcomer_unseen"]
 
 
 def test_freeze_leaves_out_a_participant_whose_lease_expired():

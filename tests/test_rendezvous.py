@@ -79,10 +79,11 @@ def test_a_training_host_on_a_store_that_cannot_notify_reads_it_every_interval(t
     assert not store.notifies
     rounds = _hosts_a_and_b_in_one_round(store, job)
     a, b = _rendezvous(store, job, "a"), _rendezvous(store, job, "b")
-    assert a.look(rounds["a"], changed=True).change.name == "NONE"
+    assert a.look(rounds["a"], a.watched_keys(rounds["a"])).change.name == "NONE"
     assert b.open_next(rounds["b"], reason="join c", failure=False)
-    assert a.wait_for_change(0.05, training=rounds["a"]), "a store that cannot notify must send the reader back"
-    assert a.look(rounds["a"], changed=True).change.name == "RESIZED"
+    changed = a.wait_for_change(0.05, training=rounds["a"])
+    assert changed == set(a.watched_keys(rounds["a"])), "a store that cannot notify must send the reader back"
+    assert a.look(rounds["a"], changed).change.name == "RESIZED"
 
 
 @pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
@@ -98,8 +99,9 @@ def test_wait_wakes_on_a_change(store, job):
     store.set(lease, "2", ttl=1.0)  # rewritten, not gone
     assert not store.wait(watched, 0.5, gone), "woke up on a key not watched, or on a rewrite"
     threading.Timer(0.3, lambda: store.set(f"/{job}/group/round", "1")).start()
-    assert store.wait(watched, 3.0, gone)
-    assert store.wait(watched, 10.0, gone), "the lease expired unnoticed"  # etcd's minimum TTL may be longer
+    assert store.wait(watched, 3.0, gone) == set(watched), "the change names the prefix, not the lease"
+    assert store.wait(watched, 10.0, gone) == set(gone), "the lease expired unnoticed"  # etcd's minimum TTL
+    # may be longer
     assert store.get(lease) is None
     other = f"/{job}/hosts/c"
     store.set(other, "1")
@@ -161,6 +163,53 @@ class _InterleavedStore:
         return getattr(self._store, name)
 
 
+@pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
+def test_a_watch_begun_after_a_read_misses_nothing_and_reports_nothing_it_did_not_see(store, job):
+    """A watch starts after the revision its key was last read at: a change between that read and the
+    watch's start wakes its first wait, and with nothing changed the first wait answers nothing (rather
+    than "maybe": every agent would read the group once more per round)."""
+    quiet, busy = f"/{job}/group/", f"/{job}/other/"
+    store.list(quiet)
+    store.list(busy)
+    store.set(busy + "x", "1")  # after the read, before any watch
+    assert store.wait([quiet, busy], 3.0) == {busy}
+    assert store.wait([quiet, busy], 0.3) == set()
+    never_read = f"/{job}/never_read/"
+    assert store.wait([never_read], 0.1) == {never_read}, "unread: what changed before the watch is unknown"
+
+
+class _ReadRecorder:
+    """A store that records the keys read (`get`) and the prefixes listed."""
+
+    def __init__(self, store):
+        self._store, self.reads = store, []
+
+    def get(self, key):
+        self.reads.append(key)
+        return self._store.get(key)
+
+    def list(self, prefix):
+        self.reads.append(prefix)
+        return self._store.list(prefix)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_look_reads_only_what_changed(store, job):
+    """A training host reads the group when the group changed and the lease it looks after when that
+    lease went, not both each time a watch fires: each read is a request per host per round."""
+    rounds = _hosts_a_and_b_in_one_round(store, job)
+    recorder = _ReadRecorder(store)
+    a = _rendezvous(recorder, job, "a")
+    group, lease = a.watched_keys(rounds["a"])
+    assert lease == a.keys.host("b")
+    for changed, reads in (((), []), ([group], [group]), ([lease], [lease]), ([group, lease], [group, lease])):
+        recorder.reads.clear()
+        assert a.look(rounds["a"], changed).change.name == "NONE"
+        assert recorder.reads == reads, changed
+
+
 def test_a_host_that_finished_and_let_its_lease_go_between_two_reads_is_not_lost(store, job):
     """b's workers finish: its agent records the outcome, then its lease goes (etcd revokes it at once),
     just after a read the group and just before a reads b's lease. a must see the job done, not b lost:
@@ -175,7 +224,7 @@ def test_a_host_that_finished_and_let_its_lease_go_between_two_reads_is_not_lost
         b.leave()
 
     a = _rendezvous(_InterleavedStore(store, b.keys.host("b"), b_finishes), job, "a")
-    look = a.look(rounds["a"], changed=True)
+    look = a.look(rounds["a"], a.watched_keys(rounds["a"]))
     assert store.get(b.keys.host("b")) is None, "b's lease was not let go: the test did not interleave"
     assert look.change.name == "JOB_DONE" and look.lost == [], look
 

@@ -6,13 +6,15 @@ its round "trains", `renew_if_due`, `look` and `wait_for_change`, as
 lost (the thread stops without a word: its lease expires, as after a SIGKILL), leave gracefully, or join.
 Used by `launch/bench_rendezvous.py` and the rendezvous tests.
 """
+import base64
+import collections
 import http.client
 import itertools
 import json
 import threading
 import time
 import urllib.parse
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Collection, Dict, List, Optional
 
 import requests
 
@@ -21,20 +23,27 @@ from tf_elastic.elastic.agent.job_record import JobEnded
 from tf_elastic.elastic.agent.rendezvous import Rendezvous
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.store import Store, StoreError
-from tf_elastic.elastic.store.etcd import EtcdStore
+from tf_elastic.elastic.store.etcd import ROOT, EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 
 
 class RequestCounter:
-    """Requests sent by every store client of a simulation."""
+    """Requests sent by every store client of a simulation, in total and by kind (`get`, `list`, `cas`,
+    `lease check`, `watch`, ...: where a round's requests go)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.total = 0
+        self.kinds: collections.Counter = collections.Counter()
 
-    def add(self) -> None:
+    def add(self, kind: str) -> None:
         with self._lock:
             self.total += 1
+            self.kinds[kind] += 1
+
+    def snapshot(self) -> collections.Counter:
+        with self._lock:
+            return collections.Counter(self.kinds)
 
 
 class _CountedEtcd(EtcdStore):
@@ -69,39 +78,90 @@ class _CountedEtcd(EtcdStore):
             connection.close()
 
     def _call(self, path, body):
-        self._counter.add()
+        self._counter.add(_etcd_kind(path, body))
         return super()._call(path, body)
 
     def stream(self, path, body, read_timeout):
-        self._counter.add()
-        return super().stream(path, body, read_timeout)
+        """A watch stream on a connection of its own, through `http.client` too."""
+        self._counter.add("watch")
+        host, _, port = self.endpoints[self._current].rpartition(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=self.options.request_timeout)
+        try:
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            connection.sock.settimeout(read_timeout)
+        except (OSError, http.client.HTTPException) as error:
+            connection.close()
+            raise requests.ConnectionError(f"{type(error).__name__}: {error}") from None
+        return _Stream(connection, response)
+
+
+class _Stream:
+    """What `_Watch` reads of a streaming response: its lines, then the connection closed."""
+
+    def __init__(self, connection: http.client.HTTPConnection, response: http.client.HTTPResponse):
+        self._connection, self._response = connection, response
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._connection.close()
+
+    def iter_lines(self):
+        try:
+            while True:
+                line = self._response.readline()
+                if not line:
+                    return
+                yield line.rstrip(b"\r\n")
+        except (OSError, http.client.HTTPException) as error:  # the read timeout ends a stream, as requests'
+            raise requests.ConnectionError(f"{type(error).__name__}: {error}") from None
+
+
+def _etcd_kind(path: str, body: Dict) -> str:
+    """What an etcd request does, in the store's vocabulary, and where: `get hosts`, `list group`, `cas
+    token`, `lease check` (a renewal's check that the lease still holds our value), ..."""
+    verb = {"/v3/kv/range": "list" if "range_end" in body else "get", "/v3/kv/put": "set",
+            "/v3/kv/deleterange": "delete", "/v3/kv/txn": "cas" if body.get("success") else "lease check"}.get(path)
+    if verb is None:
+        return path.rsplit("/", 2)[-2] + " " + path.rsplit("/", 1)[-1]  # lease keepalive, lease grant, ...
+    key = body.get("key") or (body.get("compare") or [{}])[0].get("key", "")
+    return verb if verb == "lease check" else _kind(verb, base64.b64decode(key).decode(errors="replace")[len(ROOT):])
+
+
+def _kind(verb: str, key: str) -> str:
+    """`verb` and the part of the job's keys it touches: `/JOB/hosts/h1` -> `VERB hosts`."""
+    parts = key.split("/")
+    return f"{verb} {parts[2] if len(parts) > 2 else '/'}"
 
 
 class _CountedFile(FileStore):
-    """Counts every operation (a `wait` is a sleep, not a request)."""
+    """Counts every operation (a `wait` is a sleep, not a request). A lease renewal here is a `cas hosts`
+    like a join: the file store has no leases of its own."""
 
     def __init__(self, root: str, counter: RequestCounter):
         super().__init__(root)
         self._counter = counter
 
     def get(self, key):
-        self._counter.add()
+        self._counter.add(_kind("get", key))
         return super().get(key)
 
     def set(self, key, value, ttl=None):
-        self._counter.add()
+        self._counter.add(_kind("set", key))
         return super().set(key, value, ttl)
 
     def compare_and_set(self, key, expected, value, ttl=None):
-        self._counter.add()
+        self._counter.add(_kind("cas", key))
         return super().compare_and_set(key, expected, value, ttl)
 
     def list(self, prefix):
-        self._counter.add()
+        self._counter.add(_kind("list", prefix))
         return super().list(prefix)
 
     def delete(self, key):
-        self._counter.add()
+        self._counter.add(_kind("delete", key))
         return super().delete(key)
 
 
@@ -115,7 +175,7 @@ def counting_store(url: str, counter: RequestCounter) -> Store:
 
 class SimulatedHost:
     """One host's agent without workers. `rounds`: round number -> (monotonic time the host got its
-    ranks, its ranks)."""
+    ranks, its ranks, why the round began)."""
 
     def __init__(self, make_store: Callable[[], Store], job_id: str, host_id: str, addr: str, min_workers: int,
                  max_workers: int, timeouts: Timeouts, monitor_interval: float):
@@ -149,7 +209,7 @@ class SimulatedHost:
                 if round_ is None:
                     break
                 ranks, after = round_.assignment[self.host_id], round_.number
-                self.rounds[round_.number] = (time.monotonic(), ranks)
+                self.rounds[round_.number] = (time.monotonic(), ranks, round_.why)
                 if not self._train(round_):
                     break
             if self._leaving.is_set():
@@ -164,7 +224,7 @@ class SimulatedHost:
 
     def _train(self, round_: Round) -> bool:
         """The agent's monitoring of a round, until the store says it changed (True: join the next one)."""
-        changed = False
+        changed: Collection[str] = ()
         while not self._lost.is_set():
             if self._leaving.is_set():
                 current = self.rendezvous.current()
@@ -176,7 +236,7 @@ class SimulatedHost:
                 look = self.rendezvous.look(round_, changed)
             except StoreError:  # as the agent: the round trains on, the store is tried again
                 self.rendezvous.wait_for_change(self.monitor_interval, training=round_)
-                changed = True
+                changed = self.rendezvous.watched_keys(round_)
                 continue
             if look.change is not GroupChange.NONE:
                 return look.change in (GroupChange.RESIZED, GroupChange.RESTARTED)

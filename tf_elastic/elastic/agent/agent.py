@@ -11,7 +11,7 @@ import shutil
 import signal
 import socket
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 from absl import logging
 
@@ -231,7 +231,7 @@ class ElasticAgent:
         """Watches the workers and the store until the round ends. While the store is unreachable the
         workers train on; whatever needs the store is retried once it is back."""
         unreachable_since = None
-        changed = False  # the round was just read; the first wait says what changed since
+        changed: Collection[str] = ()  # the round was just read; the first wait says what changed since
         while True:
             if self.notices.received:  # before any store call: a notice must be acted on while the store is down
                 return self._leave(round_, running)
@@ -252,10 +252,11 @@ class ElasticAgent:
             if result is not None:
                 return result
             # The local workers are checked every interval; the store only when it may have changed.
-            changed = (self.rendezvous.wait_for_change(self.config.monitor_interval, training=round_)
-                       or unreachable_since is not None)
+            changed = self.rendezvous.wait_for_change(self.config.monitor_interval, training=round_)
+            if unreachable_since is not None:  # what changed while it was unreachable is unknown: read it all
+                changed = self.rendezvous.watched_keys(round_)
 
-    def _check_round(self, round_: Round, running: List[Worker], changed: bool) -> Optional[RoundResult]:
+    def _check_round(self, round_: Round, running: List[Worker], changed: Collection[str]) -> Optional[RoundResult]:
         """One look: observe (worker exit codes, heartbeats, and the store if it `changed`), let
         `decisions` judge, act on the verdict."""
         codes = {w.rank: w.process.poll() for w in running}

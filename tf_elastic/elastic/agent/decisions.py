@@ -73,15 +73,17 @@ def world_size(offered: int, max_workers: int, divides: Optional[int] = None) ->
 
 
 def freeze(round_: Round, participants: Dict[str, Dict], max_workers: int, alive: Optional[Set[str]] = None,
-           divides: Optional[int] = None) -> Round:
+           divides: Optional[int] = None, arrival: Optional[Dict[str, int]] = None) -> Round:
     """Ranks for the participants: survivors first, in their previous order (so rank 0 held fresh state),
-    then newcomers by join time. Workers beyond `world_size` get none (standby), nor does a participant
-    whose lease expired since it joined (ranking it would only cost a counted restart at once). Expected
-    hosts without a live lease are recorded as `lost`: the host a failure was about, where the survivors
-    that noticed it only saw a collective fail."""
+    then newcomers in `arrival` order (when the freezing agent first saw each one joined: its own
+    observations, never two hosts' clocks compared), then by host id. Workers beyond `world_size` get
+    none (standby), nor does a participant whose lease expired since it joined (ranking it would only cost
+    a counted restart at once). Expected hosts without a live lease are recorded as `lost`: the host a
+    failure was about, where the survivors that noticed it only saw a collective fail."""
+    arrival = arrival or {}
     order = sorted(((h, p) for h, p in participants.items() if alive is None or h in alive),
                    key=lambda item: (item[1]["previous_rank"] is None, item[1]["previous_rank"] or 0,
-                                     item[1]["joined"], item[0]))
+                                     arrival.get(item[0], len(arrival)), item[0]))
     size = world_size(sum(p["nproc"] for _, p in order), max_workers, divides)
     assignment, cluster = {}, []
     for host, info in order:

@@ -77,11 +77,14 @@ class JobRecord:
         self._blacklist: Optional[Dict] = None
 
     def check_token(self) -> None:
-        """The first agent sets the job's token; any other must present the same one."""
+        """The first agent sets the job's token; any other must present the same one (one read, for all
+        but the first)."""
         if self._token_checked:
             return
-        self.store.compare_and_set(self.keys.token, None, self._token_digest)
-        self._token_checked = hmac.compare_digest(self.store.get(self.keys.token) or "", self._token_digest)
+        held = self.store.get(self.keys.token)
+        if held is None and not self.store.compare_and_set(self.keys.token, None, self._token_digest):
+            held = self.store.get(self.keys.token)  # another agent set it first
+        self._token_checked = hmac.compare_digest(held or self._token_digest, self._token_digest)
         if not self._token_checked:
             raise TokenRefused(f"refused to join job {self.job_id!r}: this agent's --job_token (or "
                                f"TF_ELASTIC_JOB_TOKEN) is not the job's; it belongs to another job or an old "

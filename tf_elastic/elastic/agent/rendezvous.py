@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Set, Tuple
 
 from absl import logging
 
@@ -65,18 +65,24 @@ class Rendezvous:
         self._joined: Optional[int] = None  # the round our lease announces we joined
         self._renewed = float("-inf")  # monotonic time of the last renewal
         self._round_seen = (-1, 0.0)  # (round, monotonic time this agent first saw it joining)
+        self._arrivals: Tuple[int, Dict[str, int]] = (-1, {})  # (round, host -> order first seen joined)
         self._refused: set = set()  # malformed leases already reported
         # The group as a look just read it, when it showed a new round: the next join step's first look.
         # Stale by the time the workers stopped, which is safe: every change since wakes the next wait.
         self._seen: Optional[Tuple[Optional[JobOutcome], Optional[Round], Optional[str]]] = None
         self._watching: Tuple[Optional[int], Optional[str]] = (None, None)  # round number, its watched host
 
-    def wait_for_change(self, timeout: float, training: Optional[Round] = None) -> bool:
-        """True when the round or the outcome may have changed within `timeout` (always, for a store that
-        cannot tell); while `training` in a round, also when the lease of the host this one looks after
-        is gone (`decisions.watched_host`)."""
-        watched = training and self._watched_host(training)
-        return self.store.wait([self.keys.group], timeout, gone=[self.keys.host(watched)] if watched else [])
+    def wait_for_change(self, timeout: float, training: Optional[Round] = None) -> Set[str]:
+        """The store keys that may have changed within `timeout` (every one named, for a store that
+        cannot tell): the group (the round and the outcome) and, while `training` in a round, the lease of
+        the host this one looks after (`decisions.watched_host`), when it is gone."""
+        return self.store.wait([self.keys.group], timeout, gone=self.watched_keys(training)[1:] if training else [])
+
+    def watched_keys(self, round_: Round) -> List[str]:
+        """What a host training in `round_` watches: the group, and the lease of the host it looks after
+        (if any). A `look` with these as changed reads everything."""
+        watched = self._watched_host(round_)
+        return [self.keys.group] + ([self.keys.host(watched)] if watched else [])
 
     def _watched_host(self, round_: Round) -> Optional[str]:
         """`decisions.watched_host`, worked out once per round (it sorts the whole assignment, and the
@@ -86,22 +92,26 @@ class Rendezvous:
         return self._watching[1]
 
     # Leases ---------------------------------------------------------------------------------------
-    def claim_host_id(self) -> None:
-        """Takes this host id's lease, or raises `HostIdTaken` if another agent keeps renewing it. A lease
-        left by a dead agent (SIGKILL, then a restart) expires within `host_ttl`: we wait that out. The
-        lease is taken by compare-and-set: of two agents started together with one id, one wins."""
-        key = self.keys.host(self.host_id)
+    def claim_host_id(self, value: Optional[str] = None) -> None:
+        """Takes this host id's lease (holding `value`, if given), or raises `HostIdTaken` if another agent
+        keeps renewing it. A lease left by a dead agent (SIGKILL, then a restart) expires within
+        `host_ttl`: we wait that out. The lease is taken by compare-and-set: of two agents started together
+        with one id, one wins."""
+        key, value = self.keys.host(self.host_id), value or self._lease_value
         lease = self.store.lease_seconds(self.timeouts.host_ttl)  # etcd may raise it (to 1.5 election timeouts)
         deadline = time.monotonic() + 3 * lease + 1.0
         while True:
-            if (self.store.compare_and_set(key, None, self._lease_value, ttl=self.timeouts.host_ttl)
-                    or _incarnation(self.store.get(key)) == self.incarnation):
-                self._claimed, self._renewed = True, time.monotonic()
-                return
+            if self.store.compare_and_set(key, None, value, ttl=self.timeouts.host_ttl):
+                break
+            held = self.store.get(key)
+            if _incarnation(held) == self.incarnation:  # ours already (a reply lost on the way back)
+                value = held
+                break
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
                                   f"{self.job.job_id!r}; give each agent its own --host_id")
             time.sleep(lease / 4)
+        self._claimed, self._renewed, self._lease_value = True, time.monotonic(), value
 
     def keepalive(self, value: Optional[str] = None) -> None:
         """Renews this host's lease (writing `value` into it, if given), or takes it again if it lapsed
@@ -147,18 +157,19 @@ class Rendezvous:
         outcome = self.job.parse_outcome(group.get(self.keys.outcome))
         return outcome, None if raw is None else Round.from_json(raw, self.keys.round), raw
 
-    def look(self, round_: Round, changed: bool) -> "GroupLook":
-        """What the store says about `round_`, which this host trains in: read only when a watch fired
-        (`changed`; always, on a store that cannot notify). The round and the outcome in one read, then,
-        while nothing else changed, the lease of the host this one looks after."""
-        if not changed:
-            return GroupLook(decisions.GroupChange.NONE, round_, [])
-        outcome, current, raw = self.read_group()
-        change = decisions.judge_group(round_, outcome and outcome.status, current)
-        if change in (decisions.GroupChange.RESIZED, decisions.GroupChange.RESTARTED):
-            self._seen = (outcome, current, raw)  # the next join starts from it instead of reading again
+    def look(self, round_: Round, changed: Collection[str]) -> "GroupLook":
+        """What the store says about `round_`, which this host trains in, reading only what `changed`
+        names (`wait_for_change`'s answer; `watched_keys` for everything): the round and the outcome in
+        one read, and the lease of the host this one looks after."""
         watched = self._watched_host(round_)
-        if change is not decisions.GroupChange.NONE or not watched or self.store.get(self.keys.host(watched)):
+        lease_gone = watched is not None and self.keys.host(watched) in changed
+        change, current = decisions.GroupChange.NONE, round_
+        if self.keys.group in changed:
+            outcome, current, raw = self.read_group()
+            change = decisions.judge_group(round_, outcome and outcome.status, current)
+            if change in (decisions.GroupChange.RESIZED, decisions.GroupChange.RESTARTED):
+                self._seen = (outcome, current, raw)  # the next join starts from it instead of reading again
+        if change is not decisions.GroupChange.NONE or not lease_gone or self.store.get(self.keys.host(watched)):
             return GroupLook(change, current, [])
         # Its lease is gone. A host whose workers finished records the outcome and then lets its lease go,
         # maybe between the two reads above: read the group again before calling the host lost, or the
@@ -218,8 +229,8 @@ class Rendezvous:
             if action is JoinAction.TRY_FREEZE:
                 time.sleep(self.timeouts.poll)  # the opener looks at the leases every poll, whatever woke it
             elif not wrote:
-                changed = self.wait_for_change(self.timeouts.host_ttl / 3 if self.store.notifies
-                                               else self.timeouts.poll)
+                changed = bool(self.wait_for_change(self.timeouts.host_ttl / 3 if self.store.notifies
+                                                    else self.timeouts.poll))
 
     def _timed_out(self, unreachable: Optional[Exception]) -> RendezvousTimeout:
         if unreachable is not None:
@@ -239,13 +250,18 @@ class Rendezvous:
         the round it looked at and whether the store was written (then look again at once).
         `changed`: whether a watch fired since the last look (False: the wait timed out)."""
         self.job.check_token()
-        if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
-            self.claim_host_id()
-        self.renew_if_due()
         outcome, round_, raw = self._seen or self.read_group()
         self._seen = None
         self.job.raise_if_ended(outcome)
         action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
+        if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
+            # Joining at once: the lease is taken with the join in it, one write rather than two.
+            joining = action is JoinAction.ADD_SELF
+            self.claim_host_id(self._join_record(round_, previous_ranks) if joining else None)
+            if joining:
+                self._joined = round_.number
+                return action, round_, round_.opener == self.host_id
+        self.renew_if_due()
         if action in (JoinAction.TAKE, JoinAction.STANDBY):
             return action, round_, False
         if action is JoinAction.CREATE_FIRST:
@@ -254,9 +270,7 @@ class Rendezvous:
         elif action is JoinAction.OPEN_NEXT:
             self.open_next(round_, reason=f"join {self.host_id}", failure=False)
         elif action is JoinAction.ADD_SELF:
-            ports = claim_ports(self.incarnation, self.addr, self.nproc, self.port_range)
-            self.keepalive(self._lease_record(round=round_.number, ports=ports, joined=time.time(),
-                                              previous_rank=min(previous_ranks) if previous_ranks else None))
+            self.keepalive(self._join_record(round_, previous_ranks))
             self._joined = round_.number
             return action, round_, round_.opener == self.host_id  # anyone else waits for the freeze at once
         elif action is JoinAction.WAIT:
@@ -273,9 +287,27 @@ class Rendezvous:
             if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
                                              self._joining_for(round_.number), self.timeouts):
                 return action, round_, False
-            frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides)
+            frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides,
+                                      self._arrival_order(round_.number, participants))
             self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
         return action, round_, True
+
+    def _join_record(self, round_: Round, previous_ranks: Optional[List[int]]) -> str:
+        """This host's lease announcing that it joins `round_`, with ports for its workers."""
+        ports = claim_ports(self.incarnation, self.addr, self.nproc, self.port_range)
+        return self._lease_record(round=round_.number, ports=ports, joined=time.time(),
+                                  previous_rank=min(previous_ranks) if previous_ranks else None)
+
+    def _arrival_order(self, number: int, participants: Dict[str, Dict]) -> Dict[str, int]:
+        """The order in which this agent first saw each participant joined in round `number`, by its own
+        listings (those first seen in one listing by host id): newcomers rank in it, and no host's wall
+        clock (`joined`) is compared with another's."""
+        if self._arrivals[0] != number:
+            self._arrivals = (number, {})
+        seen = self._arrivals[1]
+        for host in sorted(participants):
+            seen.setdefault(host, len(seen))
+        return seen
 
     def _joining_for(self, number: int) -> float:
         """Seconds since this agent first saw round `number` joining, on its own monotonic clock: the round's

@@ -7,7 +7,7 @@ JSON text: nothing is pickled, on the wire or on disk.
 import abc
 import dataclasses
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Set
 
 
 class StoreError(RuntimeError):
@@ -55,14 +55,15 @@ class Store(abc.ABC):
         """How long a key written with `ttl` lives unrenewed here (a backend may raise it to its minimum)."""
         return ttl
 
-    def wait(self, keys: Sequence[str], timeout: float, gone: Sequence[str] = ()) -> bool:
+    def wait(self, keys: Sequence[str], timeout: float, gone: Sequence[str] = ()) -> Set[str]:
         """Blocks until one of `keys` (a key, or every key under a prefix that ends in '/') may have
         changed, or one of `gone` may have disappeared (deleted, or its lease expired), since this store's
-        last `wait` that named it (True), or `timeout` passed (False).
+        last `wait` that named it, or `timeout` passed. Returns the names (of `keys` and `gone`) that may
+        have changed: empty when none did, so that a caller reads only those.
 
-        Backends that cannot notify just sleep and answer True: read again."""
+        Backends that cannot notify just sleep and answer every name: read again."""
         time.sleep(timeout)
-        return True
+        return set(keys) | set(gone)
 
     def close(self) -> None:
         """Releases connections; the default has none."""

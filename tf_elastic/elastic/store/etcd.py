@@ -17,7 +17,7 @@ import math
 import threading
 import time
 import urllib.parse
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import requests
 from absl import logging
@@ -26,6 +26,7 @@ from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 
 ROOT = "/tf_elastic"  # every key of every job lives under this prefix
 _IDLE_SECONDS = 60.0  # a watch no wait named for this long is stopped
+_READ_FRESH_SECONDS = 10.0  # a watch starts after a read this recent (older: a long history to replay)
 
 
 def _b64(text: str) -> str:
@@ -57,12 +58,15 @@ class EtcdStore(Store):
         self._written: Dict[str, Tuple[str, str]] = {}  # key -> (value, lease id) we put last
         self._watches: Dict[Tuple[str, bool], "_Watch"] = {}  # (key or prefix, deletions only) -> its watch
         self._revision = 0  # the newest store revision a reply showed
+        self._read_at: Dict[str, Tuple[int, float]] = {}  # key or prefix -> (revision, monotonic time) last read
         self._changed = threading.Condition()  # every watch of this store notifies it
         self._token: Optional[str] = None
 
     # Store -----------------------------------------------------------------------------------------
     def get(self, key: str) -> Optional[str]:
-        kvs = self._call("/v3/kv/range", {"key": _b64(ROOT + key)}).get("kvs", [])
+        reply = self._call("/v3/kv/range", {"key": _b64(ROOT + key)})
+        self._note_read(key, reply)
+        kvs = reply.get("kvs", [])
         return _text(kvs[0].get("value", "")) if kvs else None
 
     def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
@@ -97,36 +101,49 @@ class EtcdStore(Store):
     def list(self, prefix: str) -> Dict[str, str]:
         start = ROOT + prefix.rstrip("/") + "/"
         reply = self._call("/v3/kv/range", {"key": _b64(start), "range_end": _b64(_range_end(start))})
+        self._note_read(start[len(ROOT):], reply)
         return {_text(kv["key"])[len(ROOT):]: _text(kv.get("value", "")) for kv in reply.get("kvs", [])}
 
     def delete(self, key: str) -> None:
         self._written.pop(key, None)
         self._call("/v3/kv/deleterange", {"key": _b64(ROOT + key)})
 
-    def wait(self, keys: Sequence[str], timeout: float, gone: Sequence[str] = ()) -> bool:
+    def wait(self, keys: Sequence[str], timeout: float, gone: Sequence[str] = ()) -> Set[str]:
         """One watch per key or prefix (for `gone`, of deletions only), started at the first wait that
-        names it (which answers True: what changed before it began is unknown). A watch outlives waits
-        that do not name it for `_IDLE_SECONDS` (an agent waits on fewer keys while it joins a round than
-        while it trains), so changes meanwhile still wake the next wait that names it."""
+        names it: after the revision this client last read it at, if that read is recent (nothing is
+        missed since), else after the newest revision seen, and then that first wait answers it as
+        changed (what changed before the watch began is unknown). A watch outlives waits that do not name
+        it for `_IDLE_SECONDS` (an agent waits on fewer keys while it joins a round than while it
+        trains), so changes meanwhile still wake the next wait that names it."""
         now = time.monotonic()
         named = [(key, False) for key in keys] + [(key, True) for key in gone]
         for name in [n for n, watch in self._watches.items() if n not in named and now - watch.named > _IDLE_SECONDS]:
             self._watches.pop(name).stop()
         for key, deletions in named:
             if (key, deletions) not in self._watches:
-                if not self._revision and not self._learn_revision():
+                revision, read = self._read_at.get(key, (0, float("-inf")))
+                fresh = now - read < _READ_FRESH_SECONDS
+                if not fresh and not self._revision and not self._learn_revision():
                     time.sleep(timeout)  # unreachable: the caller's next read says so
-                    return True
-                self._watches[(key, deletions)] = _Watch(self, ROOT + key, self._changed, self._revision,
-                                                         deletions)
+                    return {key for key, _ in named}
+                self._watches[(key, deletions)] = _Watch(self, ROOT + key, self._changed,
+                                                         revision if fresh else self._revision, deletions,
+                                                         unknown_before=not fresh)
             self._watches[(key, deletions)].named = now
-        watches = [self._watches[name] for name in named]
+        watches = {name: self._watches[name] for name in named}
         with self._changed:
-            self._changed.wait_for(lambda: any(w.changes != w.seen for w in watches), timeout)
-            changed = any(w.changes != w.seen for w in watches)
-            for watch in watches:
+            self._changed.wait_for(lambda: any(w.changes != w.seen for w in watches.values()), timeout)
+            changed = {key for (key, _), w in watches.items() if w.changes != w.seen}
+            for watch in watches.values():
                 watch.seen = watch.changes
             return changed
+
+    def _note_read(self, key: str, reply: Dict) -> None:
+        """Remembers the revision `key` (or a prefix, ending in '/') was read at: a watch that starts
+        right after it misses nothing, so its first wait need not answer it as changed."""
+        revision = int(reply.get("header", {}).get("revision", 0))
+        if revision:
+            self._read_at[key] = (revision, time.monotonic())
 
     def _learn_revision(self) -> bool:
         """A watch starts after a revision this client saw, so that nothing is missed: reads one, if no
@@ -247,12 +264,13 @@ class _Watch:
     _STREAM_SECONDS = 30.0
 
     def __init__(self, store: EtcdStore, key: str, changed: threading.Condition, after: int,
-                 deletions: bool = False):
+                 deletions: bool = False, unknown_before: bool = True):
         """`after`: a revision the store's client saw before this watch began; it reports every change
-        after it (a stream that began later would miss a change made in between)."""
+        after it (a stream that began later would miss a change made in between). `unknown_before`: the
+        client never read the key at `after`, so the first wait reports it as changed."""
         self.store, self.key, self._changed, self._deletions = store, key, changed, deletions
         self._after = after
-        self.changes, self.seen = 1, 0  # the first wait answers True: changes before the watch began
+        self.changes, self.seen = int(unknown_before), 0
         self.named = time.monotonic()  # when a wait last named it
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=f"etcd-watch{key}", daemon=True)
