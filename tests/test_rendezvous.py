@@ -176,6 +176,9 @@ def test_a_watch_begun_after_a_read_misses_nothing_and_reports_nothing_it_did_no
     assert store.wait([quiet, busy], 0.3) == set()
     never_read = f"/{job}/never_read/"
     assert store.wait([never_read], 0.1) == {never_read}, "unread: what changed before the watch is unknown"
+    absent = f"/{job}/hosts/gone_before"
+    assert store.get(absent) is None
+    assert store.wait([], 0.1, gone=[absent]) == {absent}, "a key read absent: its deletion watch never fires"
 
 
 class _ReadRecorder:
@@ -227,6 +230,49 @@ def test_a_host_that_finished_and_let_its_lease_go_between_two_reads_is_not_lost
     look = a.look(rounds["a"], a.watched_keys(rounds["a"]))
     assert store.get(b.keys.host("b")) is None, "b's lease was not let go: the test did not interleave"
     assert look.change.name == "JOB_DONE" and look.lost == [], look
+
+
+def test_newcomers_rank_in_the_order_the_freezing_agent_saw_them_arrive(store, job):
+    """z joins before b: z ranks first though b's host id sorts lower (the order is the opener's own
+    observation, taken at each of its listings, not only at the one that freezes)."""
+    timeouts = Timeouts(rendezvous=10, last_call=0.5, survivor_wait=5, host_ttl=5.0, poll=0.05)
+    a, z, b = (_rendezvous(store, job, h, max_workers=8, timeouts=timeouts) for h in "azb")
+    assert [a._join_step(None, -1, True)[0].name for _ in range(2)] == ["CREATE_FIRST", "ADD_SELF"]
+    assert z._join_step(None, -1, True)[0].name == "ADD_SELF"
+    assert a._join_step(None, -1, True)[0].name == "TRY_FREEZE" and a.current().phase == "joining"
+    assert b._join_step(None, -1, True)[0].name == "ADD_SELF"
+    deadline = time.monotonic() + 10
+    while a.current().phase == "joining" and time.monotonic() < deadline:
+        a._join_step(None, -1, True)
+        time.sleep(0.05)
+    assert a.current().assignment == {"a": [0], "z": [1], "b": [2]}
+
+
+def test_a_host_lease_already_ours_is_rewritten_with_what_the_claim_announces(store, job):
+    """An earlier claim's write landed but its reply was lost: the lease is ours, holding another record.
+    The claim rewrites it, since the caller goes on to act on what it announces (the round it joins)."""
+    a = _rendezvous(store, job, "a")
+    store.set(a.keys.host("a"), a._lease_record(round=0), ttl=FAST.host_ttl)
+    a.claim_host_id(a._lease_record(round=1))
+    assert json.loads(store.get(a.keys.host("a")))["round"] == 1
+
+
+class _TokenVanishes:
+    """A store on which the job token is neither there nor settable (deleted between the two requests)."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def compare_and_set(self, key, expected, value, ttl=None):
+        return False if key.endswith("/token") else self._store.compare_and_set(key, expected, value, ttl)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_an_agent_that_cannot_read_or_set_the_token_is_refused(store, job):
+    with pytest.raises(TokenRefused):
+        _rendezvous(_TokenVanishes(store), job, "a", token="secret").job.check_token()
 
 
 def test_an_agent_with_another_token_is_refused(store, job):

@@ -82,9 +82,12 @@ class JobRecord:
         if self._token_checked:
             return
         held = self.store.get(self.keys.token)
-        if held is None and not self.store.compare_and_set(self.keys.token, None, self._token_digest):
-            held = self.store.get(self.keys.token)  # another agent set it first
-        self._token_checked = hmac.compare_digest(held or self._token_digest, self._token_digest)
+        if held is None:
+            if self.store.compare_and_set(self.keys.token, None, self._token_digest):
+                held = self._token_digest
+            else:
+                held = self.store.get(self.keys.token)  # another agent set it first
+        self._token_checked = hmac.compare_digest(held or "", self._token_digest)
         if not self._token_checked:
             raise TokenRefused(f"refused to join job {self.job_id!r}: this agent's --job_token (or "
                                f"TF_ELASTIC_JOB_TOKEN) is not the job's; it belongs to another job or an old "

@@ -104,8 +104,10 @@ class Rendezvous:
             if self.store.compare_and_set(key, None, value, ttl=self.timeouts.host_ttl):
                 break
             held = self.store.get(key)
-            if _incarnation(held) == self.incarnation:  # ours already (a reply lost on the way back)
-                value = held
+            # Ours already (an earlier try's reply was lost on the way back): rewritten to hold `value`,
+            # since the caller acts on what it says (the round it joins).
+            if _incarnation(held) == self.incarnation and (
+                    held == value or self.store.compare_and_set(key, held, value, ttl=self.timeouts.host_ttl)):
                 break
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
@@ -284,11 +286,12 @@ class Rendezvous:
             leases = self.leases()
             participants = self._participants(leases, round_.number)
             alive = {key.rsplit("/", 1)[-1] for key in leases}
+            arrival = self._arrival_order(round_.number, participants)  # at every listing, ready or not
             if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
                                              self._joining_for(round_.number), self.timeouts):
                 return action, round_, False
             frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides,
-                                      self._arrival_order(round_.number, participants))
+                                      arrival)
             self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
         return action, round_, True
 

@@ -65,8 +65,9 @@ class EtcdStore(Store):
     # Store -----------------------------------------------------------------------------------------
     def get(self, key: str) -> Optional[str]:
         reply = self._call("/v3/kv/range", {"key": _b64(ROOT + key)})
-        self._note_read(key, reply)
         kvs = reply.get("kvs", [])
+        if kvs:  # a key read absent is not noted: a watch of its deletion would never report the absence
+            self._note_read(key, reply)
         return _text(kvs[0].get("value", "")) if kvs else None
 
     def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
@@ -286,12 +287,10 @@ class _Watch:
             self.changes += 1
             self._changed.notify_all()
 
-    def _request(self, revision: Optional[int]) -> Dict:
-        request = {"key": _b64(self.key)}
+    def _request(self, revision: int) -> Dict:
+        request = {"key": _b64(self.key), "start_revision": str(revision + 1)}
         if self.key.endswith("/"):
             request["range_end"] = _b64(_range_end(self.key))
-        if revision is not None:
-            request["start_revision"] = str(revision + 1)
         if self._deletions:
             request["filters"] = ["NOPUT"]
         return {"create_request": request}
@@ -304,15 +303,15 @@ class _Watch:
                     for line in response.iter_lines():
                         result = json.loads(line).get("result", {}) if line else {}
                         if result.get("compact_revision"):
-                            revision = None  # history we needed is gone: let waiters read afresh
+                            # History we needed is gone: waiters read afresh, and the next stream starts
+                            # at the oldest revision kept (not the newest: a change meanwhile would be lost).
+                            revision = int(result["compact_revision"]) - 1
                             self._notify()
                             break
                         events = result.get("events", [])
                         if events:
                             revision = max(int(e["kv"]["mod_revision"]) for e in events)
                             self._notify()
-                        elif revision is None and result.get("created"):
-                            revision = int(result["header"]["revision"])
                         if self._stopped:
                             break
             except (requests.RequestException, ValueError, KeyError):
