@@ -64,7 +64,7 @@ def _job(root: Path, epochs: int, *agent_args: str, rdzv: str = None, model: str
                     ["--min_workers=1", "--max_workers=2", f"--heartbeat_timeout={FLAGS.heartbeat_timeout}",
                      f"--progress_timeout={FLAGS.progress_timeout}", "--preemption_signals=SIGTERM,SIGUSR1",
                      "--max_restarts=10",  # three faults count; a spurious one on a loaded machine must not end it
-                     *agent_args], rdzv=rdzv, host_run_dirs=True)
+                     *agent_args], rdzv=rdzv, host_run_dirs=True, trainer="launch.train")
 
 
 def _spares_ready(job: LocalJob, host: str, since: float) -> None:
@@ -138,7 +138,7 @@ def _round_times(root: Path, agents: int, rdzv: str = None, rounds: int = 3) -> 
     trivial worker each (so that 8 fit on 2 cores)."""
     root.mkdir(parents=True)
     job = LocalJob(root, [], ["--nowarm_start", f"--min_workers={agents}", f"--max_workers={agents}",
-                              f"--max_restarts={rounds + 1}", "--last_call=1"], rdzv=rdzv)
+                              f"--max_restarts={rounds + 1}", "--last_call=1"], rdzv=rdzv, trainer="launch.train")
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     times = []
     try:

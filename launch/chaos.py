@@ -40,7 +40,8 @@ def main(argv: List[str]) -> int:
     del argv
     stop_jobs_on_sigterm()
     root = Path(FLAGS.out or tempfile.mkdtemp(prefix="tf_elastic-chaos-"))
-    result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs, FLAGS.max_gap, FLAGS.wait_for_spares)
+    result = run_soak(root, FLAGS.faults, FLAGS.seed, FLAGS.rdzv, FLAGS.epochs, FLAGS.max_gap, FLAGS.wait_for_spares,
+                      trainer="launch.train")
     (root / "chaos.json").write_text(json.dumps(result, indent=1))
     print(f"\nChaos soak: {len(result['faults'])} faults, seed {FLAGS.seed}, store {FLAGS.rdzv}, "
           f"{result['epochs']} epochs of digits\n")

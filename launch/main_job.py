@@ -39,7 +39,7 @@ def run_job(root: Path) -> LocalJob:
                           f"--commit_every_steps={FLAGS.commit_every_steps}", "--threads=1",
                           f"--checkpoint_dir={root / 'durable'}"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--last_call=1"], job_id="main",
-                   host_run_dirs=True)
+                   host_run_dirs=True, trainer="launch.train")
     say = lambda text: print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
     try:
         say(f"starting host-a and host-b (run dirs {job.run_dir_of('HOST')}, durable copies {root / 'durable'})")

@@ -109,6 +109,7 @@ def job(tmp_path):
     """A `LocalJob` (agents started as processes, one file store) of one or two workers, cleaned up after."""
     from tf_elastic.testing.local_job import LocalJob
 
-    made = LocalJob(tmp_path, [], ["--nowarm_start", "--min_workers=1", "--max_workers=2", "--last_call=0.5"])
+    made = LocalJob(tmp_path, [], ["--nowarm_start", "--min_workers=1", "--max_workers=2", "--last_call=0.5"],
+                    trainer="launch.train")
     yield made
     made.cleanup()

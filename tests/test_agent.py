@@ -277,7 +277,7 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
     train = ["--dataset=digits", "--epochs=40", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd",
              "--learning_rate=0.02", "--commit_every_steps=10"]
     job = LocalJob(tmp_path, train, ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1",
-                                     "--preemption_signals=SIGTERM,SIGUSR1", "--nowarm_start"])
+                                     "--preemption_signals=SIGTERM,SIGUSR1", "--nowarm_start"], trainer="launch.train")
     try:
         job.start_agent("a", faults=True, progress_timeout=5)
         job.start_agent("b")

@@ -140,58 +140,83 @@ def test_a_record_that_does_not_parse_is_named(tmp_path):
         source.num_classes  # found on first use, by a pass over the labels
 
 
-def test_parse_functions_per_record_or_batched_read_the_same_and_name_a_bad_record(tmp_path, digits):
-    """A user's parse function runs record by record (here: a sparse feature, and images of different
-    sizes decoded and cropped in `parse`, which tf.vectorized_map cannot convert); one marked `batched`
-    takes the run's vector itself. Each reads what was written without a second try of any run, and a
-    record that does not parse is named by its byte; the shard's cached index stays (its bytes are fine)."""
-    features = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
-                "image/class/label": tf.io.VarLenFeature(tf.int64)}
+# A user's parse functions over the records `data_files.example` writes, the label as a sparse feature:
+# record by record (`_sparse_label`, `_cropped`), or over a run's vector (`_batched`).
+_FEATURES = {"image/encoded": tf.io.FixedLenFeature([], tf.string),
+             "image/class/label": tf.io.VarLenFeature(tf.int64)}
 
-    def sparse_label(record):
-        parsed = tf.io.parse_single_example(record, features)
-        return parsed["image/encoded"], parsed["image/class/label"].values[0] - 1  # 0-based
 
-    def cropped(record):
-        encoded, label = sparse_label(record)
-        return tf.io.decode_png(encoded, channels=1)[:16, :16], label
+def _sparse_label(record):
+    parsed = tf.io.parse_single_example(record, _FEATURES)
+    return parsed["image/encoded"], parsed["image/class/label"].values[0] - 1  # 0-based
 
-    def batched(records):
-        parsed = tf.io.parse_example(records, dict(features, **{
-            "image/class/label": tf.io.FixedLenFeature([], tf.int64)}))
-        return parsed["image/encoded"], parsed["image/class/label"] - 1
 
-    batched.batched = True
-    tries = []
+def _cropped(record):
+    encoded, label = _sparse_label(record)
+    return tf.io.decode_png(encoded, channels=1)[:16, :16], label
 
+
+def _batched(records):
+    parsed = tf.io.parse_example(records, dict(_FEATURES, **{
+        "image/class/label": tf.io.FixedLenFeature([], tf.int64)}))
+    return parsed["image/encoded"], parsed["image/class/label"] - 1
+
+
+_batched.batched = True
+
+
+def _counting_source(tries: list) -> type:
+    """A `TFRecordSource` class that appends to `tries` the first record of every run it tries again."""
     class Counted(data.TFRecordSource):
         def _inspect_run(self, first, count):
             tries.append(first)
             return super()._inspect_run(first, count)
 
-    (images, labels), _ = digits
-    sizes = [16 if n % 2 else 17 for n in range(40)]  # odd-sized images, cut back to 16 by `cropped`
+    return Counted
+
+
+def _write_odd_sized_digits(directory: Path, images, labels) -> list:
+    """Writes the first 40 digits as two TFRecord shards of 20 (labels from 1), every other one padded to
+    17 x 17; returns the images written."""
+    sizes = [16 if n % 2 else 17 for n in range(40)]  # odd-sized images, cut back to 16 by `_cropped`
     written = [np.pad(image, ((0, size - 16), (0, size - 16), (0, 0))) for image, size in zip(images[:40], sizes)]
-    with tf.io.TFRecordWriter(str(tmp_path / "train-00000-of-00002")) as first, \
-            tf.io.TFRecordWriter(str(tmp_path / "train-00001-of-00002")) as second:
+    with tf.io.TFRecordWriter(str(directory / "train-00000-of-00002")) as first, \
+            tf.io.TFRecordWriter(str(directory / "train-00001-of-00002")) as second:
         for n, image in enumerate(written):
             (first if n < 20 else second).write(data_files.example(data_files.png(image), labels[n] + 1))
+    return written
+
+
+def test_parse_functions_per_record_or_batched_read_the_same_and_name_a_bad_record(tmp_path, digits):
+    """A user's parse function runs record by record (here: a sparse feature, and images of different
+    sizes decoded and cropped in `parse`, which tf.vectorized_map cannot convert); one marked `batched`
+    takes the run's vector itself. Each reads what was written without a second try of any run, and a
+    record that does not parse is named by its byte; the shard's cached index stays (its bytes are fine)."""
+    tries = []
+    Counted = _counting_source(tries)
+    (images, labels), _ = digits
+    written = _write_odd_sized_digits(tmp_path, images, labels)
     order, keep = np.random.default_rng(0).permutation(40), (lambda x, y, seed: (x[:16, :16], y))
-    for parse, decode in ((sparse_label, True), (cropped, False), (batched, True)):
+    for parse, decode in ((_sparse_label, True), (_cropped, False), (_batched, True)):
         source = Counted(str(tmp_path / "train-*"), parse=parse, channels=1, decode_images=decode)
         got = list(data.pipeline(source, order, 8, preprocess=keep).as_numpy_iterator())
         expected = [image[:16, :16] for image in written]
         np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), np.stack(expected)[order])
         np.testing.assert_array_equal(np.concatenate([y for _, y in got]), labels[:40][order])
     assert tries == []
+    _a_bad_record_is_named_by_its_byte(tmp_path, Counted, keep)
 
+
+def _a_bad_record_is_named_by_its_byte(tmp_path: Path, Counted: type, keep) -> None:
+    """The second shard's fourth record replaced by bytes that do not parse: both kinds of parse function
+    name it by its shard and byte, the index cache keeps both shards, and the label pass gives the reason."""
     bad = tmp_path / "train-00001-of-00002"
     records = list(tf.data.TFRecordDataset(str(bad)).as_numpy_iterator())
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
             writer.write(b"not a tf.train.Example" if n == 3 else record)
     offset, cache = tfrecord_format.record_offsets(str(bad))[0][3], tmp_path / "cache"
-    for parse in (sparse_label, batched):
+    for parse in (_sparse_label, _batched):
         source = Counted(str(tmp_path / "train-*"), parse=parse, channels=1, num_classes=10, cache_dir=str(cache))
         with pytest.raises(tf.errors.InvalidArgumentError) as error:
             list(data.pipeline(source, np.arange(40), 8, preprocess=keep))
@@ -201,7 +226,7 @@ def test_parse_functions_per_record_or_batched_read_the_same_and_name_a_bad_reco
     with pytest.raises(ConfigurationError, match=re.escape(
             f"TFRecord file {bad} has a record that does not parse: Could not parse example input, "
             "value: 'not a tf.train.Example'")):
-        data.TFRecordSource(str(bad), parse=batched).num_classes  # the label pass: the reason, not TF's prefix
+        data.TFRecordSource(str(bad), parse=_batched).num_classes  # the label pass: the reason, not TF's prefix
 
 
 def test_a_label_outside_the_class_range_is_named(tmp_path, digits):
@@ -468,7 +493,8 @@ def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     job = LocalJob(tmp_path, [f"--dataset={where}", f"--data_dir={files['tfds']}", "--image_size=16",
                               f"--per_replica_batch_size={batch}", "--threads=1", "--optimizer=sgd",
                               f"--commit_every_steps={commit_every}", f"--epochs={epochs}"],
-                   ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
+                   ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"],
+                   trainer="launch.train")
     try:
         job.start_agent("a")
         job.start_agent("b")

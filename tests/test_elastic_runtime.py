@@ -26,7 +26,7 @@ def job_factory(tmp_path, rdzv_url, mnist_dir):
     def make(train_args, agent_args=(), name="job"):
         (tmp_path / name).mkdir()
         train_args = [*train_args, f"--data_dir={mnist_dir}"] if train_args else []
-        jobs.append(LocalJob(tmp_path / name, train_args, agent_args, rdzv=rdzv_url))
+        jobs.append(LocalJob(tmp_path / name, train_args, agent_args, rdzv=rdzv_url, trainer="launch.train"))
         return jobs[-1]
 
     yield make

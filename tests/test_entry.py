@@ -31,7 +31,7 @@ def test_the_readme_script_survives_losing_the_chief_host_to_a_standby_with_an_e
     script = tmp_path / "train_digits.py"
     script.write_text(readme_script(epochs=EPOCHS))
     (tmp_path / "job").mkdir()
-    job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True)
+    job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True, trainer="launch.train")
     try:
         seen = lose_the_chief_to_a_standby(job, command=[sys.executable, str(script)],
                                            round_seconds=STARTUP_TIMEOUT + 5)

@@ -392,90 +392,123 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
     env = {**s3, faults.PAUSE_DIR: str(pause)}
     job = LocalJob(tmp_path / "job", TRAIN + ["--epochs=200", f"--checkpoint_dir={remote}", f"--data_dir={mnist_dir}"],
                    AGENT,
-                   host_run_dirs=True)
+                   host_run_dirs=True, trainer="launch.train")
     (tmp_path / "job").mkdir()
     try:
         job.start_agent("a", env=env, faults=True)
         job.start_agent("b", env=env, faults=True)
-        pair = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2
-                                     and e["step"] >= COMMIT_EVERY], what="a commit at world size 2")[0]
-        chief = _round_host(job, pair["round"], 0)
-        # The next commit is held on the other host before its state file names it, and completes on the
-        # chief's: it is in force on one host only, so it must not be announced, and losing the chief's host
-        # then loses nothing that was announced.
-        (pause / "local.rank1").touch()
-        job.wait_for(lambda: (pause / "local.reached-rank1").exists(), what="rank 1 holding a commit")
-        other = _round_host(job, pair["round"], 1)
-        other_commits = RunDir(job.run_dir_of(other)).host_commits(other)
-        held = min(step for step in _written_steps(other_commits) if step > _in_force_step(other_commits))
-        chief_commits = RunDir(job.run_dir_of(chief)).host_commits(chief)
-        job.wait_for(lambda: _in_force_step(chief_commits) >= held, what="the held commit in force on the chief's")
-        # Commits are made at agreed steps: a later one written on the chief's host means the group agreed at
-        # least once since the held commit went in force there, when the chief would have announced it.
-        job.wait_for(lambda: any(step > held for step in _written_steps(chief_commits)), what="a later commit")
-        assert all(e["step"] < held for e in job.events(Event.COMMIT)), ("announced on one host only", held)
-        job.kill_host(chief)
-        (pause / "local.rank1").unlink()
-        survivor = _first_step(job, pair["round"], 1)
-        assert _restored(job, survivor["round"]) >= _last_commit_before(job, survivor["round"]), "lost a commit"
-
-        job.start_agent("c", env=env, faults=True)
-        joined = _first_step(job, survivor["round"], 2)
-        assert _restored(job, joined["round"]) == _last_commit_before(job, joined["round"]), "a join lost steps"
-        received = job.events(Event.STATE_TRANSFER, round=joined["round"])
-        assert [(e["rank"], e["source_rank"]) for e in received] == [(1, 0)] and received[0]["bytes"] > 0, received
-        assert _round_host(job, joined["round"], 1) == "c"
-
-        job.wait_for(lambda: job.events(Event.COMMIT, round=joined["round"]), what="a commit with c")
-        _pause_and_kill(job, pause, "local", 1, joined["round"])  # c: files written, state file not yet
-        after_local = _first_step(job, joined["round"], 2)
-        assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
-        # c restarts from its previous commit and receives the newer one, if the group holds one: the chief
-        # was held at the same point, and its commit is cut too when its worker is stopped first (under load).
-        mine = job.events(Event.RESTORE, round=after_local["round"], rank=1)[0]
-        held = commit_id(posixpath.basename(mine["path"] or "")) or NO_COMMIT
-        assert held.step == mine["step"] or job.events(Event.STATE_TRANSFER, round=after_local["round"], rank=1)
-
-        job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local["round"]), what="a durable copy")
-        _pause_and_kill(job, pause, "durable", 0, after_local["round"])  # the chief: marker not yet written
-        partial = [c for c in DurableCopies(remote).copies() if not c.complete]
-        assert partial, "the copy cut short is there, without its marker"
-        assert DurableCopies(remote).newest().step < partial[-1].step
-        after_durable = _first_step(job, after_local["round"], 2)
-        assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
-
-        job.wait_for(lambda: [e for e in job.events(Event.DURABLE_COPY, round=after_durable["round"])
-                              if "bytes" in e], what="a durable copy after the restart")
-        for host in ("a", "b", "c"):
-            if job.agents[host].poll() is None:
-                job.kill_host(host)
-        # Replicas agreed bit for bit in every round of two.
-        for round_ in {e["round"] for e in job.events(Event.RESTORE) if e["world_size"] == 2}:
-            digests = {e["rank"]: e["state_digest"] for e in job.events(Event.RESTORE, round=round_)}
-            assert len(digests) == 2 and len(set(digests.values())) == 1, (round_, digests)
-        # Every example once in every epoch that committed work completed (the last is cut by the kills).
-        by_epoch = audit.uses_by_epoch(job.run_dirs)
-        done = [e for e in sorted(by_epoch) if e < max(c["epoch"] for c in job.events(Event.COMMIT))]
-        assert len(done) >= 2
-        for epoch in done:
-            counts = by_epoch[epoch]
-            assert max(counts.values()) == 1 and len(counts) > 3000 - 32, epoch
-        assert partial[-1].step not in [c.step for c in DurableCopies(remote).copies()], "not collected"
-        # launch.report reads every host's run dir: a table row for each round that trained.
-        table = [line for line in report.summary(job.run_dirs).splitlines() if line.startswith("| ")][1:]
-        assert len(table) == len({e["round"] for e in job.events(Event.RESTORE, rank=0)}), table
+        survivor = _lose_the_chief_host_while_the_other_holds_a_commit(job, pause)
+        joined = _join_with_an_empty_disk(job, env, survivor["round"])
+        after_local = _kill_a_worker_in_its_local_commit(job, pause, joined["round"])
+        partial, after_durable = _kill_the_chief_in_a_durable_copy(job, pause, remote, after_local["round"])
+        _lose_every_host_and_check_the_job(job, remote, partial, after_durable["round"])
     finally:
         job.cleanup()
+    _resume_from_the_newest_durable_copy(tmp_path, remote, mnist_dir, s3)
 
-    # The whole job is lost. Host d (two workers, an empty run dir) and host s resume it from the newest
-    # complete copy: s holds a stale commit, 1000 steps further than the copy but of an older generation
-    # (a host cut off from the store that trained on alone), which must lose. d's second worker keeps no
-    # commits: it receives the state at every round start (here two: s's worker is killed once).
+
+def _lose_the_chief_host_while_the_other_holds_a_commit(job, pause: Path) -> dict:
+    """Once a and b committed at world size 2, the chief's host is killed while the other host holds a
+    commit that the chief's host completed; returns the survivor's first step at world size 1."""
+    pair = job.wait_for(lambda: [e for e in job.events(Event.COMMIT) if e["world_size"] == 2
+                                 and e["step"] >= COMMIT_EVERY], what="a commit at world size 2")[0]
+    chief = _round_host(job, pair["round"], 0)
+    # The next commit is held on the other host before its state file names it, and completes on the
+    # chief's: it is in force on one host only, so it must not be announced, and losing the chief's host
+    # then loses nothing that was announced.
+    (pause / "local.rank1").touch()
+    job.wait_for(lambda: (pause / "local.reached-rank1").exists(), what="rank 1 holding a commit")
+    other = _round_host(job, pair["round"], 1)
+    other_commits = RunDir(job.run_dir_of(other)).host_commits(other)
+    held = min(step for step in _written_steps(other_commits) if step > _in_force_step(other_commits))
+    chief_commits = RunDir(job.run_dir_of(chief)).host_commits(chief)
+    job.wait_for(lambda: _in_force_step(chief_commits) >= held, what="the held commit in force on the chief's")
+    # Commits are made at agreed steps: a later one written on the chief's host means the group agreed at
+    # least once since the held commit went in force there, when the chief would have announced it.
+    job.wait_for(lambda: any(step > held for step in _written_steps(chief_commits)), what="a later commit")
+    assert all(e["step"] < held for e in job.events(Event.COMMIT)), ("announced on one host only", held)
+    job.kill_host(chief)
+    (pause / "local.rank1").unlink()
+    survivor = _first_step(job, pair["round"], 1)
+    assert _restored(job, survivor["round"]) >= _last_commit_before(job, survivor["round"]), "lost a commit"
+    return survivor
+
+
+def _join_with_an_empty_disk(job, env: dict, survivor_round: int) -> dict:
+    """Host c joins the survivor with an empty run dir and receives the state from rank 0 as rank 1;
+    returns the chief's first step of that round."""
+    job.start_agent("c", env=env, faults=True)
+    joined = _first_step(job, survivor_round, 2)
+    assert _restored(job, joined["round"]) == _last_commit_before(job, joined["round"]), "a join lost steps"
+    received = job.events(Event.STATE_TRANSFER, round=joined["round"])
+    assert [(e["rank"], e["source_rank"]) for e in received] == [(1, 0)] and received[0]["bytes"] > 0, received
+    assert _round_host(job, joined["round"], 1) == "c"
+    return joined
+
+
+def _kill_a_worker_in_its_local_commit(job, pause: Path, joined_round: int) -> dict:
+    """c's worker (rank 1) is SIGKILLed with a commit's files written and its state file not naming it yet;
+    returns the chief's first step of the next round of two."""
+    job.wait_for(lambda: job.events(Event.COMMIT, round=joined_round), what="a commit with c")
+    _pause_and_kill(job, pause, "local", 1, joined_round)  # c: files written, state file not yet
+    after_local = _first_step(job, joined_round, 2)
+    assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
+    # c restarts from its previous commit and receives the newer one, if the group holds one: the chief
+    # was held at the same point, and its commit is cut too when its worker is stopped first (under load).
+    mine = job.events(Event.RESTORE, round=after_local["round"], rank=1)[0]
+    held = commit_id(posixpath.basename(mine["path"] or "")) or NO_COMMIT
+    assert held.step == mine["step"] or job.events(Event.STATE_TRANSFER, round=after_local["round"], rank=1)
+    return after_local
+
+
+def _kill_the_chief_in_a_durable_copy(job, pause: Path, remote: str, after_local_round: int):
+    """The chief is SIGKILLed with a durable copy's files up and its marker not yet written; returns the copies
+    without a marker and the chief's first step of the next round of two."""
+    job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local_round), what="a durable copy")
+    _pause_and_kill(job, pause, "durable", 0, after_local_round)  # the chief: marker not yet written
+    partial = [c for c in DurableCopies(remote).copies() if not c.complete]
+    assert partial, "the copy cut short is there, without its marker"
+    assert DurableCopies(remote).newest().step < partial[-1].step
+    after_durable = _first_step(job, after_local_round, 2)
+    assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
+    return partial, after_durable
+
+
+def _lose_every_host_and_check_the_job(job, remote: str, partial: list, after_durable_round: int) -> None:
+    """Once a durable copy of the round after the restart is up, every host is killed; then the job's records
+    are checked: replicas, every example once per epoch, the cut copy collected, the report's rounds."""
+    job.wait_for(lambda: [e for e in job.events(Event.DURABLE_COPY, round=after_durable_round)
+                          if "bytes" in e], what="a durable copy after the restart")
+    for host in ("a", "b", "c"):
+        if job.agents[host].poll() is None:
+            job.kill_host(host)
+    # Replicas agreed bit for bit in every round of two.
+    for round_ in {e["round"] for e in job.events(Event.RESTORE) if e["world_size"] == 2}:
+        digests = {e["rank"]: e["state_digest"] for e in job.events(Event.RESTORE, round=round_)}
+        assert len(digests) == 2 and len(set(digests.values())) == 1, (round_, digests)
+    # Every example once in every epoch that committed work completed (the last is cut by the kills).
+    by_epoch = audit.uses_by_epoch(job.run_dirs)
+    done = [e for e in sorted(by_epoch) if e < max(c["epoch"] for c in job.events(Event.COMMIT))]
+    assert len(done) >= 2
+    for epoch in done:
+        counts = by_epoch[epoch]
+        assert max(counts.values()) == 1 and len(counts) > 3000 - 32, epoch
+    assert partial[-1].step not in [c.step for c in DurableCopies(remote).copies()], "not collected"
+    # launch.report reads every host's run dir: a table row for each round that trained.
+    table = [line for line in report.summary(job.run_dirs).splitlines() if line.startswith("| ")][1:]
+    assert len(table) == len({e["round"] for e in job.events(Event.RESTORE, rank=0)}), table
+
+
+def _resume_from_the_newest_durable_copy(tmp_path: Path, remote: str, mnist_dir, s3: dict) -> None:
+    """The whole job is lost. Host d (two workers, an empty run dir) and host s resume it from the newest
+    complete copy: s holds a stale commit, 1000 steps further than the copy but of an older generation
+    (a host cut off from the store that trained on alone), which must lose. d's second worker keeps no
+    commits: it receives the state at every round start (here two: s's worker is killed once)."""
     newest = DurableCopies(remote).newest()
     epoch = int(posixpath.basename(newest.prefix).split("-")[3])
     again = LocalJob(tmp_path / "again", TRAIN + [f"--epochs={epoch + 3}", f"--checkpoint_dir={remote}",
                                                   f"--data_dir={mnist_dir}"],
-                     AGENT + ["--min_workers=3", "--max_workers=3"], host_run_dirs=True)
+                     AGENT + ["--min_workers=3", "--max_workers=3"], host_run_dirs=True, trainer="launch.train")
     (tmp_path / "again").mkdir()
     assert newest.id.generation >= 1, newest
     old_mark = DurableCopies(remote).generation_mark()
@@ -498,23 +531,30 @@ def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_w
         second = _first_step(again, first["round"], 3)
         assert _restored(again, second["round"]) >= _last_commit_before(again, second["round"]), "lost a commit"
         assert again.wait_agents() == {"d": 0, "s": 0}, again.describe()
-        for round_ in (first["round"], second["round"]):
-            transfers = again.events(Event.STATE_TRANSFER, round=round_)
-            second_worker = [e["rank"] for e in again.events(Event.WORKER_START, round=round_, source="agent:d")
-                             if e["local_rank"] == 1]
-            assert len({(e["source_rank"], e["step"]) for e in transfers}) == 1, transfers
-            assert transfers[0]["step"] == _restored(again, round_), transfers
-            assert second_worker[0] in [e["rank"] for e in transfers], (second_worker, transfers)
-            assert all(e["generation"] > stale.generation for e in transfers), (transfers, stale)
-            # Bit-identical at the start of each round, and at the end (a round cut by the kill has no end).
-            for name in (Event.RESTORE, Event.WORKER_EXIT)[:1 + (round_ == second["round"])]:
-                digests = {e["rank"]: e["state_digest"] for e in again.events(name, round=round_)}
-                assert sorted(digests) == [0, 1, 2] and len(set(digests.values())) == 1, (name, digests)
+        _check_the_resumed_rounds(again, (first["round"], second["round"]), stale)
         by_epoch = audit.uses_by_epoch(again.run_dirs)
         for done in (epoch + 1, epoch + 2):  # trained by this job alone
             assert max(by_epoch[done].values()) == 1 and len(by_epoch[done]) > 3000 - 48, done
     finally:
         again.cleanup()
+
+
+def _check_the_resumed_rounds(again, rounds, stale: CommitId) -> None:
+    """In each of the resumed job's two rounds, one rank sent the state (never the stale commit's) and d's
+    second worker received it; the ranks are bit-identical at each round's start, and at the second's end
+    (the first round is cut by the kill and has no end)."""
+    for round_ in rounds:
+        transfers = again.events(Event.STATE_TRANSFER, round=round_)
+        second_worker = [e["rank"] for e in again.events(Event.WORKER_START, round=round_, source="agent:d")
+                         if e["local_rank"] == 1]
+        assert len({(e["source_rank"], e["step"]) for e in transfers}) == 1, transfers
+        assert transfers[0]["step"] == _restored(again, round_), transfers
+        assert second_worker[0] in [e["rank"] for e in transfers], (second_worker, transfers)
+        assert all(e["generation"] > stale.generation for e in transfers), (transfers, stale)
+        # Bit-identical at the start of each round, and at the end (a round cut by the kill has no end).
+        for name in (Event.RESTORE, Event.WORKER_EXIT)[:1 + (round_ == rounds[1])]:
+            digests = {e["rank"]: e["state_digest"] for e in again.events(name, round=round_)}
+            assert sorted(digests) == [0, 1, 2] and len(set(digests.values())) == 1, (name, digests)
 
 
 def _plant_commit(source: str, directory: Path, id_: CommitId) -> CommitId:

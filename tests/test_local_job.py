@@ -22,7 +22,7 @@ def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
 def test_a_jobs_cleanup_kills_its_own_workers_only(tmp_path):
     """Cleanup used to SIGKILL every PID its events ever named, long after those workers exited: a PID
     taken by another process since (another job's worker) was killed, and counted as an orphan."""
-    job = LocalJob(tmp_path, [])
+    job = LocalJob(tmp_path, [], trainer="launch.train")
     job.agents["a"] = subprocess.Popen(["sleep", "60"])
     worker = subprocess.Popen(["sleep", "60"], env=dict(os.environ, TF_ELASTIC_AGENT_PID=str(job.agents["a"].pid)))
     stranger = subprocess.Popen(["sleep", "60"])  # as if it had reused an exited worker's PID

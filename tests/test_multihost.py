@@ -30,7 +30,7 @@ def jobs(mnist_dir):
 def _job(jobs, tmp_path, rdzv, train=(), agent=()):
     made, mnist_dir = jobs
     train = [*train, f"--data_dir={mnist_dir}"] if train else []
-    made.append(LocalJob(tmp_path, train, list(agent), rdzv=rdzv))
+    made.append(LocalJob(tmp_path, train, list(agent), rdzv=rdzv, trainer="launch.train"))
     return made[-1]
 
 

@@ -92,7 +92,7 @@ def test_batchnorm_lars_ema_and_loss_scale_stay_identical_through_a_kill_and_a_s
     script = tmp_path / "resnet_digits.py"
     script.write_text(SCRIPT.replace("EPOCHS", str(EPOCHS)))
     (tmp_path / "job").mkdir()
-    job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True)
+    job = LocalJob(tmp_path / "job", [], AGENT, host_run_dirs=True, trainer="launch.train")
     try:
         seen = lose_the_chief_to_a_standby(job, command=[sys.executable, str(script)])
         received = job.events(Event.STATE_TRANSFER, round=seen["joined"])

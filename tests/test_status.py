@@ -48,7 +48,7 @@ def test_the_status_names_members_standbys_the_blacklist_and_the_last_commit(tmp
 def test_the_status_of_a_live_two_host_job_lists_both_members_with_their_ranks(rdzv_url, tmp_path):
     """Real agents (trivial workers: no TensorFlow), a third host waiting as a standby."""
     job = LocalJob(tmp_path, [], ["--min_workers=2", "--max_workers=2", "--warm_start=false", "--last_call=0.5"],
-                   rdzv=rdzv_url)
+                   rdzv=rdzv_url, trainer="launch.train")
     sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
     try:
         for host in "ab":

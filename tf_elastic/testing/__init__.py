@@ -1,6 +1,12 @@
 """The shared harness of the tests, benchmarks, soak and demo: real agents and workers on this machine
-(`local_job`), a throwaway etcd (`etcd_server`), checks of a finished job from its own records
-(`audit`), the fault-injection soak (`soak`) and loopback port helpers (`net`).
+(`local_job`), faults injected into those workers (`faults`), a throwaway etcd (`etcd_server`), the
+fault-injection soak and its checks of a finished job from its own records (`soak`, through
+`tf_elastic.elastic.audit`), many agents' rendezvous simulated in one process (`rendezvous_sim`), small
+datasets written at test time (`data_files`), local GCS and S3 servers (`gcs`, `s3`) and loopback port
+helpers (`net`).
 
-It runs `launch/` scripts from the checkout, so it is for a source checkout: `setup.py` leaves it out of the
-wheel, with the launch tools that drive local jobs through it (the main job, the soak, the benchmarks)."""
+It starts each agent as the library's own module (`python -m tf_elastic.elastic.agent.cli`) and the workers
+as the trainer module its caller names (`trainer=`, e.g. "launch.train"): it runs no `launch.*` module of
+its own accord, so the launch tools that import it make no cycle. It runs them from the checkout, with its
+root on `PYTHONPATH`, so it is for a source checkout: `setup.py` leaves it out of the wheel, with the launch
+tools that drive local jobs through it (the main job, the soak, the benchmarks)."""

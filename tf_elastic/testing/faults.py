@@ -2,7 +2,8 @@
 
     python -m tf_elastic.testing.faults MODULE [ARGS...]      # `command(MODULE, *ARGS)`
 
-runs MODULE (`launch.train`) as `python -m MODULE ARGS...` would, with two additions:
+runs MODULE (the trainer its caller names, e.g. `launch.train`) as `python -m MODULE ARGS...` would, with two
+additions:
 
 - SIGUSR2 blocks its main thread for ever: a stuck training step, while the heartbeat thread beats on;
 - pause points in commits: while the directory in `PAUSE_DIR` (an environment variable) holds a file named

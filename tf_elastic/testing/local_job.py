@@ -1,7 +1,9 @@
 """Runs elastic agents (and their TensorFlow workers) on this machine and reads what they did.
 
 Shared by the tests, the benchmarks and the demo: agents are real processes sharing a file store;
-faults are real signals, sent by PID to processes this job started.
+faults are real signals, sent by PID to processes this job started. Each agent is the library's own
+(`python -m tf_elastic.elastic.agent.cli`); the workers run the trainer module the caller names
+(`LocalJob(..., trainer="launch.train")`), so that this harness names no script of the checkout.
 """
 import os
 import signal
@@ -20,20 +22,24 @@ from tf_elastic.elastic.protocol import Env, Event
 from tf_elastic.elastic.store import open_store
 from tf_elastic.testing.faults import command as faults_command
 
-REPO = Path(__file__).resolve().parents[2]  # the checkout: agents run `launch/` scripts from it
+REPO = Path(__file__).resolve().parents[2]  # the checkout: agents and workers run from it, with it on the path
+AGENT_COMMAND = [sys.executable, "-m", "tf_elastic.elastic.agent.cli"]  # the agent's command line, up to its flags
 
 
 def repo_env(**extra: str) -> Dict[str, str]:
-    """The environment for a `launch/` script of this checkout, TensorFlow's log quieted."""
+    """The environment for a module of this checkout run as a script (the agent, a trainer such as
+    `launch.train`), TensorFlow's log quieted."""
     return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **extra)
 
 
 class LocalJob:
     def __init__(self, tmp: Path, train_args: List[str], agent_args: List[str] = (), job_id: Optional[str] = None,
-                 rdzv: Optional[str] = None, host_run_dirs: bool = False):
-        """`rdzv`: the store URL (default: a file store in `tmp`); `job_id`: default unique, so that jobs
+                 rdzv: Optional[str] = None, host_run_dirs: bool = False, *, trainer: str):
+        """`trainer`: the module the workers run, `python -m TRAINER TRAIN_ARGS...` (e.g. "launch.train");
+        `rdzv`: the store URL (default: a file store in `tmp`); `job_id`: default unique, so that jobs
         can share one etcd; `host_run_dirs`: each agent gets a run dir of its own (`tmp/hosts/HOST`), as
         hosts that share no filesystem would, instead of all sharing `tmp/run`."""
+        self.trainer = trainer
         self.tmp, self.run_dir = tmp, tmp / "run"
         self.host_run_dirs = host_run_dirs
         self.rdzv = rdzv or f"file://{tmp / 'rdzv'}"
@@ -43,10 +49,10 @@ class LocalJob:
 
     def start_agent(self, host: str, command: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None,
                     faults: bool = False, **flags) -> subprocess.Popen:
-        """Starts `host`'s agent with `flags` beside the job's, running `command` (default: the trainer with
-        the job's arguments, with `tf_elastic.testing.faults` installed if `faults`)."""
-        trainer = faults_command("launch.train") if faults else [sys.executable, "-m", "launch.train"]
-        args = [sys.executable, "-m", "launch.elastic_run", f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
+        """Starts `host`'s agent with `flags` beside the job's, running `command` (default: the job's trainer
+        module with the job's arguments, with `tf_elastic.testing.faults` installed if `faults`)."""
+        trainer = faults_command(self.trainer) if faults else [sys.executable, "-m", self.trainer]
+        args = [*AGENT_COMMAND, f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
                 f"--run_dir={self.run_dir_of(host)}", f"--host_id={host}", *self.agent_args,
                 *[f"--{k}={v}" for k, v in flags.items()], "--", *(command or [*trainer, *self.train_args])]
         log = open(self.tmp / f"agent-{host}.log", "ab")

@@ -4,7 +4,7 @@ Each simulated host is a thread running the agent's own store-facing code (`Rend
 its round "trains", `renew_if_due`, `look` and `wait_for_change`, as
 `ElasticAgent._monitor` does) with its own store client, which counts the requests it sends. Hosts are
 lost (the thread stops without a word: its lease expires, as after a SIGKILL), leave gracefully, or join.
-Used by `launch/bench_rendezvous.py` and the rendezvous tests.
+Used by the rendezvous benchmark and tests.
 """
 import base64
 import collections

@@ -6,6 +6,9 @@ progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and 
 notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
 corrupt the newest checkpoint (then kill the chief so the group restores), and with etcd, stop and
 restart the store. Every kind is drawn once before any repeats.
+
+The workers, and the fault-free reference run, run the trainer module the caller names (`trainer`, e.g.
+"launch.train"), which takes `launch.train`'s flags (`TRAIN`) and writes its events.
 """
 import dataclasses
 import glob
@@ -51,11 +54,12 @@ class Fault:
 
 class Soak:
     def __init__(self, root: Path, epochs: int, faults: int, seed: int, rng: random.Random,
-                 etcd: Optional[EtcdServer], max_gap: float, wait_for_spares: bool):
+                 etcd: Optional[EtcdServer], max_gap: float, wait_for_spares: bool, trainer: str):
         self.max_gap, self.wait_for_spares = max_gap, wait_for_spares
         self.rng, self.etcd = rng, etcd
         self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={seed}"],
-                            AGENT + [f"--max_restarts={10 * faults + 10}"], rdzv=etcd.url if etcd else None)
+                            AGENT + [f"--max_restarts={10 * faults + 10}"], rdzv=etcd.url if etcd else None,
+                            trainer=trainer)
         self.tmp = root / "tmp"
         self.tmp.mkdir(parents=True)
         self.live: List[str] = []
@@ -192,9 +196,9 @@ def _newest_commit(state: Path) -> str:
     return first.split('"')[1]
 
 
-def _fault_free(root: Path, epochs: int, seed: int) -> float:
-    """The same training without faults or agent: one process, the global batch of two workers."""
-    argv = [sys.executable, "-m", "launch.train", *[a for a in TRAIN if not a.startswith("--per_replica")],
+def _fault_free(root: Path, epochs: int, seed: int, trainer: str) -> float:
+    """The same training without faults or agent: one process of `trainer`, the global batch of two workers."""
+    argv = [sys.executable, "-m", trainer, *[a for a in TRAIN if not a.startswith("--per_replica")],
             "--per_replica_batch_size=32", f"--epochs={epochs}", f"--seed={seed}", f"--run_dir={root / 'run'}"]
     subprocess.run(argv, cwd=REPO, env=repo_env(), check=True, stdout=open(root / "train.log", "ab"),
                    stderr=subprocess.STDOUT, timeout=3600)
@@ -246,14 +250,15 @@ def _host_port(addr: str):
 
 
 def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int] = None,
-             max_gap: float = 3.0, wait_for_spares: bool = True) -> Dict[str, object]:
-    """Runs the soak and its fault-free reference; returns the faults and the checks."""
+             max_gap: float = 3.0, wait_for_spares: bool = True, *, trainer: str) -> Dict[str, object]:
+    """Runs the soak and its fault-free reference, both running the module `trainer` (e.g. "launch.train");
+    returns the faults and the checks."""
     rng = random.Random(seed)
     # digits: about an epoch a second; a fault and its recovery take ~5 s, ~15 s waiting for spares
     epochs = epochs or (10 if wait_for_spares else 5) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
     (root / "soak").mkdir(parents=True)
-    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares)
+    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
     try:
         soak.start_host()
         soak.start_host()
@@ -270,7 +275,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
         if etcd:
             etcd.close()
     (root / "reference").mkdir()
-    reference = _fault_free(root / "reference", epochs, seed)
+    reference = _fault_free(root / "reference", epochs, seed, trainer)
     return {"faults": [dataclasses.asdict(f) for f in soak.faults], "faults_asked": faults, "epochs": epochs,
             "checks": _checks(soak, epochs, reference)}
 

@@ -1,4 +1,5 @@
-"""`tf-elastic-run` / `python -m launch.elastic_run`: the elastic agent's command line (`SYNOPSIS`)."""
+"""`tf-elastic-run` (also `python -m tf_elastic.elastic.agent.cli`): the elastic agent's command line
+(`SYNOPSIS`)."""
 import os
 import re
 import signal
