@@ -1,5 +1,6 @@
 """Rendezvous and membership at N hosts: N simulated agents (the agent's own rendezvous and monitoring code,
-no workers, `tf_elastic.testing.rendezvous_sim`) against a real etcd and the file store, in one process.
+no workers, `tf_elastic.testing.rendezvous_sim`, spread over `--processes`) against a real etcd and the
+file store.
 
 For each store and N it measures, in this order: N hosts started at once until all train in one round;
 steady state; one host lost (it stops renewing, as after SIGKILL) until the rest train in a new round;
@@ -30,6 +31,8 @@ flags.DEFINE_float("host_ttl", 10.0, "The hosts' lease TTL in seconds (--host_tt
 flags.DEFINE_float("last_call", 2.0, "The agent's --last_call.", lower_bound=0.0)
 flags.DEFINE_float("monitor_interval", 0.2, "The agent's --monitor_interval.", lower_bound=0.01)
 flags.DEFINE_float("steady_seconds", 10.0, "Seconds of steady state measured per N.", lower_bound=1.0)
+flags.DEFINE_integer("processes", 4, "Processes the simulated hosts are spread over (each has an interpreter "
+                     "lock of its own).", lower_bound=1)
 flags.DEFINE_float("phase_timeout", 300.0, "Seconds a phase may take before the run fails.", lower_bound=1.0)
 FLAGS = flags.FLAGS
 
@@ -44,14 +47,14 @@ def _phase(sim: Simulation, result: Dict, name: str, hosts: List, after: int, ac
     to the last host's ranks, the requests meanwhile (by kind), the rounds it took and why they began, and
     the simulator's and etcd's CPU seconds."""
     requests, kinds = sim.requests.total, sim.requests.snapshot()
-    cpu, etcd, began = time.process_time(), etcd_pid and proc.cpu_seconds(etcd_pid), time.monotonic()
+    cpu, etcd, began = sim.cpu_seconds(), etcd_pid and proc.cpu_seconds(etcd_pid), time.monotonic()
     act()
     number = sim.wait_ranked(hosts, after, FLAGS.phase_timeout)
     seconds = sim.ranked_at(hosts, number) - began
     kinds = sim.requests.snapshot() - kinds
     result[name] = {"seconds": seconds, "requests": sim.requests.total - requests,
                     "own": sum(count for kind, count in kinds.items() if kind not in NOT_THE_ROUNDS),
-                    "rounds": number - max(after, -1), "sim_cpu": time.process_time() - cpu,
+                    "rounds": number - max(after, -1), "sim_cpu": sim.cpu_seconds() - cpu,
                     "etcd_cpu": proc.cpu_seconds(etcd_pid) - etcd if etcd_pid else None,
                     "wall": time.monotonic() - began}
     by_kind = ", ".join(f"{kind} {count / len(hosts):.2f}" for kind, count in kinds.most_common())
@@ -66,9 +69,10 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
     timeouts = Timeouts(rendezvous=FLAGS.phase_timeout, last_call=FLAGS.last_call, survivor_wait=30.0,
                         host_ttl=FLAGS.host_ttl, poll=0.1)
     sim = Simulation(url, f"bench-{uuid.uuid4().hex[:8]}", min_workers=max(1, n - 2), max_workers=n,
-                     timeouts=timeouts, monitor_interval=FLAGS.monitor_interval)
+                     timeouts=timeouts, monitor_interval=FLAGS.monitor_interval,
+                     processes=min(n, FLAGS.processes))
     result: Dict = {"n": n}
-    etcd_cpu, sim_cpu, began = etcd_pid and proc.cpu_seconds(etcd_pid), time.process_time(), time.monotonic()
+    etcd_cpu, sim_cpu, began = etcd_pid and proc.cpu_seconds(etcd_pid), sim.cpu_seconds(), time.monotonic()
     result.update(dict.fromkeys(PHASES), steady=None)  # None: not measured (a phase before it failed)
     try:
         hosts: List = []
@@ -83,13 +87,14 @@ def measure(url: str, n: int, etcd_pid: int = 0) -> Dict:
         joined: List = hosts[:-2]
         _phase(sim, result, "join", joined, number, lambda: joined.extend(sim.start_hosts(1)), etcd_pid)
     except (TimeoutError, RuntimeError) as error:  # a phase timed out, or a host failed: said below the table
-        newest = max((max(h.rounds, default=-1) for h in sim.hosts.values()), default=-1)
+        newest = max((max(rounds, default=-1) for rounds in sim.rounds.values()), default=-1)
         result["failed"] = f"{error}; rounds any host got ranks in: {newest + 1}"
         print(f"  {n} hosts: {result['failed']}", flush=True)
     finally:
+        result["sim_cpu"] = sim.cpu_seconds() - sim_cpu  # before the children end
         sim.stop()
     result["etcd_cpu"] = proc.cpu_seconds(etcd_pid) - etcd_cpu if etcd_pid else None
-    result["sim_cpu"], result["wall"] = time.process_time() - sim_cpu, time.monotonic() - began
+    result["wall"] = time.monotonic() - began
     return result
 
 

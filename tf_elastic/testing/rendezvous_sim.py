@@ -1,16 +1,18 @@
-"""Many agents' rendezvous and monitoring in one process, against a real store, with no workers.
+"""Many agents' rendezvous and monitoring in a few processes, against a real store, with no workers.
 
-Each simulated host is a thread running the agent's own store-facing code (`Rendezvous.join`, then, while
-its round "trains", `renew_if_due`, `look` and `wait_for_change`, as
-`ElasticAgent._monitor` does) with its own store client, which counts the requests it sends. Hosts are
-lost (the thread stops without a word: its lease expires, as after a SIGKILL), leave gracefully, or join.
-Used by the rendezvous benchmark and tests.
+Each simulated host is a thread (in one of `Simulation`'s child processes) running the agent's own
+store-facing code (`Rendezvous.join`, then, while its round "trains", `renew_if_due`, `look` and
+`wait_for_change`, as `ElasticAgent._monitor` does) with its own store client, which counts the requests
+it sends. Hosts are lost (the thread stops without a word: its lease expires, as after a SIGKILL), leave
+gracefully, or join. Used by the rendezvous benchmark and tests.
 """
 import base64
 import collections
 import http.client
 import itertools
 import json
+import multiprocessing
+import sys
 import threading
 import time
 import urllib.parse
@@ -18,6 +20,7 @@ from typing import Callable, Collection, Dict, List, Optional
 
 import requests
 
+from tf_elastic.elastic import proc
 from tf_elastic.elastic.agent.decisions import GroupChange
 from tf_elastic.elastic.agent.job_record import JobEnded
 from tf_elastic.elastic.agent.rendezvous import Rendezvous
@@ -247,58 +250,154 @@ class SimulatedHost:
         return False
 
 
+def _address(index: int) -> str:
+    return f"127.1.{index // 250}.{index % 250 + 1}"
+
+
+def _serve(url: str, job_id: str, settings: Dict, conn) -> None:
+    """A child process's hosts: started, lost, left and reported as the parent's `Simulation` says."""
+    counter, hosts = RequestCounter(), {}
+    # Hundreds of threads here wait for one interpreter lock, each waking every switch interval to ask for it
+    # (5 ms by default: a storm of wake-ups, the simulator's cost, not an agent's, which has a few threads).
+    # Our threads mostly block on sockets, so a longer interval costs them nothing.
+    sys.setswitchinterval(0.05)
+    while True:
+        command, arg = conn.recv()
+        if command == "start":
+            for index in arg:
+                host = SimulatedHost(lambda: counting_store(url, counter), job_id, f"h{index:05d}", _address(index),
+                                     **settings)
+                hosts[host.host_id] = host.start()
+        elif command in ("lose", "leave"):
+            getattr(hosts[arg], command)()
+        elif command == "poll":
+            conn.send(({h: dict(host.rounds) for h, host in hosts.items()},
+                       {h: repr(host.error) for h, host in hosts.items() if host.error is not None},
+                       counter.snapshot()))
+        elif command == "stop":
+            for host in hosts.values():
+                host.lose()
+            for host in hosts.values():
+                host.thread.join(timeout=5)
+                host.store.close()
+            conn.send(None)
+            return
+
+
+class HostHandle:
+    """A simulated host, as the parent sees it: `rounds` as of the simulation's last poll."""
+
+    def __init__(self, sim: "Simulation", host_id: str, conn):
+        self.host_id, self._sim, self._conn = host_id, sim, conn
+
+    @property
+    def rounds(self) -> Dict[int, tuple]:
+        return self._sim.rounds.get(self.host_id, {})
+
+    def lose(self) -> None:
+        """Stops the host without a word: its lease expires after the host TTL."""
+        self._conn.send(("lose", self.host_id))
+
+    def leave(self) -> None:
+        """A graceful leave: the next round opens without this host, and its lease goes at once."""
+        self._conn.send(("leave", self.host_id))
+
+
+class _Requests:
+    """Every child's requests, read when asked (a poll of the children)."""
+
+    def __init__(self, sim: "Simulation"):
+        self._sim = sim
+
+    def snapshot(self) -> collections.Counter:
+        self._sim.poll()
+        return collections.Counter(self._sim.kinds)
+
+    @property
+    def total(self) -> int:
+        return sum(self.snapshot().values())
+
+
 class Simulation:
-    """Hosts of one job on one store; `url`: `etcd://...` or `file:///DIR`."""
+    """Hosts of one job on one store (`url`: `etcd://...` or `file:///DIR`), spread over `processes` child
+    processes, round-robin: each has an interpreter lock of its own, so the hosts' Python runs on every
+    core (one process of a thousand host threads is bound to one core's worth). Each process counts its
+    requests; `requests` adds them up, and `cpu_seconds` the processes' CPU."""
 
     def __init__(self, url: str, job_id: str, min_workers: int, max_workers: int, timeouts: Timeouts,
-                 monitor_interval: float = 0.2):
-        self.url, self.job_id = url, job_id
-        self.min_workers, self.max_workers, self.timeouts = min_workers, max_workers, timeouts
-        self.monitor_interval = monitor_interval
-        self.requests = RequestCounter()
-        self.hosts: Dict[str, SimulatedHost] = {}
+                 monitor_interval: float = 0.2, processes: int = 1):
+        settings = dict(min_workers=min_workers, max_workers=max_workers, timeouts=timeouts,
+                        monitor_interval=monitor_interval)
+        context = multiprocessing.get_context("spawn")  # no threads or locks of this process inherited
+        self._children = []
+        for _ in range(processes):
+            mine, theirs = context.Pipe()
+            child = context.Process(target=_serve, args=(url, job_id, settings, theirs), daemon=True)
+            child.start()
+            self._children.append((child, mine))
+        self.notifies = url.startswith("etcd")
+        self.requests = _Requests(self)
+        self.hosts: Dict[str, HostHandle] = {}
+        self.rounds: Dict[str, Dict[int, tuple]] = {}
+        self.kinds: collections.Counter = collections.Counter()
         self._names = itertools.count()
 
-    def start_hosts(self, count: int) -> List[SimulatedHost]:
-        started = []
-        for _ in range(count):
-            index = next(self._names)
-            host = SimulatedHost(lambda: counting_store(self.url, self.requests), self.job_id, f"h{index:05d}",
-                                 f"127.1.{index // 250}.{index % 250 + 1}", self.min_workers, self.max_workers,
-                                 self.timeouts, self.monitor_interval)
-            self.hosts[host.host_id] = host
-            started.append(host.start())
+    def start_hosts(self, count: int) -> List[HostHandle]:
+        indices = [next(self._names) for _ in range(count)]
+        for offset, (_, conn) in enumerate(self._children):
+            mine = [i for i in indices if i % len(self._children) == offset]
+            if mine:
+                conn.send(("start", mine))
+        started = [HostHandle(self, f"h{i:05d}", self._children[i % len(self._children)][1]) for i in indices]
+        self.hosts.update((h.host_id, h) for h in started)
         return started
 
-    def live(self) -> List[SimulatedHost]:
-        return [h for h in self.hosts.values() if h.thread.is_alive()]
+    def poll(self) -> None:
+        """Reads every child's hosts' rounds and requests; raises if a simulated host failed."""
+        kinds: collections.Counter = collections.Counter()
+        for _, conn in self._children:
+            conn.send(("poll", None))
+        for _, conn in self._children:
+            rounds, errors, counted = conn.recv()
+            if errors:
+                raise RuntimeError(f"a simulated host failed: {next(iter(errors.items()))}")
+            self.rounds.update(rounds)
+            kinds.update(counted)
+        self.kinds = kinds
 
-    def ranked_together(self, hosts: List[SimulatedHost], after: int = -1) -> Optional[int]:
-        """The newest round above `after` in which every one of `hosts` got ranks, if there is one."""
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by this process and the children."""
+        return time.process_time() + sum(proc.cpu_seconds(child.pid) for child, _ in self._children)
+
+    def ranked_together(self, hosts: List[HostHandle], after: int = -1) -> Optional[int]:
+        """The newest round above `after` in which every one of `hosts` got ranks, if there is one (as of
+        the last poll)."""
         common = set.intersection(*(set(h.rounds) for h in hosts)) if hosts else set()
         common = [n for n in common if n > after and all(h.rounds[n][1] for h in hosts)]
         return max(common) if common else None
 
-    def wait_ranked(self, hosts: List[SimulatedHost], after: int, timeout: float) -> int:
+    def wait_ranked(self, hosts: List[HostHandle], after: int, timeout: float) -> int:
         """Waits until `hosts` train together in a round above `after`; returns its number."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            errors = [h.error for h in self.hosts.values() if h.error is not None]
-            if errors:
-                raise RuntimeError(f"a simulated host failed: {errors[0]!r}") from errors[0]
+            self.poll()
             number = self.ranked_together(hosts, after)
             if number is not None:
                 return number
-            time.sleep(0.01)
+            time.sleep(0.05)
         raise TimeoutError(f"{len(hosts)} hosts did not train together in a round above {after} within {timeout}s")
 
-    def ranked_at(self, hosts: List[SimulatedHost], number: int) -> float:
-        """When the last of `hosts` got its ranks in round `number` (monotonic)."""
+    def ranked_at(self, hosts: List[HostHandle], number: int) -> float:
+        """When the last of `hosts` got its ranks in round `number` (monotonic, one clock for every process)."""
         return max(h.rounds[number][0] for h in hosts)
 
     def stop(self) -> None:
-        for host in self.hosts.values():
-            host.lose()
-        for host in self.hosts.values():
-            host.thread.join(timeout=5)
-            host.store.close()
+        for child, conn in self._children:
+            try:
+                conn.send(("stop", None))
+                conn.recv()
+            except (OSError, EOFError):
+                pass
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()

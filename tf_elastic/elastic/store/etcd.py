@@ -229,6 +229,8 @@ class EtcdStore(Store):
             if retry_auth and self.options.user and "token" in str(message):
                 self._token = None  # expired: authenticate again, once
                 return self._post(endpoint, path, body, retry_auth=False)
+            if "lease not found" in str(message):
+                self._leases.clear()  # expired while this client was stalled: the next write takes a new one
             raise StoreError(f"etcd at {endpoint} refused {path}: {message}")
         self._revision = max(self._revision, int(reply.get("header", {}).get("revision", 0)))
         return reply
