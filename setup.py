@@ -6,7 +6,8 @@ from setuptools.command.build_py import build_py
 # What runs only from a checkout, left out of the wheel: the harness (`tf_elastic.testing`: local jobs of real
 # agents and workers, stand-in servers), and the launch tools that drive local jobs through it.
 CHECKOUT_ONLY = {"tf_elastic.launch": {"main_job", "chaos", "partition", "bench_elastic", "bench_durable",
-                                       "bench_input", "bench_rendezvous", "bench_goodput", "preemption_trace"}}
+                                       "bench_input", "bench_rendezvous", "bench_goodput", "bench_world",
+                                       "preemption_trace"}}
 
 
 class BuildPyWithoutTheHarness(build_py):

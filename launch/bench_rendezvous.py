@@ -20,6 +20,7 @@ from absl import app, flags
 
 from tf_elastic.elastic import proc
 from tf_elastic.elastic.agent.round import Timeouts
+from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.testing.etcd_server import EtcdServer
 from tf_elastic.testing.rendezvous_sim import Simulation
 
@@ -35,6 +36,7 @@ flags.DEFINE_integer("processes", 4, "Processes the simulated hosts are spread o
                      "lock of its own).", lower_bound=1)
 flags.DEFINE_float("phase_timeout", 300.0, "Seconds a phase may take before the run fails.", lower_bound=1.0)
 FLAGS = flags.FLAGS
+require_finite_floats(__name__)
 
 PHASES = ("start", "loss", "leave", "join")
 # Requests that are not the round's: lease renewals (every third of the TTL, whatever happens) and what an
