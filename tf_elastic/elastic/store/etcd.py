@@ -14,6 +14,7 @@ shorter `--election-timeout` for less).
 import base64
 import json
 import math
+import random
 import threading
 import time
 import urllib.parse
@@ -158,7 +159,7 @@ class EtcdStore(Store):
     def close(self) -> None:
         for watch in self._watches.values():
             watch.stop()
-        for lease, _, _ in self._leases.values():
+        for lease, _, _ in list(self._leases.values()):  # a revoke refused as expired clears `_leases`
             try:  # our leased keys go at once rather than after their TTL
                 self._call("/v3/lease/revoke", {"ID": lease})
             except StoreError:
@@ -261,10 +262,11 @@ class _Watch:
     """A background watch on a key, or on a prefix (ending in '/'), of every change or of deletions only
     (a lease that expires is deleted): counts them and wakes the store's waiters.
 
-    Each stream lives for `_STREAM_SECONDS` at most and the next resumes after the last revision seen,
-    so no change is missed."""
+    A stream ends after `_STREAM_SECONDS` without a line (drawn anew for each stream, so that agents that
+    started together do not all start their next streams in the same second) and the next resumes after
+    the last revision seen, so no change is missed."""
 
-    _STREAM_SECONDS = 30.0
+    _STREAM_SECONDS = (20.0, 40.0)
 
     def __init__(self, store: EtcdStore, key: str, changed: threading.Condition, after: int,
                  deletions: bool = False, unknown_before: bool = True):
@@ -301,7 +303,8 @@ class _Watch:
         revision = self._after  # the last revision seen; the next stream starts after it
         while not self._stopped:
             try:
-                with self.store.stream("/v3/watch", self._request(revision), self._STREAM_SECONDS) as response:
+                with self.store.stream("/v3/watch", self._request(revision),
+                                       random.uniform(*self._STREAM_SECONDS)) as response:
                     for line in response.iter_lines():
                         result = json.loads(line).get("result", {}) if line else {}
                         if result.get("compact_revision"):
