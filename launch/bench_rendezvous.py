@@ -48,13 +48,13 @@ def _phase(sim: Simulation, result: Dict, name: str, hosts: List, after: int, ac
     """Runs `act`, then waits until `hosts` train together in a new round; records the seconds from `act`
     to the last host's ranks, the requests meanwhile (by kind), the rounds it took and why they began, and
     the simulator's and etcd's CPU seconds."""
-    requests, kinds = sim.requests.total, sim.requests.snapshot()
+    kinds = sim.requests.snapshot()
     cpu, etcd, began = sim.cpu_seconds(), etcd_pid and proc.cpu_seconds(etcd_pid), time.monotonic()
     act()
     number = sim.wait_ranked(hosts, after, FLAGS.phase_timeout)
     seconds = sim.ranked_at(hosts, number) - began
-    kinds = sim.requests.snapshot() - kinds
-    result[name] = {"seconds": seconds, "requests": sim.requests.total - requests,
+    kinds = sim.requests.snapshot() - kinds  # one poll of the children: both counts cover the same window
+    result[name] = {"seconds": seconds, "requests": sum(kinds.values()),
                     "own": sum(count for kind, count in kinds.items() if kind not in NOT_THE_ROUNDS),
                     "rounds": number - max(after, -1), "sim_cpu": sim.cpu_seconds() - cpu,
                     "etcd_cpu": proc.cpu_seconds(etcd_pid) - etcd if etcd_pid else None,

@@ -107,8 +107,7 @@ def measure(size: int, directory: Path) -> List[Dict]:
     return [json.loads((directory / f"{rank}.json").read_text()) for rank in range(size)]
 
 
-def _row(size: int, ranks: List[Dict], base: Dict[str, float]) -> str:
-    worst = {key: max(r[key] for r in ranks) for key in ("import", "strategy", "first", "agree", "transfer")}
+def _row(size: int, worst: Dict[str, float], base: Dict[str, float]) -> str:
     cells = [f"{worst['import']:.1f}", f"{worst['strategy']:.2f}", f"{worst['first']:.2f}",
              f"{worst['agree'] * 1000:.1f}", f"{worst['transfer']:.2f}"]
     ratios = " / ".join(f"{worst[k] / base[k]:.1f}x" for k in ("strategy", "first", "agree", "transfer"))
@@ -129,9 +128,9 @@ def main(argv: List[str]) -> None:
         with tempfile.TemporaryDirectory(prefix="tf_elastic-bench-world-") as directory:
             began = time.monotonic()
             ranks = measure(size, Path(directory))
-        worst = {key: max(r[key] for r in ranks) for key in ("strategy", "first", "agree", "transfer")}
+        worst = {key: max(r[key] for r in ranks) for key in ("import", "strategy", "first", "agree", "transfer")}
         base = base or worst
-        rows.append(_row(size, ranks, base))
+        rows.append(_row(size, worst, base))
         print(f"measured {size} workers in {time.monotonic() - began:.0f} s", flush=True)
     print(f"\nWorker-side cost of a round at K workers on loopback ({os.cpu_count()} cores; slowest rank; "
           f"ratios to K = {sizes[0]})\n")

@@ -31,17 +31,15 @@ from tf_elastic.elastic.store.file import FileStore
 
 
 class RequestCounter:
-    """Requests sent by every store client of a simulation, in total and by kind (`get`, `list`, `cas`,
+    """Requests sent by every store client of a simulation, by kind (`get`, `list`, `cas`,
     `lease check`, `watch`, ...: where a round's requests go)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.total = 0
         self.kinds: collections.Counter = collections.Counter()
 
     def add(self, kind: str) -> None:
         with self._lock:
-            self.total += 1
             self.kinds[kind] += 1
 
     def snapshot(self) -> collections.Counter:
@@ -63,17 +61,13 @@ class _CountedEtcd(EtcdStore):
     def _send(self, endpoint, path, body, headers):
         connection = self._connections.get(endpoint)
         if connection is None:
-            host, _, port = endpoint.rpartition(":")
-            connection = http.client.HTTPConnection(host, int(port), timeout=self.options.request_timeout)
-            self._connections[endpoint] = connection
+            connection = self._connections[endpoint] = self._connect(endpoint)
         try:
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **headers})
-            response = connection.getresponse()
+            response = _post(connection, path, body, headers)
             return response.status, response.read().decode("utf-8", "replace")
-        except (OSError, http.client.HTTPException) as error:
-            connection.close()
+        except requests.ConnectionError:
             del self._connections[endpoint]
-            raise requests.ConnectionError(f"{type(error).__name__}: {error}") from None
+            raise
 
     def close(self):
         super().close()
@@ -87,16 +81,30 @@ class _CountedEtcd(EtcdStore):
     def stream(self, path, body, read_timeout):
         """A watch stream on a connection of its own, through `http.client` too."""
         self._counter.add("watch")
-        host, _, port = self.endpoints[self._current].rpartition(":")
-        connection = http.client.HTTPConnection(host, int(port), timeout=self.options.request_timeout)
-        try:
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = connection.getresponse()
-            connection.sock.settimeout(read_timeout)
-        except (OSError, http.client.HTTPException) as error:
-            connection.close()
-            raise requests.ConnectionError(f"{type(error).__name__}: {error}") from None
+        connection = self._connect(self.endpoints[self._current])
+        response = _post(connection, path, body, {})
+        connection.sock.settimeout(read_timeout)
         return _Stream(connection, response)
+
+    def _connect(self, endpoint: str) -> http.client.HTTPConnection:
+        host, _, port = endpoint.rpartition(":")
+        return http.client.HTTPConnection(host, int(port), timeout=self.options.request_timeout)
+
+
+def _post(connection: http.client.HTTPConnection, path: str, body: Dict,
+          headers: Dict[str, str]) -> http.client.HTTPResponse:
+    """A JSON POST's response; an endpoint that cannot be reached raises what `requests` would (the
+    connection closed), so that `EtcdStore` handles it as its own transport's."""
+    try:
+        connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **headers})
+        return connection.getresponse()
+    except (OSError, http.client.HTTPException) as error:
+        connection.close()
+        raise _unreachable(error) from None
+
+
+def _unreachable(error: Exception) -> requests.ConnectionError:
+    return requests.ConnectionError(f"{type(error).__name__}: {error}")
 
 
 class _Stream:
@@ -119,7 +127,7 @@ class _Stream:
                     return
                 yield line.rstrip(b"\r\n")
         except (OSError, http.client.HTTPException) as error:  # the read timeout ends a stream, as requests'
-            raise requests.ConnectionError(f"{type(error).__name__}: {error}") from None
+            raise _unreachable(error) from None
 
 
 def _etcd_kind(path: str, body: Dict) -> str:
