@@ -46,8 +46,12 @@ def summary(run_dir: RunDirs) -> str:
               f"- test accuracy: {evaluation[-1]['test_accuracy']:.4f}" if evaluation else "- test accuracy: n/a",
               f"- last agent exit: {exits[-1]['host']}, code {exits[-1]['code']}: {exits[-1]['reason']}" if exits
               else "- no agent has exited"]
-    if any(RunDir(d).indices.is_dir() for d in run_dirs(run_dir)):
-        lines.append(f"- examples used more than once in an epoch (committed work): {audit.repeats(run_dir)}")
+    starts = [e for e in events if e["event"] == Event.FIRST_STEP]
+    if starts and any(RunDir(d).indices.is_dir() for d in run_dirs(run_dir)):
+        counts = audit.exactly_once(run_dir, starts[-1]["examples"], max(e["global_batch"] for e in starts))
+        lines.append(f"- examples trained more than once in an epoch (committed work, as the steps consumed them): "
+                     f"{counts['repeated']}; missed beyond an epoch's remainder: {counts['skipped']}; steps that "
+                     f"trained other than planned: {counts['off_plan']}")
     return "\n".join(lines)
 
 

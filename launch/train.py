@@ -231,7 +231,7 @@ def train(sources) -> None:
     elastic.fit(model, train_source, epochs=FLAGS.epochs, **batches, config=config, run_dir=run_dir,
                 preprocess=train_preprocess, callbacks=callbacks,
                 verbose="auto" if sys.stdout.isatty() and not world.elastic else 2)
-    # Every worker evaluates, streaming the whole split: under MWMS evaluation runs collectives.
+    # The workers share the test split (each example once) and sum the metrics: every one reports the whole split's.
     evaluation = data.evaluation(test, 256, preprocessing.get(FLAGS.preprocess, FLAGS.image_size, training=False))
     try:
         _, accuracy = model.evaluate(evaluation, verbose=0, callbacks=[elastic.ProgressCallback()])

@@ -15,13 +15,14 @@ def test_ten_random_faults_lose_nothing(tmp_path):
     assert {f["kind"] for f in result["faults"]} == set(soak.KINDS)
     assert soak.failed_invariants(result, tolerance=0.03) == []
     assert result["checks"]["samples_repeated"] == result["checks"]["samples_skipped"] == 0
+    assert result["checks"]["steps_off_plan"] == 0
 
 
 def test_a_soak_that_injected_fewer_faults_than_asked_fails():
     """`--faults=15` once injected 11 (training ended first) and reported "invariants: all hold"."""
     checks = {"finished": True, "accuracy": 0.9, "reference_accuracy": 0.9, "samples_repeated": 0,
-              "samples_skipped": 0, "progress_backwards": [], "orphans": [], "leaked_temp_dirs": [],
-              "ports_still_bound": [], "epochs_checked": 5}
+              "samples_skipped": 0, "steps_off_plan": 0, "progress_backwards": [], "orphans": [],
+              "leaked_temp_dirs": [], "ports_still_bound": [], "epochs_checked": 5}
     fault = {"kind": "kill_worker", "time": 1.0, "recovered": 2.0, "note": ""}
     ended = {**fault, "recovered": None, "note": "the job had finished"}
     result = {"faults": [fault] * 11 + [ended], "faults_asked": 15, "epochs": 5, "checks": checks}

@@ -130,6 +130,25 @@ def test_missing_and_empty_folders_are_named(tmp_path):
         data.TFRecordSource(str(tmp_path / "train-*"))
 
 
+def test_a_validation_folder_with_classes_the_training_folder_lacks_is_refused_naming_them(tmp_path):
+    """A misspelt or extra class folder in validation was dropped without a word (4 of 13 files evaluated)."""
+    from tf_elastic.elastic.worker import datasets
+
+    png = data_files.png(np.zeros((4, 4, 3), np.uint8))
+    for split, classes in {"train": ["cat", "dog"], "validation": ["cat", "dog", "Dog", "fox"]}.items():
+        for name in classes:
+            (tmp_path / split / name).mkdir(parents=True)
+            (tmp_path / split / name / "0.png").write_bytes(png)
+    with pytest.raises(ConfigurationError, match=re.escape(
+            f"image folder {tmp_path / 'validation'} has class folders that are not among the 2 classes given: "
+            "Dog, fox (classes: cat, dog).")):
+        datasets.sources(f"folder:{tmp_path}")
+    for extra in ("Dog", "fox"):
+        (tmp_path / "validation" / extra / "0.png").unlink()
+        (tmp_path / "validation" / extra).rmdir()
+    assert datasets.sources(f"folder:{tmp_path}")[1].num_examples == 2
+
+
 def test_a_record_that_does_not_parse_is_named(tmp_path):
     path = tmp_path / "train-00000-of-00001"
     with tf.io.TFRecordWriter(str(path)) as writer:
@@ -266,7 +285,8 @@ def test_a_record_that_does_not_parse_in_training_stops_fit_naming_its_shard(tmp
     records = list(tf.data.TFRecordDataset(str(bad)).as_numpy_iterator())
     with tf.io.TFRecordWriter(str(bad)) as writer:
         for n, record in enumerate(records):
-            writer.write(b"not a tf.train.Example" if n == 5 else record)
+            # (as long as the record it replaces: the shard keeps its size, so the data's fingerprint holds)
+            writer.write(b"not a tf.train.Example".ljust(len(record), b"!") if n == 5 else record)
     offset = tfrecord_format.record_offsets(str(bad))[0][5]
     named = re.escape(f"a record that does not parse in TFRecord file] [{bad}] [at byte] [{offset}]")
     with pytest.raises(ConfigurationError, match=named):
@@ -431,6 +451,29 @@ def test_the_index_cache_serves_unchanged_shards_and_indexes_changed_ones_again(
     assert len(list(Path(cache).glob("*.npz"))) == 2
     with pytest.raises(ConfigurationError, match="must be a local"):
         data.TFRecordSource(f"{shards}/train-*", channels=1, cache_dir="gs://bucket/cache")
+
+
+def test_the_index_cache_of_a_remote_shard_rewritten_at_the_same_size_and_mtime_is_not_trusted(tmp_path, digits):
+    """Through a `scheme://` path only size and mtime were the key: a same-size rewrite with its mtime
+    kept (`cp -p`, `rsync -a`) reused the old index and class count, failing every restart with exit 78."""
+    import os
+
+    (images, labels), _ = digits
+    shards, cache = tmp_path / "tfrecord", str(tmp_path / "cache")
+    keep = np.asarray(labels[:16]).copy()
+    keep[keep == 9] = 8
+    data_files.write_tfrecords(shards, "train", images[:16], keep, shards=1)
+    make = lambda: data.TFRecordSource(f"file://{shards}/train-*", channels=1, cache_dir=cache)  # noqa: E731
+    before = make().num_classes
+    assert make().shard_reads == 0
+    shard, other = shards / "train-00000-of-00001", keep.copy()
+    times = shard.stat()
+    other[-1] = 9  # the same record sizes, a new largest label
+    data_files.write_tfrecords(shards, "train", images[:16], other, shards=1)
+    os.utime(shard, ns=(times.st_atime_ns, times.st_mtime_ns))
+    assert shard.stat().st_size == times.st_size and shard.stat().st_mtime_ns == times.st_mtime_ns
+    again = make()
+    assert again.shard_reads >= 1 and again.num_classes == before + 1
 
 
 def _train(args, timeout=300):

@@ -88,7 +88,8 @@ def test_main_job_runs_end_to_end(tmp_path):
     table = [line for line in proc.stdout.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip().isdigit()]
     trained_rounds = {e["round"] for e in events if e["event"] == "restore"}
     assert len(table) == len(trained_rounds)
-    assert "examples used more than once in an epoch (committed work): 0" in proc.stdout
+    assert ("examples trained more than once in an epoch (committed work, as the steps consumed them): 0; missed "
+            "beyond an epoch's remainder: 0; steps that trained other than planned: 0") in proc.stdout
     commits = [e for e in events if e["event"] == "commit"]
     assert f"final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" in proc.stdout
     accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]

@@ -46,7 +46,10 @@ def test_a_commit_less_than_a_global_batch_before_the_epoch_end_resumes_at_the_n
     model, _ = _training_setup()
     model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.optimizer.build(model.trainable_variables)
-    CommittedState(World(), str(tmp_path), model).commit(epoch=0, samples=59, step=7, global_batch=8)
+    from tf_elastic.elastic.worker.data.source import ArraySource, fingerprint_number
+
+    CommittedState(World(), str(tmp_path), model).commit(epoch=0, samples=59, step=7, global_batch=8,
+                                                         data=(fingerprint_number(ArraySource(x, y)), 64))
     elastic.fit(model, x, y, world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
                 epochs=2, per_replica_batch_size=16, callbacks=[EpochsBegun()], verbose=0)
     assert EpochsBegun.begun == [1]
@@ -232,3 +235,100 @@ def test_each_epoch_trains_on_its_own_planned_order(tmp_path):
     plan = DataPlan(8, 0)
     planned = [sorted(b.tolist()) for e in range(3) for b in plan.replica_batches(e, 0, 1, 0, 4)]
     assert seen == planned and planned[:2] != planned[2:4], (seen, planned)
+
+
+def _id_model(examples: int, steps_per_execution: int = 1) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(examples)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_steps_per_execution_counts_every_step_and_steps_train_what_was_planned(tmp_path, replicas,
+                                                                                  two_cpu_strategy):
+    """`compile(steps_per_execution=3)` with 8 steps an epoch (the last execution of each is short): every
+    step is counted, commits land at the epoch ends, each epoch has its own order, and what each replica's
+    step consumed (test mode's record from inside the step) is the plan's, with class weights too."""
+    from tf_elastic.elastic import audit
+
+    strategy = two_cpu_strategy if replicas == 2 else tf.distribute.get_strategy()
+    with strategy.scope():
+        model = _id_model(64, steps_per_execution=3)
+    ids = np.arange(64)
+    run_dir = str(tmp_path)
+    elastic.fit(model, ids[:, None].astype(np.float32), ids, batch_size=8, epochs=3, verbose=0, strategy=strategy,
+                world=World(run_dir=run_dir, index_log=True), run_dir=run_dir, class_weight={0: 2.0},
+                config=elastic.FitConfig(commit_every_steps=0, durable_every_commits=0))
+    commits = [(e["epoch"], e["samples"], e["step"]) for e in read_events(tmp_path) if e["event"] == "commit"]
+    assert commits == [(1, 0, 8), (2, 0, 16), (3, 0, 24)] and int(model.optimizer.iterations.numpy()) == 24
+    assert audit.exactly_once(run_dir, 64, 8) == {"epochs": 3, "repeated": 0, "skipped": 0, "off_plan": 0}
+    steps = audit.index_records(run_dir)
+    assert len(steps) == 24 and {len(r["indices"]) for r in steps} == {8}
+    assert steps[0]["indices"] != steps[8]["indices"]  # epoch 1 is not epoch 0 again
+
+
+def test_the_audit_sees_a_step_that_trained_other_examples_than_planned(tmp_path):
+    """The index log's audit counts what steps consumed: a consumption record that is not the plan's (as
+    when a strategy re-split a worker's batch) shows as off_plan and as skipped examples."""
+    from tf_elastic.elastic import audit
+    from tf_elastic.elastic.protocol import RunDir
+
+    layout = RunDir(tmp_path)
+    layout.indices.mkdir(parents=True)
+    planned = [list(range(0, 4)), list(range(4, 8))]
+    layout.index_log(0, 0).write_text("".join(
+        json.dumps({"round": 0, "rank": 0, "epoch": 0, "step": s + 1, "indices": p}) + "\n"
+        for s, p in enumerate(planned)))
+    layout.consumed_log(0, 0).write_text("1 [0 1]\n2 [4 5]\n")  # half of each planned batch
+    assert audit.exactly_once(str(tmp_path), 8, 4) == {"epochs": 1, "repeated": 0, "skipped": 1, "off_plan": 2}
+    layout.consumed_log(0, 0).write_text("1 [0 1 2 3]\n2 [4 5 6 7]\n")
+    assert audit.exactly_once(str(tmp_path), 8, 4) == {"epochs": 1, "repeated": 0, "skipped": 0, "off_plan": 0}
+
+
+def test_a_stop_agreed_at_an_epochs_last_step_keeps_that_epochs_validation_and_end(tmp_path):
+    """SIGTERM at the third of four steps of epoch 1, agreed at step 8 (the epoch's last): the epoch ends
+    with its validation and an epoch-end commit before the stop, and the restart trains epoch 2."""
+    x, y = np.random.default_rng(0).random((64, 1), np.float32), np.arange(64) % 4
+
+    class Preempt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations) == 7:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def run():
+        model = _id_model(4)
+        elastic.fit(model, x, y, batch_size=16, epochs=3, verbose=0, validation_data=(x[:16], y[:16]),
+                    callbacks=[Preempt()], world=World(run_dir=str(tmp_path)), run_dir=str(tmp_path),
+                    config=elastic.FitConfig(commit_every_steps=0, sync_every_steps=2, durable_every_commits=0))
+
+    with pytest.raises(elastic.StopRequested, match="after committing step 8"):
+        run()
+    run()
+    events = read_events(tmp_path)
+    assert [e["epoch"] for e in events if e["event"] == "epoch_end"] == [0, 1, 2]
+    assert sum(e["event"] == "evaluation_begin" for e in events) == 3
+    assert [(e["epoch"], e["samples"]) for e in events if e["event"] == "commit"] == [(1, 0), (2, 0), (3, 0)]
+
+
+def test_a_restart_on_other_data_is_refused_in_one_line_naming_both(tmp_path):
+    """The commit holds the data's fingerprint and size: a restart whose data differs (a file missing, one
+    added, other bytes) is refused before it trains, and the commit is kept."""
+    from tf_elastic.elastic.worker.errors import ConfigurationError
+
+    x, y = np.random.default_rng(0).random((64, 1), np.float32), np.arange(64) % 4
+
+    def run(x, y, epochs):
+        return elastic.fit(_id_model(4), x, y, batch_size=16, epochs=epochs, verbose=0, run_dir=str(tmp_path),
+                           world=World(run_dir=str(tmp_path)),
+                           config=elastic.FitConfig(commit_every_steps=0, durable_every_commits=0))
+
+    run(x, y, 1)
+    for other in ((x[:63], y[:63]), (x + 1, y)):
+        with pytest.raises(ConfigurationError) as refused:
+            run(*other, 2)
+        message = str(refused.value)
+        assert "\n" not in message and re.search(r"has \d+ examples \(fingerprint [0-9a-f]{12}\), the commit 64 "
+                                                  r"examples \(fingerprint [0-9a-f]{12}\)", message), message
+    assert run(x, y, 2).epoch == [1]  # the same data goes on from the commit

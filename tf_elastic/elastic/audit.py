@@ -5,6 +5,7 @@ the next round restored from; steps after it were redone.
 """
 import collections
 import json
+from pathlib import Path
 from typing import Dict, List
 
 from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
@@ -12,16 +13,35 @@ from tf_elastic.elastic.protocol import Event, RunDir
 
 
 def index_records(run_dir: RunDirs) -> List[Dict]:
-    """Every step's example indices, as the workers logged them in test mode (`--index_log`), from one
-    run dir or several (host-local run dirs)."""
+    """Every step's example indices as its replicas really trained them, in test mode (`--index_log`), from
+    one run dir or several (host-local run dirs). Each is the trainer's record of the step (round, rank,
+    epoch, step; `planned`: the plan's indices) with `indices`: what the step consumed. A step that trained
+    what the trainer never counted gets epoch -1 (`exactly_once` counts it as `off_plan`)."""
     records = []
     for path in sorted(p for d in run_dirs(run_dir) for p in RunDir(d).indices.glob("*.jsonl")):
+        counted = {}
         for line in path.read_text().splitlines():
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except ValueError:
-                pass  # a worker killed mid-line: that step was never committed either
+                continue  # a worker killed mid-line: that step was never committed either
+            counted[record["step"]] = dict(record, planned=record["indices"], indices=[])
+        round_, rank = (int(n) for n in path.stem[len("round"):].split("-rank"))
+        for step, indices in _consumed(path.with_suffix(".consumed")).items():
+            record = counted.get(step) or dict(round=round_, rank=rank, epoch=-1, step=step, planned=[])
+            counted[step] = dict(record, indices=indices)
+        records.extend(counted.values())
     return records
+
+
+def _consumed(path: Path) -> Dict[int, List[int]]:
+    """Step -> the indices its replicas trained, from `worker.consumed`'s lines `STEP [I I ...]`."""
+    steps: Dict[int, List[int]] = {}
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
+        head, _, rest = line.partition(" ")
+        if head.isdigit() and rest.startswith("[") and rest.endswith("]"):  # else: killed mid-line
+            steps.setdefault(int(head), []).extend(int(t) for t in rest.strip("[]").split())
+    return steps
 
 
 def restores(run_dir: RunDirs) -> Dict[int, int]:
@@ -41,10 +61,15 @@ def committed_records(run_dir: RunDirs) -> List[Dict]:
 
 
 def uses_by_epoch(run_dir: RunDirs) -> Dict[int, collections.Counter]:
-    """Epoch -> how often committed work used each example."""
+    """Epoch -> how often committed work trained each example."""
+    return _uses_by_epoch(committed_records(run_dir))
+
+
+def _uses_by_epoch(records: List[Dict]) -> Dict[int, collections.Counter]:
     by_epoch = collections.defaultdict(collections.Counter)
-    for record in committed_records(run_dir):
-        by_epoch[record["epoch"]].update(record["indices"])
+    for record in records:
+        if record["epoch"] >= 0:
+            by_epoch[record["epoch"]].update(record["indices"])
     return by_epoch
 
 
@@ -52,18 +77,16 @@ def _extra_uses(by_epoch: Dict[int, collections.Counter]) -> int:
     return sum(c - 1 for counts in by_epoch.values() for c in counts.values() if c > 1)
 
 
-def repeats(run_dir: RunDirs) -> int:
-    """Extra uses of examples within an epoch among committed work."""
-    return _extra_uses(uses_by_epoch(run_dir))
-
-
 def exactly_once(run_dir: RunDirs, num_examples: int, largest_global_batch: int) -> Dict[str, int]:
-    """Counts, over committed work, examples used more than once in an epoch and examples an epoch
-    missed beyond its final remainder (each smaller than one global batch is allowed)."""
-    by_epoch = uses_by_epoch(run_dir)
+    """Counts, over committed work, examples trained more than once in an epoch, examples an epoch missed
+    beyond its final remainder (each smaller than one global batch is allowed), and `off_plan`: steps
+    whose replicas trained other examples than the plan gave them (or that the trainer never counted)."""
+    committed = committed_records(run_dir)
+    by_epoch = _uses_by_epoch(committed)
     repeated = _extra_uses(by_epoch)
     skipped = sum(max(0, num_examples - len(counts) - (largest_global_batch - 1)) for counts in by_epoch.values())
-    return {"epochs": len(by_epoch), "repeated": repeated, "skipped": skipped}
+    off_plan = sum(sorted(r["indices"]) != sorted(r["planned"]) for r in committed)
+    return {"epochs": len(by_epoch), "repeated": repeated, "skipped": skipped, "off_plan": off_plan}
 
 
 def steps_redone(run_dir: RunDirs) -> int:

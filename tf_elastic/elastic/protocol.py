@@ -154,7 +154,12 @@ class RunDir:
         return self.path / "indices"
 
     def index_log(self, round_: int, rank: int) -> Path:
+        """The trainer's record of each step: round, rank, epoch, step and the plan's indices."""
         return self.indices / f"round{round_}-rank{rank}.jsonl"
+
+    def consumed_log(self, round_: int, rank: int) -> Path:
+        """What each step's replicas really trained, written by the step (`worker.consumed`)."""
+        return self.indices / f"round{round_}-rank{rank}.consumed"
 
 
 

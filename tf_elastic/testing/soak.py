@@ -236,6 +236,7 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
         "finished": bool(accuracy) and final_commit["epoch"] == epochs,
         "accuracy": accuracy[-1] if accuracy else None, "reference_accuracy": reference,
         "epochs_checked": data["epochs"], "samples_repeated": data["repeated"], "samples_skipped": data["skipped"],
+        "steps_off_plan": data["off_plan"],
         "steps_redone": audit.steps_redone(run_dir), "progress_backwards": backwards,
         "checkpoints_skipped": len([e for e in events if e["event"] == Event.CHECKPOINT_SKIPPED and e["rank"] == 0]),
         "orphans": orphans, "leaked_temp_dirs": leaked, "left_by_killed_hosts": len(by_killed),
@@ -287,7 +288,7 @@ def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
         failed.append(f"the job did not finish (agents' exits: {c['agent_exits']})")
     elif c["accuracy"] < c["reference_accuracy"] - tolerance:
         failed.append(f"accuracy {c['accuracy']:.4f} < fault-free {c['reference_accuracy']:.4f} - {tolerance}")
-    for key in ("samples_repeated", "samples_skipped"):
+    for key in ("samples_repeated", "samples_skipped", "steps_off_plan"):
         if c[key]:
             failed.append(f"{key} = {c[key]}")
     for key in ("progress_backwards", "orphans", "leaked_temp_dirs", "ports_still_bound"):
@@ -325,7 +326,8 @@ def table(result: Dict[str, object]) -> str:
                      f"{every[min(len(every) - 1, int(0.95 * len(every)))]:.2f} s | {every[-1]:.2f} s | |")
     lines += ["", f"- finished: {c['finished']}; test accuracy {c['accuracy']} vs fault-free {c['reference_accuracy']}",
               f"- steps redone: {c['steps_redone']}; samples repeated: {c['samples_repeated']}; samples skipped: "
-              f"{c['samples_skipped']} (over {c['epochs_checked']} epochs)",
+              f"{c['samples_skipped']} (over {c['epochs_checked']} epochs, as the steps consumed them); steps that "
+              f"trained other than planned: {c['steps_off_plan']}",
               f"- corrupted commits detected and skipped: {c['checkpoints_skipped']}; progress backwards otherwise: "
               f"{c['progress_backwards']}",
               f"- orphan processes: {c['orphans']}; leaked temp dirs: {c['leaked_temp_dirs']}; ports still bound: "

@@ -50,9 +50,9 @@ class CommittedState:
                  durable: Optional[DurableCopies] = None, durable_every_commits: int = 0,
                  events: Optional[EventLog] = None, background: bool = False):
         self.world, self.events = world, events
-        # epoch, samples, step, global batch, generation
+        # epoch, samples, step, global batch, generation, the data's fingerprint and size (`commit`'s `data`)
         with _plain_variables():
-            self.progress = tf.Variable(np.zeros(5, np.int64), trainable=False, name="elastic_progress")
+            self.progress = tf.Variable(np.zeros(7, np.int64), trainable=False, name="elastic_progress")
         self.model, self.schedule = model, schedule
         items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
         if schedule is not None:
@@ -142,6 +142,11 @@ class CommittedState:
         return int(self.progress[2])
 
     @property
+    def data(self) -> Tuple[int, int]:
+        """(fingerprint, examples) of the data the commit's positions index."""
+        return int(self.progress[5]), int(self.progress[6])
+
+    @property
     def held(self) -> CommitId:
         """(generation, step) of the commit this worker restored (`NO_COMMIT`: none), for the agreement."""
         return CommitId(int(self.progress[4]), self.step) if self.restored else NO_COMMIT
@@ -199,12 +204,13 @@ class CommittedState:
         return None, skipped
 
     def commit(self, epoch: int, samples: int, step: int, global_batch: int, announce: Optional[Dict] = None,
-               started: Optional[float] = None) -> None:
+               started: Optional[float] = None, data: Tuple[int, int] = (0, 0)) -> None:
         """All workers call this at the same step; the host's first worker writes. The chief gives the
         fields of the `commit` event `log` writes once every host holds the commit (`announce`), and when
-        the commit began (`started`, `time.perf_counter()`: the group's check before it counts)."""
+        the commit began (`started`, `time.perf_counter()`: the group's check before it counts). `data`:
+        (fingerprint, examples) of the data that `epoch` and `samples` index."""
         started = time.perf_counter() if started is None else started
-        self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation], np.int64))
+        self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation, *data], np.int64))
         self.log.make(announce, started)
         self.keep(started)
 
@@ -218,7 +224,7 @@ class CommittedState:
         if self._warm is not None:
             self._warm.result()  # done long before, unless a commit comes within the first steps
         self._raise_background_error()
-        epoch, samples, step, _, generation = (int(v) for v in self.progress.numpy())
+        epoch, samples, step, _, generation = (int(v) for v in self.progress.numpy()[:5])
         # Named by generation and the whole position: a commit never overwrites the files the state file names.
         prefix = posixpath.join(self.directory, f"ckpt-{generation}-{step}-{epoch}-{samples}")
         try:

@@ -12,9 +12,13 @@ host in a `tf.function` on each write; Keras's `Variable._copy_trackable_to_cpu`
 tf.Variables"). Each patch is installed only when the installed Keras still has the faulty code, detected
 in its source, so the fix turns itself off once Keras is fixed.
 """
+import contextlib
 import inspect
 import re
-from typing import Dict
+from typing import Dict, Iterator
+
+import keras
+from absl import logging
 
 _SYMBOLIC_BUILD_BUG = re.compile(r'distribute_strategy\.reduce\(\s*"MEAN",\s*maybe_distributed_data_batch')
 _SCALAR_REDUCE_BUG = re.compile(r'strategy\.reduce\("MEAN",\s*v,\s*axis=0\)')
@@ -46,6 +50,28 @@ def install_async_checkpoint_fix() -> bool:
         core.Variable._copy_trackable_to_cpu = _copy_trackable_to_cpu
     _async_fix["installed"] = needed
     return needed
+
+
+# Keras 3.15's multi-step loop (`compile(steps_per_execution=k)`, k > 1) fails under any strategy of several
+# replicas, MirroredStrategy and MWMS alike: "You must feed a value for placeholder tensor 'while/cond/...'".
+MULTI_STEP_FAILS_UNDER_REPLICAS = tuple(int(n) for n in keras.__version__.split(".")[:2]) <= (3, 15)
+
+
+@contextlib.contextmanager
+def steps_per_execution_that_runs(model: "keras.Model", strategy) -> Iterator[None]:
+    """Runs one step per execution where Keras's multi-step loop fails (same steps, same results; only the
+    host round trips differ), with a warning; anywhere else it leaves `steps_per_execution` as compiled."""
+    compiled = model.steps_per_execution
+    fallback = MULTI_STEP_FAILS_UNDER_REPLICAS and compiled > 1 and strategy.num_replicas_in_sync > 1
+    if fallback:
+        logging.log_first_n(logging.WARNING, "steps_per_execution=%d runs as 1 under %d replicas: Keras %s's "
+                            "multi-step loop fails under a distribution strategy", 1, compiled,
+                            strategy.num_replicas_in_sync, keras.__version__)
+        model.steps_per_execution = 1
+    try:
+        yield
+    finally:
+        model.steps_per_execution = compiled
 
 
 def bugs_in(trainer_source: str) -> Dict[str, bool]:

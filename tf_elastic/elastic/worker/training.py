@@ -19,11 +19,12 @@ from absl import logging
 
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir, error_line
-from tf_elastic.elastic.worker import entry, keras_compat
+from tf_elastic.elastic.worker import consumed, entry, keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
 from tf_elastic.elastic.worker.data import (ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation,
-                                           pipeline)
+                                           feed, pipeline)
+from tf_elastic.elastic.worker.data.source import fingerprint_number
 from tf_elastic.elastic.worker.data_plan import DataPlan, replica_batch_size
 from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
@@ -98,7 +99,7 @@ class _ElasticCallback(ProgressCallback):
         self.trainer.begin_epoch(epoch)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.trainer.end_step(logs or {})
+        self.trainer.end_step(batch, logs or {})
 
     def on_epoch_end(self, epoch, logs=None):
         self.trainer.end_epoch(epoch, logs if logs is not None else {})
@@ -110,8 +111,8 @@ class _ElasticTrainer:
     def __init__(self, *, model: keras.Model, source: Source, preprocess: Optional[Preprocess], world: World,
                  strategy: tf.distribute.Strategy, state: CommittedState, config: FitConfig, worker_batch: int,
                  events: EventLog, sum_fn: SumOverWorkers, group: Optional[GroupState],
-                 schedule: Optional[BatchResizeSchedule]):
-        self.model, self.source, self.preprocess = model, source, preprocess
+                 schedule: Optional[BatchResizeSchedule], class_weight: Optional[Dict[int, float]] = None):
+        self.model, self.source, self.preprocess, self.class_weight = model, source, preprocess, class_weight
         self.group, self.schedule = group, schedule
         self.average_statistics = StatisticsAverage(strategy, statistics(model.variables))
         self.validation = _Validation(None, 1)
@@ -119,6 +120,7 @@ class _ElasticTrainer:
         self.state, self.config, self.events = state, config, events
         self.sum_over_workers = sum_fn
         self.plan = DataPlan(source.num_examples, config.seed, lambda epoch: source.epoch_order(config.seed, epoch))
+        self.data_fingerprint = fingerprint_number(source)
         self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
         self.global_batch = worker_batch * world.size
         self.step = self.epoch = self.epoch_start = 0  # from the agreed commit, at `restored`
@@ -135,8 +137,25 @@ class _ElasticTrainer:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._index_log = open(path, "a", encoding="utf-8")
 
+    def check_same_data(self) -> None:
+        """Every worker sees the data this one sees (one sum over the workers, a slot each)."""
+        slots = [0.0] * (2 * self.world.size)
+        slots[2 * self.world.rank: 2 * self.world.rank + 2] = [self.data_fingerprint, self.source.num_examples]
+        seen = np.asarray(self.sum_over_workers(slots)).reshape(-1, 2)
+        other = next((rank for rank, row in enumerate(seen) if tuple(row) != tuple(seen[0])), None)
+        if other is not None:
+            raise ConfigurationError(
+                f"the workers see different training data: rank 0 {_data_text(*seen[0])}, rank {other} "
+                f"{_data_text(*seen[other])}: give every host the same files.")
+
     def restored(self) -> None:
         """The group agreed on its starting commit: positions and the schedule's batch history follow it."""
+        committed = self.state.data
+        if self.state.held != NO_COMMIT and committed != (self.data_fingerprint, self.source.num_examples):
+            raise ConfigurationError(
+                f"the training data differs from the data of the commit of step {self.state.step}: it has "
+                f"{_data_text(self.data_fingerprint, self.source.num_examples)}, the commit {_data_text(*committed)}: "
+                "restart on the same data, or start a new run (another run dir) for new data.")
         self.step, self.epoch, self.epoch_start = self.state.step, self.state.epoch, self.state.samples
         self.set_batches(self.epoch, self.epoch_start)
         if self.schedule is not None:
@@ -151,19 +170,55 @@ class _ElasticTrainer:
         self.epoch, self.epoch_start, self.batch_in_epoch = epoch, start, 0
         self.batches = self.plan.replica_batches(epoch, start, self.world.size, self.world.rank, self.worker_batch)
 
-    def dataset(self) -> tf.data.Dataset:
-        """This worker's planned batches of the current epoch, read by the source in the tf.data graph."""
+    def dataset(self) -> tf.distribute.DistributedDataset:
+        """This worker's planned batches of the current epoch, read by the source in the tf.data graph and
+        split over its local replicas as the plan splits them (see `data.feed`)."""
         indices = np.concatenate(self.batches) if self.batches else np.zeros([0], np.int64)
-        return pipeline(self.source, indices, self.worker_batch, preprocess=self.preprocess, seed=self.config.seed,
-                        epoch=self.epoch)
+        return feed.to_replicas(self.strategy, self.world.size, self.worker_batch,
+                                lambda per_replica: self._pipeline(indices, per_replica))
+
+    def _pipeline(self, indices: np.ndarray, batch: int) -> tf.data.Dataset:
+        return pipeline(self.source, indices, batch, preprocess=self.preprocess, seed=self.config.seed,
+                        epoch=self.epoch, class_weight=self.class_weight, with_indices=self._index_log is not None)
+
+    def record_consumption(self) -> None:
+        """Test mode (`--index_log`): every replica writes the indices its steps train (`consumed`)."""
+        if self._index_log is not None:
+            spec = self._pipeline(np.zeros([0], np.int64), 1).element_spec
+            with self.strategy.scope():
+                consumed.record_steps(self.model, RunDir(self.world.run_dir).consumed_log(
+                    self.world.round, self.world.rank), spec)
 
     # Callback hooks ------------------------------------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
         self.epoch_began = time.time()
         self.batch_in_epoch = 0
 
-    def end_step(self, logs: Dict) -> None:
+    def end_step(self, batch: int, logs: Dict) -> None:
+        """Keras ended the epoch's step `batch` (0-based): with `compile(steps_per_execution=k)` it calls once
+        for k steps, so every step up to `batch` is counted here."""
         self.last_loss = logs.get("loss")
+        before = self.step
+        # Keras names the last step an execution could reach; the last one of an epoch stops where the data does.
+        for _ in range(min(batch + 1, len(self.batches)) - self.batch_in_epoch):
+            self._count_step()
+        report_progress(self.step)
+        if not self.first_step_logged:
+            self.first_step_logged = True
+            self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
+                              world_size=self.world.size, examples=self.source.num_examples,
+                              global_batch=self.global_batch)
+        commit = _crossed(before, self.step, self.config.commit_every_steps)
+        if _crossed(before, self.step, self.config.sync_every_steps):
+            stop, due = self._agree(self.stop_requested, self._commit_due())
+            commit, self.stopped = commit or due or stop, stop
+        # The epoch's last step commits at the epoch's end (a stop too): its validation and end come first.
+        if commit and self.batch_in_epoch < len(self.batches):
+            self.commit(self.epoch, self.epoch_start + self.batch_in_epoch * self.global_batch)
+        if self.stopped:
+            self.model.stop_training = True
+
+    def _count_step(self) -> None:
         if self._index_log is not None:
             self._index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank, "epoch": self.epoch,
                                               "step": self.step + 1,
@@ -171,28 +226,12 @@ class _ElasticTrainer:
             self._index_log.flush()
         self.batch_in_epoch += 1
         self.step += 1
-        report_progress(self.step)
-        if not self.first_step_logged:
-            self.first_step_logged = True
-            self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
-                              world_size=self.world.size, examples=self.source.num_examples,
-                              global_batch=self.global_batch)
-        every = self.config.commit_every_steps
-        commit = bool(every) and self.step % every == 0
-        if self.step % self.config.sync_every_steps == 0:
-            stop, due = self._agree(self.stop_requested, self._commit_due())
-            commit, self.stopped = commit or due or stop, stop
-        if commit:
-            self.commit(self.epoch, self.epoch_start + self.batch_in_epoch * self.global_batch)
-        if self.stopped:
-            self.model.stop_training = True
 
     def end_epoch(self, epoch: int, logs: Dict) -> None:
-        if self.stopped:
-            return  # Keras still calls on_epoch_end after a stop mid-epoch; that state is committed already.
         start = self.epoch_start + self.batch_in_epoch * self.global_batch
-        if self.batch_in_epoch < len(self.batches):  # a callback of the user's stopped training mid-epoch
-            self.commit(epoch, start)
+        if self.batch_in_epoch < len(self.batches):
+            if not self.stopped:  # a callback of the user's stopped training mid-epoch (an agreed stop committed)
+                self.commit(epoch, start)
             return
         if self.world.is_chief:
             seconds = time.time() - self.epoch_began
@@ -226,7 +265,8 @@ class _ElasticTrainer:
                           loss=None if self.last_loss is None else float(self.last_loss),
                           learning_rate=_learning_rate(self.model), world_size=self.world.size,
                           global_batch=self.global_batch, check_seconds=round(time.perf_counter() - started, 4))
-        self.state.commit(epoch, samples, self.step, self.global_batch, announce=fields, started=started)
+        self.state.commit(epoch, samples, self.step, self.global_batch, announce=fields, started=started,
+                          data=(self.data_fingerprint, self.source.num_examples))
         report_activity()
         self.last_commit = time.time()
 
@@ -277,14 +317,17 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     """`model.fit` for a compiled model, from the last commit, at any world size; returns the `History`.
 
     As in `model.fit`: `epochs`, `verbose`, `callbacks`, `validation_data` (an `(x, y)` tuple of arrays, a
-    `Source`, or any batched `tf.data.Dataset`; each worker evaluates all of it), `validation_freq`,
+    `Source`, or any batched `tf.data.Dataset` whose batch is the global batch, as `model.fit` takes it
+    under a strategy; the workers share it, each example evaluated once, and every worker reports the
+    whole set's metrics), `validation_freq`,
     `class_weight`, and `batch_size`, the global batch, constant at every world size (which must divide
     it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default: a global
     batch of 32. The returned `History` holds the epochs this process trained: after a restart, from the
     restored epoch on (a partial epoch's logs cover its rest only); `events.jsonl` has the whole run.
 
     `x`: in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source`
-    (`y` None). A `tf.data.Dataset` is refused for training: fit must know which examples each worker
+    (`y` None). Each step trains exactly the plan's global batch, split over the replicas of the moment
+    (`data.feed`); `compile(steps_per_execution=k)` is taken. A `tf.data.Dataset` is refused for training: fit must know which examples each worker
     read to resume exactly. `preprocess(features, label, seed)` runs per example before batching (default:
     none for arrays, integer images to float in [0, 1] for sources); `validation_preprocess` likewise.
 
@@ -306,7 +349,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                                  f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
                                  "Use a smaller batch size (or more data).")
     _require_count("epochs", epochs)
-    validation = _Validation(_validation_dataset(validation_data, global_batch // world.size, validation_preprocess),
+    validation = _Validation(_validation_dataset(validation_data, global_batch, validation_preprocess),
                              validation_freq)
     _build_optimizer(model, strategy)
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
@@ -319,11 +362,11 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     history = _History()
     trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
                               state=state, config=config, worker_batch=global_batch // world.size, events=events,
-                              sum_fn=sum_fn, group=group, schedule=schedule)
+                              sum_fn=sum_fn, group=group, schedule=schedule, class_weight=class_weight)
     trainer.validation = validation
     everyone = _CallbacksOfOneFit([_ElasticCallback(trainer), *(callbacks or ()), history], verbose=verbose,
                                   epochs=epochs, model=model)
-    _train(trainer, group, epochs, everyone, dict(verbose=verbose, class_weight=class_weight))
+    _train(trainer, group, epochs, everyone, dict(verbose=verbose))
     return history
 
 
@@ -333,8 +376,10 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
     state, world, events, model = trainer.state, trainer.world, trainer.events, trainer.model
     previous = {}
     try:
+        trainer.check_same_data()
         _start_from_group(state, group, world, events)
         trainer.restored()
+        trainer.record_consumption()
         previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
                     for sig in world.stop_signals}
         for epoch in trainer.remaining_epochs(epochs):
@@ -343,9 +388,10 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
             # One `model.fit` an epoch: each epoch's planned order (and augmentation seeds) is a dataset of its
             # own, and a restored partial epoch is as long as what is left of it.
             callbacks.set_params({"verbose": fit_args["verbose"], "epochs": epochs, "steps": len(trainer.batches)})
-            with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs):
+            with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs), \
+                    keras_compat.steps_per_execution_that_runs(model, trainer.strategy):
                 model.fit(trainer.dataset(), epochs=epoch + 1, initial_epoch=epoch, shuffle=False,
-                          callbacks=callbacks, **fit_args)
+                          steps_per_epoch=len(trainer.batches), callbacks=callbacks, **fit_args)
         callbacks.end()
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
@@ -357,7 +403,7 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
     except (tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError, tf.errors.UnauthenticatedError) as error:
         # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
         # may not read: the error names the file; a restart would only meet it again (on every host).
-        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(error)}") from None
+        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(error)}") from error
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -371,6 +417,15 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
                  state_digest=digest)
     if trainer.stopped:
         raise StopRequested(trainer.step)
+
+
+def _data_text(fingerprint, examples) -> str:
+    return f"{int(examples)} examples (fingerprint {int(fingerprint):012x})"
+
+
+def _crossed(before: int, after: int, every: int) -> bool:
+    """Whether a multiple of `every` (0: never) lies in (before, after]: steps counted several at a time."""
+    return bool(every) and after // every > before // every
 
 
 def global_batch_size(replicas: int, batch_size: Optional[int] = None,
@@ -492,7 +547,7 @@ def _unchanged(features: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[
 
 class _Validation:
     """fit's validation pass: at the epochs `freq` names (an int: every `freq`-th; a list: those, from 1),
-    each worker evaluating the whole dataset. Its logs join the epoch's with `val_` before them."""
+    the workers sharing the dataset (`data.evaluation`). Its logs join the epoch's with `val_` before them."""
 
     def __init__(self, dataset: Optional[tf.data.Dataset], freq: Union[int, Sequence[int]]):
         whole = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1  # noqa: E731

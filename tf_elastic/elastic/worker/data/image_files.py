@@ -3,6 +3,11 @@
 Only paths and labels are held in memory; bytes are read and decoded inside the tf.data graph. A file that
 is not an image fails with an error naming it, which `fit` raises as `ConfigurationError` (exit 78 from a
 worker). `is_image` is the cheap magic-number check, shared with `TFRecordSource`'s encoded images.
+
+What decoding can and cannot catch: a truncated JPEG or PNG and a PNG chunk whose CRC fails are errors; a
+JPEG whose entropy-coded bytes are damaged in the middle decodes without an error to wrong pixels (libjpeg
+only warns, TensorFlow has no strict mode, and JPEG carries no checksum). Where silent corruption of
+stored images matters, keep them in TFRecords: every record has a CRC-32C that `TFRecordSource` checks.
 """
 import posixpath
 from typing import List, Optional, Tuple
@@ -10,7 +15,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_elastic.elastic.worker.data.source import Source
+from tf_elastic.elastic.worker.data.source import Source, digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 # Magic numbers of the formats tf.io.decode_image reads: a cheap check that names the bad file.
@@ -42,6 +47,10 @@ class ImageFiles(Source):
         self.num_classes = int(num_classes if num_classes is not None else self.labels.max() + 1)
         self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
 
+    def fingerprint(self) -> str:
+        """The paths and labels (no stat per file: a request each on gs://)."""
+        return digest(self.channels, self.paths, self.labels)
+
     def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         # Tensors on first use: one made before the strategy would initialise TF's runtime too early for MWMS.
         if self._tensors is None:
@@ -53,17 +62,24 @@ class ImageFiles(Source):
 
 
 class ImageFolder(ImageFiles):
-    """`root/<class>/<image>`: class index = position of the class folder name in sorted order."""
+    """`root/<class>/<image>`: class index = position of the class folder name in sorted order, or in
+    `class_names` (a validation folder takes its training folder's): a class folder not among them is an
+    error, not dropped."""
 
     def __init__(self, root: str, channels: int = 3, class_names: Optional[List[str]] = None):
         # tf.io.gfile throughout: the folder may be on gs:// or another TF filesystem (it does not touch TF's runtime).
         gfile = tf.io.gfile
         if not gfile.isdir(root):
             raise ConfigurationError(f"image folder {root} does not exist or is not a directory.")
-        self.class_names = class_names or sorted(
-            n.rstrip("/") for n in gfile.listdir(root) if gfile.isdir(posixpath.join(root, n)))
+        found = sorted(n.rstrip("/") for n in gfile.listdir(root) if gfile.isdir(posixpath.join(root, n)))
+        self.class_names = class_names or found
         if not self.class_names:
             raise ConfigurationError(f"image folder {root} has no class sub-directories.")
+        unknown = sorted(set(found) - set(self.class_names))
+        if unknown:  # e.g. validation classes the training folder lacks, or a misspelt one: never dropped silently
+            raise ConfigurationError(f"image folder {root} has class folders that are not among the "
+                                     f"{len(self.class_names)} classes given: {', '.join(unknown)} (classes: "
+                                     f"{', '.join(self.class_names)}).")
         paths, labels = [], []
         for label, name in enumerate(self.class_names):
             folder = posixpath.join(root, name)

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_elastic.elastic.worker.data.source import AUTOTUNE, Source
+from tf_elastic.elastic.worker.data.source import AUTOTUNE, Source, digest
 from tf_elastic.elastic.protocol import error_line
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -26,8 +26,12 @@ class TFDSSource(Source):
         self.image_key, self.label_key = self.data.dataset_info.supervised_keys or ("image", "label")
         image = features[self.image_key]
         self.shape, self.dtype = tuple(image.shape), tf.as_dtype(image.np_dtype)
-        self.num_examples = len(self.data)
+        self.num_examples, self.split = len(self.data), split
         self.num_classes = int(features[self.label_key].num_classes)
+
+    def fingerprint(self) -> str:
+        info = self.data.dataset_info
+        return digest(info.full_name, self.split, self.num_examples)
 
     def _fetch(self, indices: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         records = self.data.__getitems__([int(i) for i in indices])

@@ -18,7 +18,7 @@ from tf_elastic.elastic.worker.data.image_files import is_image
 from tf_elastic.elastic.worker.data.index_cache import IndexCache, shard_identity
 from tf_elastic.elastic.worker.data.parse import default_parse, vector_parse
 from tf_elastic.elastic.worker.data.parse_key import parse_key
-from tf_elastic.elastic.worker.data.source import AUTOTUNE, Source
+from tf_elastic.elastic.worker.data.source import AUTOTUNE, Source, digest
 from tf_elastic.elastic.worker.data.tfrecord_format import payload_ok, read_header, record_offsets
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -74,6 +74,10 @@ class TFRecordSource(Source):
         self._classes = num_classes
         self._tensors: Optional[Tuple[tf.Tensor, ...]] = None
         self._read_run_function: Optional[Callable] = None
+
+    def fingerprint(self) -> str:
+        """The shards' paths and sizes."""
+        return digest(self.files, self.sizes)
 
     def _index(self, path: str) -> Tuple[List[int], int]:
         """A shard's (record offsets, size), from the cache when it holds this version of the shard."""

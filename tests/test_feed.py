@@ -1,0 +1,102 @@
+"""Tests `tf_elastic/elastic/worker/data/feed.py` end to end: what every step *consumes* under the agent.
+
+The workers run `tf_elastic.testing.id_trainer`, whose `train_step` and `test_step` write the ids they are
+given from inside the step. Planned or logged indices are no evidence: a strategy that re-split each
+worker's batch once trained 1/W of every epoch at 1/W of the global batch while every log said all.
+"""
+import collections
+
+import pytest
+
+from tf_elastic.elastic import audit
+from tf_elastic.testing import id_trainer
+from tf_elastic.testing.local_job import LocalJob
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES, VALIDATION, BATCH = 96, 24, 16
+STEPS_PER_EPOCH = EXAMPLES // BATCH
+
+
+def _job(tmp_path, epochs, agent_args=(), **trainer):
+    args = [f"--record_dir={tmp_path / 'records'}", f"--examples={EXAMPLES}", f"--batch_size={BATCH}",
+            f"--validation_examples={VALIDATION}", f"--epochs={epochs}", *[f"--{k}={v}" for k, v in trainer.items()]]
+    return LocalJob(tmp_path, args, ["--index_log", "--last_call=1", *agent_args], host_run_dirs=True,
+                    trainer="tf_elastic.testing.id_trainer")
+
+
+def _assert_every_id_once_per_epoch_at_the_global_batch(job, epochs):
+    """Every step trained the global batch; committed steps (each round's up to the step the next one
+    restored) trained every id once per epoch; the index log's own audit of what steps consumed agrees."""
+    steps = id_trainer.by_step(id_trainer.read_records(job.tmp / "records", "train"))
+    assert steps and {len(ids) for ids in steps.values()} == {BATCH}, collections.Counter(map(len, steps.values()))
+    restored = audit.restores(job.run_dirs)
+    uses = collections.defaultdict(collections.Counter)
+    for (round_, step), ids in steps.items():
+        later = [s for r, s in restored.items() if r > round_]
+        if not later or step <= min(later):
+            uses[(step - 1) // STEPS_PER_EPOCH].update(ids)
+    assert sorted(uses) == list(range(epochs))
+    for epoch, counts in uses.items():
+        assert sorted(counts) == list(range(EXAMPLES)) and set(counts.values()) == {1}, (epoch, counts)
+    assert audit.exactly_once(job.run_dirs, EXAMPLES, BATCH) == {"epochs": epochs, "repeated": 0, "skipped": 0,
+                                                                 "off_plan": 0}
+
+
+def _complete_evaluations(job):
+    """(round, step) -> the ids one validation pass evaluated over every worker; each once in every pass."""
+    passes = id_trainer.by_step(id_trainer.read_records(job.tmp / "records", "eval"))
+    for key, ids in passes.items():
+        assert max(collections.Counter(ids).values()) == 1, (key, sorted(ids))
+    return {key: ids for key, ids in passes.items() if sorted(ids) == list(range(VALIDATION))}
+
+
+def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empty_disk_join(tmp_path):
+    """a alone (1 worker), b joins (2), b is SIGKILLed (1), c joins with an empty disk (2), d joins with
+    two workers (4): every step at the global batch, every id once per epoch, every validation example
+    once per pass at every world size."""
+    epochs = 40
+    job = _job(tmp_path, epochs, ["--min_workers=1", "--max_workers=4", "--heartbeat_timeout=5"], step_seconds=0.1)
+    try:
+        job.start_agent("a")
+        one = job.first_step_after(0, world_size=1, timeout=240)
+        job.start_agent("b")
+        two = job.first_step_after(one["time"], world_size=2, timeout=240)
+        job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == two["round"]], what="a commit of 2")
+        job.kill_host("b")
+        alone = job.first_step_after(two["time"], world_size=1, timeout=240)
+        job.start_agent("c")
+        again = job.first_step_after(alone["time"], world_size=2, timeout=240)
+        job.start_agent("d", nproc=2)
+        four = job.first_step_after(again["time"], world_size=4, timeout=240)
+        codes = job.wait_agents(timeout=400)
+        assert {host: codes[host] for host in "acd"} == {"a": 0, "c": 0, "d": 0}, job.describe()
+        assert job.events("state_transfer", round=again["round"]), "c joined with an empty disk: it receives the state"
+        _assert_every_id_once_per_epoch_at_the_global_batch(job, epochs)
+        evaluated = _complete_evaluations(job)
+        sizes = {e["round"]: e["world_size"] for e in job.events("first_step", rank=0)}
+        assert {sizes[round_] for round_, _ in evaluated} >= {1, 2, 4}, (sorted(evaluated), sizes)
+        assert four["global_batch"] == BATCH
+    finally:
+        job.cleanup()
+
+
+def test_two_local_replicas_and_steps_per_execution_through_a_worker_kill(tmp_path):
+    """One worker with two replicas (MirroredStrategy over two logical CPUs), `steps_per_execution=4` (6
+    steps an epoch: the last execution of each is short), its worker SIGKILLed once: the same exactness."""
+    epochs = 8
+    job = _job(tmp_path, epochs, ["--min_workers=1", "--max_workers=1"], local_replicas=2, steps_per_execution=4,
+               step_seconds=0.1, commit_every_steps=5)
+    try:
+        job.start_agent("a")
+        first = job.first_step_after(0, world_size=1, timeout=240)
+        job.wait_for(lambda: [e for e in job.events("commit") if e["step"] >= 5], what="a commit")
+        job.kill_worker("a", first["round"])
+        job.first_step_after(first["time"] + 0.001, timeout=240)
+        assert job.wait_agents(timeout=300) == {"a": 0}, job.describe()
+        replica_batches = {len(ids) for *_, ids in id_trainer.read_records(job.tmp / "records", "train")}
+        assert replica_batches == {BATCH // 2}, replica_batches
+        _assert_every_id_once_per_epoch_at_the_global_batch(job, epochs)
+        assert len(_complete_evaluations(job)) >= epochs
+    finally:
+        job.cleanup()
