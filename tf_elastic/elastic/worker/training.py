@@ -328,8 +328,9 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     `x`: in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source`
     (`y` None). Each step trains exactly the plan's global batch, split over the replicas of the moment
     (`data.feed`); `compile(steps_per_execution=k)` is taken. A `tf.data.Dataset` is refused for
-    training: fit must know which examples each worker read to resume exactly. `preprocess(features, label, seed)` runs per example before batching (default:
-    none for arrays, integer images to float in [0, 1] for sources); `validation_preprocess` likewise.
+    training: fit must know which examples each worker read to resume exactly. `preprocess(features,
+    label, seed)` runs per example before batching (default: none for arrays, integer images to float in
+    [0, 1] for sources); `validation_preprocess` likewise.
 
     The world, strategy and run dir are `elastic.run`'s (pass them to run without it); the schedule is the
     optimizer's learning rate when it is a `BatchResizeSchedule`. The optimizer is built here, before the
