@@ -55,3 +55,22 @@ def test_the_readme_script_survives_losing_the_chief_host_to_a_standby_with_an_e
     history = histories[0]
     assert len(history["val_accuracy"]) == len(history["loss"]) == EPOCHS - restored_epoch, (restored_epoch, history)
     assert history["val_accuracy"][-1] > 0.3, history  # chance: 0.1
+
+
+@pytest.mark.slow
+def test_the_readme_script_as_one_process_commits_in_its_relative_run_dir_and_a_second_run_resumes(tmp_path):
+    """`python train_digits.py`, as the README says to run it: its commits go to the relative `runs/train`,
+    where TensorFlow rewrote the list of kept paths in place (a tuple crashed the second commit)."""
+    import subprocess
+
+    from tf_elastic.testing.local_job import repo_env
+
+    (tmp_path / "train_digits.py").write_text(readme_script(epochs=3))
+    run = lambda: subprocess.run([sys.executable, "train_digits.py"], cwd=tmp_path, env=repo_env(),  # noqa: E731
+                                 capture_output=True, text=True, timeout=300)
+    first = run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    state = (tmp_path / "runs" / "train" / "checkpoints" / "checkpoint").read_text()
+    assert state.count("all_model_checkpoint_paths") >= 2, state
+    second = run()
+    assert second.returncode == 0, second.stderr[-3000:]

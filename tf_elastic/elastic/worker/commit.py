@@ -11,6 +11,7 @@ every few commits (`durable.py`). Local file operations go through `tf.io.gfile`
 import concurrent.futures
 import contextlib
 import inspect
+import os
 import posixpath
 import time
 import uuid
@@ -65,6 +66,8 @@ class CommittedState:
         self.variables, self.names = _named(self._listed() + _saved_variables(self.checkpoint))
         layout = RunDir(run_dir)
         self.directory = str(layout.host_commits(world.host_id) if world.host_id else layout.checkpoints)
+        if "://" not in self.directory:  # `~` and relative run dirs: one absolute path in the state file
+            self.directory = os.path.abspath(os.path.expanduser(self.directory))
         self.durable = durable if world.is_chief and durable_every_commits else None
         self._durable_every, self._commits, self._copied = durable_every_commits, 0, None
         self._max_to_keep = max_to_keep
@@ -277,8 +280,9 @@ class CommittedState:
     def _name_in_state_file(self, prefix: str, paths, times) -> None:
         """Makes the commit at `prefix` the newest the state file names, beside the kept ones (atomically:
         TensorFlow writes a temporary file and renames it); until then a restore does not see it."""
-        tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=paths,
-                                                   all_model_checkpoint_timestamps=times)
+        # (lists: TensorFlow rewrites the paths in place where the directory is relative; a tuple failed)
+        tf.compat.v1.train.update_checkpoint_state(self.directory, prefix, all_model_checkpoint_paths=list(paths),
+                                                   all_model_checkpoint_timestamps=list(times))
 
     def _copy(self, prefix: str) -> None:
         started = time.time()
