@@ -214,6 +214,9 @@ def train(sources) -> None:
     keras.utils.set_random_seed(FLAGS.seed)
     batches = dict(batch_size=FLAGS.global_batch_size) if FLAGS.batch_policy == "global" else dict(
         per_replica_batch_size=FLAGS.per_replica_batch_size)
+    # (in this trainer's flags: fit's own refusal speaks of its arguments)
+    data_plan.replica_batch_size(FLAGS.batch_policy, strategy.num_replicas_in_sync,
+                                 FLAGS.per_replica_batch_size, FLAGS.global_batch_size)
     global_batch = elastic.global_batch_size(strategy.num_replicas_in_sync, **batches)
     peak = FLAGS.learning_rate if FLAGS.learning_rate is not None else {
         "lars": 0.1, "sgd": 0.05, "adam": 0.001, "lamb": 0.001}[FLAGS.optimizer]

@@ -2,6 +2,7 @@
 process, and leaves committed work untouched. (Every flag's range has its own table in test_flags.py.)"""
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,3 +144,52 @@ def test_a_worker_configuration_error_fails_the_job_at_once_without_restarts(com
     assert "does not fit this model or optimizer" in reason and reason in proc.stderr.splitlines()[-1], reason
     assert len([e for e in mine if e["event"] == "worker_start"]) == 1
     assert _digest(committed / "checkpoints") == before
+
+
+def test_an_unusable_run_dir_and_a_mistyped_command_end_the_agent_in_one_line_creating_nothing(tmp_path):
+    """A user's first mistakes: one line each, naming what is wrong and what to do, no traceback, and no
+    store directory created for a job that cannot start."""
+    (tmp_path / "a_file").write_text("")
+    cases = [(["--run_dir=/proc/nope"], TRAIN, "--run_dir=/proc/nope: cannot be used"),
+             ([f"--run_dir={tmp_path / 'a_file' / 'run'}"], TRAIN, "a_file/run: cannot be used (Not a directory)"),
+             ([], ["tf-elastic-trian", "--dataset=digits"], "the worker command 'tf-elastic-trian' is not an "
+                                                             "executable program")]
+    for flags, command, message in cases:
+        proc = _run([sys.executable, "-m", "launch.elastic_run",
+                     *agent_argv(tmp_path / "rdzv", tmp_path / "run", flags), "--", *command])
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and not (tmp_path / "rdzv").exists()
+
+
+def test_a_batch_size_the_world_does_not_divide_is_refused_in_fits_own_words():
+    """`elastic.fit(batch_size=65)` spoke of launch/train.py's flags, which a user's script never used."""
+    from tf_elastic.elastic.worker.errors import ConfigurationError
+    from tf_elastic.elastic.worker.training import global_batch_size
+
+    with pytest.raises(ConfigurationError) as refused:
+        global_batch_size(2, batch_size=65)
+    assert str(refused.value).startswith("batch_size=65 does not split evenly over the 2 replicas of this world: "
+                                         "give fit a batch_size that every world size divides")
+    assert "--global_batch_size" not in str(refused.value) and "--batch_policy" not in str(refused.value)
+
+
+def test_the_agent_with_a_relative_run_dir_trains_and_a_second_start_of_the_finished_job_says_so(tmp_path):
+    """`--run_dir=run` from the user's own directory (every relative run dir used to fail each commit), then
+    the same command again: it used to exit 0 at once with "training finished", which a user who changed
+    --epochs takes for a run that trained."""
+    argv = [sys.executable, "-m", "launch.elastic_run", f"--rdzv=file://{tmp_path}/rdzv", "--job_id=j",
+            "--run_dir=run", "--nowarm_start", "--", *TRAIN]
+    env = dict(PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2")
+    import os
+
+    first = subprocess.run(argv, cwd=tmp_path, env=dict(os.environ, **env), capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert list((tmp_path / "run" / "commits").glob("*/checkpoint")), "the commits went into ./run"
+    second = subprocess.run(argv, cwd=tmp_path, env=dict(os.environ, **env), capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == 0
+    assert re.search(r"job 'j' had already ended at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(training finished\); this "
+                     r"agent trained nothing\. To train on from its commits \(more --epochs\), start a new "
+                     r"--job_id with the same --run_dir", second.stderr), second.stderr[-2000:]

@@ -60,7 +60,8 @@ def test_the_readme_script_survives_losing_the_chief_host_to_a_standby_with_an_e
 @pytest.mark.slow
 def test_the_readme_script_as_one_process_commits_in_its_relative_run_dir_and_a_second_run_resumes(tmp_path):
     """`python train_digits.py`, as the README says to run it: its commits go to the relative `runs/train`,
-    where TensorFlow rewrote the list of kept paths in place (a tuple crashed the second commit)."""
+    where TensorFlow rewrote the list of kept paths in place (a tuple crashed the second commit); run again,
+    it says that training is already complete (it printed an empty history without a word)."""
     import subprocess
 
     from tf_elastic.testing.local_job import repo_env
@@ -74,3 +75,5 @@ def test_the_readme_script_as_one_process_commits_in_its_relative_run_dir_and_a_
     assert state.count("all_model_checkpoint_paths") >= 2, state
     second = run()
     assert second.returncode == 0, second.stderr[-3000:]
+    assert "training is already complete: the commit in " in second.stderr, second.stderr[-3000:]
+    assert "is at epoch 3 of 3" in second.stderr and "Give more epochs to train on" in second.stderr

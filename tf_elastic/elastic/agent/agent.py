@@ -93,6 +93,7 @@ class ElasticAgent:
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
+        self._started = time.time()
         self.events.write(Event.AGENT_START, host=self.host_id, nproc=self.config.nproc,
                           swept=len(workers.sweep_dead_agents_dirs()))
         ranks: Optional[List[int]] = None
@@ -112,7 +113,7 @@ class ElasticAgent:
                                                   on_standby=self._report_standby)
                 except JobEnded as ended:
                     return self._exit(AgentExit.OK if ended.status is JobStatus.DONE else AgentExit.FAILED,
-                                      ended.reason)
+                                      self._ended_text(ended, after))
                 except RendezvousTimeout as timeout:
                     return self._exit(AgentExit.FAILED, str(timeout))
                 if round_ is None:
@@ -138,6 +139,16 @@ class ElasticAgent:
             self.notices.__exit__()
             self.spares.kill_all()
             shutil.rmtree(self.host_dir.path, ignore_errors=True)
+
+    def _ended_text(self, ended: JobEnded, after: int) -> str:
+        """Why the job ended; one that had ended before this agent took part in any round says so, with when
+        and how to go on: a user who changed --epochs must not take an instant exit 0 for training."""
+        if after >= 0 or ended.at is None or ended.at >= self._started:
+            return ended.reason
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended.at))
+        return (f"job {self.config.job_id!r} had already ended at {when} ({ended.reason}); this agent trained "
+                f"nothing. To train on from its commits (more --epochs), start a new --job_id with the same "
+                f"--run_dir; to start anew, a new --job_id and a new --run_dir")
 
     def _report_round(self, round_: Round, ranks: List[int]) -> None:
         """The round's event and log line. Hosts it lost (their lease gone) are the failure's culprit, where the

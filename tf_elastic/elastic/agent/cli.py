@@ -2,10 +2,12 @@
 (`SYNOPSIS`)."""
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from typing import List, Optional, Tuple
 
 from absl import app, flags, logging
@@ -104,6 +106,28 @@ def _validate() -> None:
                              f"--host_ttl={FLAGS.host_ttl}: the host lease is renewed every monitor interval.")
 
 
+def _check_command(program: str) -> None:
+    """The worker command's program exists (a typo ends here, in one line, not in a traceback per round)."""
+    found = shutil.which(program) if os.sep not in program else (program if os.access(program, os.X_OK) else None)
+    if found is None:
+        raise app.UsageError(f"the worker command {program!r} is not an executable program (not on PATH, or not "
+                             f"executable): check its spelling, e.g. -- tf-elastic-train or -- python my_script.py")
+
+
+def _usable_run_dir(run_dir: str) -> str:
+    """`--run_dir` as an absolute path (`~` expanded: the workers may start elsewhere), created and writable;
+    checked before anything is created in the store's directory."""
+    path = os.path.abspath(os.path.expanduser(run_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise app.UsageError(f"--run_dir={run_dir}: cannot be used ({error.strerror or error}); give a directory "
+                             f"this host can create and write") from None
+    return path
+
+
 def _port_range() -> Optional[Tuple[int, int]]:
     if FLAGS.port_range is None:
         return None
@@ -170,6 +194,8 @@ def main(argv: List[str]) -> int:
     if not command:
         raise app.UsageError("give the worker command after '--', e.g. -- python -m launch.train")
     _validate()
+    _check_command(command[0])
+    run_dir = _usable_run_dir(FLAGS.run_dir)
     nproc = _nproc()
     try:
         devices = decisions.assign_devices(visible_gpus(), nproc)
@@ -188,7 +214,7 @@ def main(argv: List[str]) -> int:
     except (ValueError, StoreError) as error:
         raise app.UsageError(str(error))
     config = AgentConfig(
-        command=command, job_id=FLAGS.job_id, run_dir=FLAGS.run_dir, nproc=nproc, devices=devices,
+        command=command, job_id=FLAGS.job_id, run_dir=run_dir, nproc=nproc, devices=devices,
         min_workers=FLAGS.min_workers, max_workers=FLAGS.max_workers, max_restarts=FLAGS.max_restarts,
         heartbeat_timeout=FLAGS.heartbeat_timeout, startup_timeout=FLAGS.startup_timeout,
         monitor_interval=FLAGS.monitor_interval, stop_grace=FLAGS.stop_grace, advertise_addr=_advertise_addr(),

@@ -21,9 +21,9 @@ class TokenRefused(RuntimeError):
 class JobEnded(RuntimeError):
     """The job finished or failed while we waited; `status` says which."""
 
-    def __init__(self, status: JobStatus, reason: str):
+    def __init__(self, status: JobStatus, reason: str, at: Optional[float] = None):
         super().__init__(reason)
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.at = status, reason, at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +63,7 @@ class JobKeys:
 class JobOutcome:
     status: JobStatus
     reason: str
+    at: Optional[float] = None  # when it was recorded (Unix time; None in a record of an older version)
 
 
 class JobRecord:
@@ -96,7 +97,7 @@ class JobRecord:
     # Outcome --------------------------------------------------------------------------------------
     def finish(self, status: JobStatus, reason: str) -> None:
         """Records the job's outcome once; later calls keep the first."""
-        record = json.dumps({"status": JobStatus(status).value, "reason": reason})
+        record = json.dumps({"status": JobStatus(status).value, "reason": reason, "at": time.time()})
         self.store.compare_and_set(self.keys.outcome, None, record)
 
     def outcome(self) -> Optional[JobOutcome]:
@@ -109,7 +110,9 @@ class JobRecord:
         try:
             record = json.loads(raw)
             if isinstance(record.get("reason"), str):
-                return JobOutcome(JobStatus(record.get("status")), record["reason"])
+                at = record.get("at")
+                return JobOutcome(JobStatus(record.get("status")), record["reason"],
+                                  float(at) if isinstance(at, (int, float)) else None)
         except (ValueError, AttributeError):
             pass
         raise StoreError(f"malformed job outcome record at {self.keys.outcome}: {raw[:200]!r}")
@@ -117,7 +120,7 @@ class JobRecord:
     @staticmethod
     def raise_if_ended(outcome: Optional[JobOutcome]) -> None:
         if outcome is not None:
-            raise JobEnded(outcome.status, outcome.reason)
+            raise JobEnded(outcome.status, outcome.reason, outcome.at)
 
     # Blacklist ------------------------------------------------------------------------------------
     def blacklist(self, cooldown: float) -> float:

@@ -25,7 +25,7 @@ from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
 from tf_elastic.elastic.worker.data import (ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation,
                                            feed, pipeline)
 from tf_elastic.elastic.worker.data.source import fingerprint_number
-from tf_elastic.elastic.worker.data_plan import DataPlan, replica_batch_size
+from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
@@ -299,6 +299,10 @@ class _ElasticTrainer:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=self.epoch, rank=self.world.rank,
                               samples=self.plan.remainder(self.epoch_start, self.global_batch))
             self.set_batches(self.epoch + 1, 0)
+        if self.epoch >= epochs and self.world.is_chief:  # a second run of a finished script must say so
+            logging.warning("training is already complete: the commit in %s is at epoch %d of %d (step %d); "
+                            "nothing to train. Give more epochs to train on, or another run dir to start anew.",
+                            self.state.directory, self.epoch, epochs, self.step)
         return list(range(self.epoch, epochs))
 
     def close(self) -> None:
@@ -440,8 +444,14 @@ def global_batch_size(replicas: int, batch_size: Optional[int] = None,
                                  f"batch that follows the world), not both; got {batch_size} and "
                                  f"{per_replica_batch_size}.")
     if per_replica_batch_size is not None:
-        return replica_batch_size("per_replica", replicas, per_replica_batch_size, None) * replicas
-    return replica_batch_size("global", replicas, None, 32 if batch_size is None else batch_size) * replicas
+        return per_replica_batch_size * replicas
+    batch_size = 32 if batch_size is None else batch_size
+    if batch_size % replicas:
+        raise ConfigurationError(f"batch_size={batch_size} does not split evenly over the {replicas} replicas of "
+                                 f"this world: give fit a batch_size that every world size divides (and the agents "
+                                 f"--world_size_divides), or per_replica_batch_size (a global batch that follows "
+                                 f"the world).")
+    return batch_size
 
 
 def _require_count(name: str, value, optional: bool = False) -> None:
