@@ -175,3 +175,131 @@ def test_a_commit_of_another_model_is_a_clear_error_and_stays_on_disk(tmp_path):
     with pytest.raises(ValueError, match=r"ckpt-0-1-0-32 does not fit this model or optimizer .*--run_dir"):
         CommittedState(World(), str(tmp_path), other).restore()
     assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-0-1-0-32")
+
+
+def _three_commits(run_dir, **kwargs):
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(run_dir), model, schedule, **kwargs)
+    for step in (1, 2, 3):
+        state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
+    state.close()
+    return model
+
+
+def _restored_step(run_dir, **kwargs):
+    fresh, schedule = _training_setup()
+    state = CommittedState(World(), str(run_dir), fresh, schedule, **kwargs)
+    path, _ = state.restore()
+    return path, state.step
+
+
+@pytest.mark.parametrize("damage", ["transient read error", "NUL bytes", "garbage"])
+def test_an_unreadable_state_file_deletes_no_commit_and_the_newest_still_restores(tmp_path, damage, monkeypatch):
+    """`get_checkpoint_state` returned None on any read or parse error, the sweep then deleted every commit
+    of the host, and every later start failed with "no readable commit"."""
+    _three_commits(tmp_path)
+    directory = tmp_path / "checkpoints"
+    on_disk = sorted(p.name for p in directory.iterdir())
+    state_file = directory / "checkpoint"
+    if damage == "NUL bytes":
+        state_file.write_bytes(b"\0" * state_file.stat().st_size)
+    elif damage == "garbage":
+        state_file.write_text("model_checkpoint_path: \"ckpt-0-3-0-96\n###")
+    else:
+        from tensorflow.python.lib.io import file_io  # what TensorFlow reads the state file with
+
+        real, failed = file_io.read_file_to_string, []
+
+        def flaky(path, *args, **kwargs):  # a transient NFS error (EIO), once
+            if str(path).endswith("/checkpoint") and not failed:
+                failed.append(path)
+                raise tf.errors.UnavailableError(None, None, f"{path}: Input/output error")
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(file_io, "read_file_to_string", flaky)
+    path, step = _restored_step(tmp_path)
+    assert sorted(p.name for p in directory.iterdir()) == on_disk
+    assert path.endswith("ckpt-0-3-0-96") and step == 3
+
+
+def test_a_run_dir_with_glob_characters_copies_and_expires_commits_whole(tmp_path):
+    """`glob(prefix + ".*")` matched nothing under `sweep[lr=0.1]`: empty durable copies were marked
+    complete (and then deleted the good ones), and expired local commits were never deleted."""
+    from tf_elastic.elastic.worker.durable import DurableCopies
+
+    run_dir, remote = tmp_path / "sweep[lr=0.1]*?", tmp_path / "remote"
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(run_dir), model, schedule, durable=DurableCopies(str(remote)),
+                           durable_every_commits=1)
+    for step in range(1, 6):
+        state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
+    state.close(final=True)
+    assert len(list((run_dir / "checkpoints").glob("*.index"))) == 3
+    copies = DurableCopies(str(remote)).copies()
+    assert copies and all(c.complete for c in copies)
+    assert all(any(f.name.endswith(".index") for f in (remote / c.prefix.split("/")[-1]).iterdir()) for c in copies)
+    path, step = _restored_step(tmp_path / "fresh", durable=DurableCopies(str(remote)), durable_every_commits=1)
+    assert step == 5 and str(remote) in path
+
+
+def test_a_damaged_newest_durable_copy_falls_back_to_the_older_complete_one(tmp_path):
+    from tf_elastic.elastic.worker.durable import DurableCopies
+
+    remote = tmp_path / "remote"
+    _three_commits(tmp_path / "run", durable=DurableCopies(str(remote)), durable_every_commits=1)
+    newest = DurableCopies(str(remote)).copies()[-1].prefix
+    for data in (remote / newest.split("/")[-1]).glob("*.data-*"):
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    path, step = _restored_step(tmp_path / "fresh", durable=DurableCopies(str(remote)), durable_every_commits=1)
+    assert step == 2 and path.endswith("ckpt-0-2-0-64") and str(remote) in path
+
+
+def test_a_failed_background_write_does_not_drop_the_next_commit(tmp_path):
+    """TensorFlow's asynchronous writer raises a failed write's error at the next write: commit 1 failing on
+    a full disk also dropped commit 2, which nothing was wrong with."""
+    from tf_elastic.elastic.events import EventLog, read_events
+
+    model, schedule = _training_setup()
+    state = CommittedState(World(), str(tmp_path), model, schedule, events=EventLog(str(tmp_path), "worker:0"),
+                           background=True)
+    writer = state.checkpoint._async_checkpointer().checkpointer()  # what TensorFlow's writer thread calls
+    real, failed = writer._write, []
+
+    def full_disk_once(prefix, options=None):
+        if "ckpt-0-1-" in prefix and not failed:
+            failed.append(prefix)
+            raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+        return real(prefix, options=options)
+
+    writer._write = full_disk_once
+    for step in (1, 2, 3):
+        state.commit(epoch=0, samples=16 * step, step=step, global_batch=16)
+        for future in list(state._finishing):
+            future.exception()
+    state.close()
+    on_disk = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.index"))
+    assert on_disk == ["ckpt-0-2-0-32.index", "ckpt-0-3-0-48.index"], on_disk
+    failures = [e["path"] for e in read_events(tmp_path) if e["event"] == "commit_failed"]
+    assert len(failures) == 1 and failures[0].endswith("ckpt-0-1-0-16"), failures
+
+
+def test_a_commit_is_on_the_disk_before_the_state_file_names_it(tmp_path, monkeypatch):
+    """Data files, index, state file and its directory are fsynced, the data before the state file: after a
+    crash of the host, the state file never names what the page cache alone held."""
+    import os
+
+    synced = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    model, schedule = _training_setup()
+    CommittedState(World(), str(tmp_path), model, schedule).commit(epoch=0, samples=32, step=1, global_batch=32)
+    directory = str(tmp_path / "checkpoints")
+    names = [os.path.relpath(p, directory) for p in synced]
+    assert "ckpt-0-1-0-32.index" in names and any(n.startswith("ckpt-0-1-0-32.data-") for n in names), names
+    assert "checkpoint" in names and names.index("checkpoint") > names.index("ckpt-0-1-0-32.index")
+    assert names.count(".") >= 2  # the directory: after the data files, and after the state file's rename

@@ -332,3 +332,19 @@ def test_a_restart_on_other_data_is_refused_in_one_line_naming_both(tmp_path):
         assert "\n" not in message and re.search(r"has \d+ examples \(fingerprint [0-9a-f]{12}\), the commit 64 "
                                                   r"examples \(fingerprint [0-9a-f]{12}\)", message), message
     assert run(x, y, 2).epoch == [1]  # the same data goes on from the commit
+
+
+def test_when_every_kept_commit_is_unreadable_and_nobody_holds_another_fit_says_so(tmp_path):
+    """A commit that cannot be read is skipped for an older one, and a group member may hold it; where none
+    is left anywhere, fit refuses to start from scratch beside them."""
+    from tf_elastic.elastic.worker.errors import ConfigurationError
+
+    x, y = np.random.default_rng(0).random((64, 1), np.float32), np.arange(64) % 4
+    run = lambda: elastic.fit(_id_model(4), x, y, batch_size=16, epochs=2, verbose=0,  # noqa: E731
+                              run_dir=str(tmp_path), world=World(run_dir=str(tmp_path)),
+                              config=elastic.FitConfig(commit_every_steps=0, durable_every_commits=0))
+    run()
+    for data in (tmp_path / "checkpoints").glob("*.data-*"):
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    with pytest.raises(ConfigurationError, match="no readable commit in .* and no other worker holds one: "):
+        run()

@@ -15,7 +15,7 @@ import os
 import posixpath
 import time
 import uuid
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import keras
 import numpy as np
@@ -26,8 +26,10 @@ from tensorflow.python.ops import resource_variable_ops
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, RunDir, error_line, first_line
 from tf_elastic.elastic.worker import keras_compat
+from tf_elastic.elastic.worker.commit_files import STATE_FILE, complete_on_disk, kept_commits
 from tf_elastic.elastic.worker.commit_log import CommitLog
 from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
+from tf_elastic.elastic.worker.storage import files_of, sync_local
 from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.schedules import BatchResizeSchedule
@@ -80,10 +82,9 @@ class CommittedState:
         self._finishing: List[concurrent.futures.Future] = []  # background finishes not yet checked
         if world.keeps_commits:
             tf.io.gfile.makedirs(self.directory)
-            kept = tf.train.get_checkpoint_state(self.directory)
-            # (path, time) pairs: with the times, `tf.train.CheckpointManager` also lists these commits.
-            if kept:
-                self._kept = list(zip(kept.all_model_checkpoint_paths, kept.all_model_checkpoint_timestamps))
+            # (path, time) pairs: with the times, `tf.train.CheckpointManager` also lists these commits. An
+            # unreadable state file yields the complete commits on disk: the sweep below keeps them.
+            self._kept = kept_commits(self.directory)[0]
             self._sweep()
         if self.durable:
             self.durable.check_writable()
@@ -175,25 +176,17 @@ class CommittedState:
                 self._report(Event.DURABLE_COPY, path=self.durable.directory, error=error_line(error))
 
     def restore(self) -> Tuple[Optional[str], List[Tuple[str, str]]]:
-        """Restores the newest readable commit this host keeps; the chief also looks at the durable copies
-        and takes the newest complete one if it is newer (a restart of the whole job on fresh hosts).
+        """Restores the newest readable commit: this host's (those the state file names, then any other
+        complete one on disk), and on the chief the durable copies (a restart of the whole job on fresh
+        hosts), each tried newest first in `CommitId` order, so that a damaged one falls back to the next.
 
-        Returns its path (None when there is none) and the newer ones skipped as unreadable (truncated or
-        corrupted files), each with the error. A commit of another model is an error."""
-        kept = tf.train.get_checkpoint_state(self.directory) if self.world.keeps_commits else None
-        candidates = list(reversed(kept.all_model_checkpoint_paths if kept else []))
-        local = [commit_id(posixpath.basename(p)) or NO_COMMIT for p in candidates]  # refuses an old format
-        newest = self.durable.newest() if self.durable else None
-        if newest is not None:
-            candidates.insert(0 if newest.id > max(local, default=NO_COMMIT) else len(candidates), newest.prefix)
+        Returns its path (None when none was readable: the group may hold one; `_start_from_group` decides)
+        and the newer ones skipped as unreadable (truncated or corrupted files), each with the error. A
+        commit of another model is an error."""
         skipped = []
-        for path in candidates:
+        for path, read in self._candidates():
             try:
-                # A durable copy TensorFlow cannot read where it is (s3://) is downloaded first, into the
-                # host's commit directory, whose sweep removes it at the next round's start.
-                readable = self.durable.readable(newest, posixpath.join(self.directory, "fetched")) \
-                    if newest is not None and path == newest.prefix else path
-                self.checkpoint.read(readable).assert_existing_objects_matched()
+                self.checkpoint.read(read()).assert_existing_objects_matched()
                 self.restored = path
                 return path, skipped
             except (tf.errors.OpError, IndexError, OSError) as error:  # IndexError: the reader's, on a short file
@@ -202,9 +195,21 @@ class CommittedState:
                 raise ConfigurationError(f"the committed state {path} does not fit this model or optimizer "
                                          f"({first_line(error, 300)}); use another --run_dir "
                                          f"(--checkpoint_dir) or the configuration it was written with") from None
-        if skipped:
-            raise ConfigurationError(f"no readable commit in {self.directory}: " + "; ".join(e for _, e in skipped))
         return None, skipped
+
+    def _candidates(self) -> List[Tuple[str, Callable[[], str]]]:
+        """(path, how to get a prefix TensorFlow reads) of every commit to try, newest first."""
+        local = []
+        if self.world.keeps_commits:
+            named = [path for path, _ in kept_commits(self.directory)[0]]
+            local = named + [p for p in complete_on_disk(self.directory) if p not in named]
+        found = [(commit_id(posixpath.basename(p)) or NO_COMMIT, p, lambda p=p: p) for p in local]
+        for copy in reversed(self.durable.copies() if self.durable else []):
+            if copy.complete:  # one TensorFlow cannot read where it is (s3://) is downloaded into `fetched`
+                found.append((copy.id, copy.prefix, lambda copy=copy: self.durable.readable(
+                    copy, posixpath.join(self.directory, "fetched"))))
+        found.sort(key=lambda item: item[0], reverse=True)  # stable: a local commit before its durable copy
+        return [(path, read) for _, path, read in found]
 
     def commit(self, epoch: int, samples: int, step: int, global_batch: int, announce: Optional[Dict] = None,
                started: Optional[float] = None, data: Tuple[int, int] = (0, 0)) -> None:
@@ -231,7 +236,7 @@ class CommittedState:
         # Named by generation and the whole position: a commit never overwrites the files the state file names.
         prefix = posixpath.join(self.directory, f"ckpt-{generation}-{step}-{epoch}-{samples}")
         try:
-            self._write(prefix)
+            self._write_at(prefix)
         except tf.errors.OpError as error:
             self._report(Event.COMMIT_FAILED, step=step, path=prefix, error=error_line(error))
             return
@@ -241,6 +246,16 @@ class CommittedState:
         else:
             self._finishing.append(self._pool.submit(self._finish, prefix, self.log.made, time.time(), started,
                                                      blocked))
+
+    def _write_at(self, prefix: str) -> None:
+        """Starts the write of a commit. TensorFlow's asynchronous writer raises a background write's error
+        at the next write: that error is the previous commit's (its finish reports it, finding no index),
+        so this commit's write is started once more rather than lost with it."""
+        try:
+            self._write(prefix)
+        except tf.errors.OpError as error:
+            logging.warning("a commit write raised %s; writing %s once more", error_line(error), prefix)
+            self._write(prefix)
 
     def _raise_background_error(self, wait: bool = False) -> None:
         """Re-raises, in the training thread, what a background finish raised beyond the errors it reports
@@ -261,13 +276,15 @@ class CommittedState:
             self.checkpoint.sync()
             if not tf.io.gfile.exists(prefix + ".index"):  # the index is written last
                 raise tf.errors.DataLossError(None, None, f"{prefix}.index was not written")
+            sync_local(files_of(prefix))  # on the disk before the state file names them
             kept = self._kept + [(prefix, written)]
             expired, kept = kept[:-self._max_to_keep], kept[-self._max_to_keep:]
             paths, times = zip(*kept)
             self._name_in_state_file(prefix, paths, times)
+            sync_local([posixpath.join(self.directory, STATE_FILE)])  # and its rename: now it is in force
             self._kept = kept
             for old, _ in expired:
-                for path in tf.io.gfile.glob(old + ".*"):
+                for path in files_of(old):
                     tf.io.gfile.remove(path)
         except (tf.errors.OpError, OSError) as error:
             self._report(Event.COMMIT_FAILED, path=prefix, error=error_line(error))

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tf_elastic.elastic.protocol import error_line
 from tf_elastic.elastic.worker.errors import ConfigurationError
-from tf_elastic.elastic.worker.storage import Storage, open_storage
+from tf_elastic.elastic.worker.storage import Storage, StorageError, files_of, open_storage
 
 MARKER = "COMPLETE"
 GENERATION_MARK = "GENERATION"  # GENERATION-N: the highest generation N a chief using this directory began
@@ -133,9 +133,12 @@ class DurableCopies:
         folder = posixpath.join(self.directory, name)
         if self.storage.exists(posixpath.join(folder, MARKER)):
             return 0
+        files = files_of(prefix)
+        if not any(path.endswith(".index") for path in files):  # never a marker on a copy of nothing
+            raise StorageError(f"the commit {prefix} has no index file to copy")
         self.storage.makedirs(folder)
         copied = 0
-        for path in tf.io.gfile.glob(prefix + ".*"):
+        for path in files:
             copied += self.storage.upload(path, posixpath.join(folder, os.path.basename(path)))
         self._write_marker(folder, name)
         self.collect()

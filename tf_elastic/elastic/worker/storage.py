@@ -15,6 +15,28 @@ import tensorflow as tf
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 
+def files_of(prefix: str) -> List[str]:
+    """The local (or `tf.io.gfile`) files of the checkpoint at `prefix` (`PREFIX.index`, `PREFIX.data-*`), by
+    listing its directory: `glob` would read the `[`, `*` or `?` a run dir may hold as a pattern."""
+    directory, name = posixpath.split(prefix)
+    if not tf.io.gfile.isdir(directory):
+        return []
+    return sorted(posixpath.join(directory, f) for f in tf.io.gfile.listdir(directory) if f.startswith(name + "."))
+
+
+def sync_local(paths: List[str]) -> None:
+    """Flushes local files, and the directories that hold them (their names), to the disk: what a commit
+    promises must survive a crash of its host, not only of its process. Paths on other filesystems
+    (`scheme://`) are left to them (an object store's write is durable when it returns)."""
+    local = [p for p in paths if "://" not in p]
+    for path in local + sorted({os.path.dirname(os.path.abspath(p)) for p in local}):
+        handle = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+
+
 class StorageError(OSError):
     """A storage request that failed: the path and the reason (never a credential); `status` is the HTTP
     status where there was one (0: none)."""
@@ -45,10 +67,12 @@ class Storage:
     def write_text(self, path: str, text: str) -> None:
         with tf.io.gfile.GFile(path, "w") as f:
             f.write(text)
+        sync_local([path])
 
     def upload(self, local_path: str, path: str) -> int:
-        """Copies a local file to `path` (appearing whole); returns its bytes."""
+        """Copies a local file to `path` (appearing whole, on the disk); returns its bytes."""
         tf.io.gfile.copy(local_path, path, overwrite=True)
+        sync_local([path])
         return os.path.getsize(local_path)
 
     def download(self, directory: str, local_directory: str) -> None:

@@ -634,6 +634,9 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
             if agreement.id != NO_COMMIT:
                 state.keep()
     agreed = agreement.id if agreement else state.held
+    if agreed == NO_COMMIT and skipped:  # what this host kept is unreadable, and nobody holds another
+        raise ConfigurationError(f"no readable commit in {state.directory} and no other worker holds one: "
+                                 + "; ".join(error for _, error in skipped))
     state.begin_generation(agreed, agreement.floor if agreement else state.generation_floor())
     events.write(Event.RESTORE, round=world.round, rank=world.rank, restored=agreed != NO_COMMIT, path=restored,
                  source_rank=agreement.source if agreement else world.rank, step=state.step, epoch=state.epoch,
