@@ -348,3 +348,35 @@ def test_when_every_kept_commit_is_unreadable_and_nobody_holds_another_fit_says_
         data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     with pytest.raises(ConfigurationError, match="no readable commit in .* and no other worker holds one: "):
         run()
+
+
+def test_the_end_of_fit_is_in_the_commit_ema_weights_and_a_users_early_stop(tmp_path):
+    """A restart of a finished run trained nothing and skipped `model.fit`'s finalize: a `use_ema` model
+    came back with raw weights. A user's early stop (at an epoch end, as EarlyStopping does) was not in
+    the commit: a restart trained on (8 steps became 16)."""
+    x = np.random.default_rng(0).standard_normal((128, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        made = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+        made.compile(optimizer=keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9),
+                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return made
+
+    class StopAfterFirstEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = True
+
+    def run(name, callbacks=()):
+        trained = model()
+        elastic.fit(trained, x, y, epochs=5 if callbacks else 2, batch_size=16, verbose=0, callbacks=list(callbacks),
+                    world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path / name),
+                    config=elastic.FitConfig(commit_every_steps=4, durable_every_commits=0))
+        return trained
+
+    first, again = run("ema"), run("ema")
+    for finished, restarted in zip(first.weights, again.weights):
+        np.testing.assert_array_equal(finished.numpy(), restarted.numpy())
+    stopped, after = run("stop", [StopAfterFirstEpoch()]), run("stop", [StopAfterFirstEpoch()])
+    assert int(stopped.optimizer.iterations.numpy()) == int(after.optimizer.iterations.numpy()) == 8

@@ -53,9 +53,10 @@ class CommittedState:
                  durable: Optional[DurableCopies] = None, durable_every_commits: int = 0,
                  events: Optional[EventLog] = None, background: bool = False):
         self.world, self.events = world, events
-        # epoch, samples, step, global batch, generation, the data's fingerprint and size (`commit`'s `data`)
+        # epoch, samples, step, global batch, generation, the data's fingerprint and size (`commit`'s `data`),
+        # and whether a user's callback ended training early
         with _plain_variables():
-            self.progress = tf.Variable(np.zeros(7, np.int64), trainable=False, name="elastic_progress")
+            self.progress = tf.Variable(np.zeros(8, np.int64), trainable=False, name="elastic_progress")
         self.model, self.schedule = model, schedule
         items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
         if schedule is not None:
@@ -151,6 +152,10 @@ class CommittedState:
         return int(self.progress[5]), int(self.progress[6])
 
     @property
+    def early_stopped(self) -> bool:
+        return bool(self.progress[7])
+
+    @property
     def held(self) -> CommitId:
         """(generation, step) of the commit this worker restored (`NO_COMMIT`: none), for the agreement."""
         return CommitId(int(self.progress[4]), self.step) if self.restored else NO_COMMIT
@@ -212,13 +217,15 @@ class CommittedState:
         return [(path, read) for _, path, read in found]
 
     def commit(self, epoch: int, samples: int, step: int, global_batch: int, announce: Optional[Dict] = None,
-               started: Optional[float] = None, data: Tuple[int, int] = (0, 0)) -> None:
+               started: Optional[float] = None, data: Tuple[int, int] = (0, 0), early_stop: bool = False) -> None:
         """All workers call this at the same step; the host's first worker writes. The chief gives the
         fields of the `commit` event `log` writes once every host holds the commit (`announce`), and when
         the commit began (`started`, `time.perf_counter()`: the group's check before it counts). `data`:
-        (fingerprint, examples) of the data that `epoch` and `samples` index."""
+        (fingerprint, examples) of the data that `epoch` and `samples` index; `early_stop`: a user's callback
+        ended training here (a restart trains no further)."""
         started = time.perf_counter() if started is None else started
-        self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation, *data], np.int64))
+        self.progress.assign(np.array([epoch, samples, step, global_batch, self.generation, *data, early_stop],
+                                      np.int64))
         self.log.make(announce, started)
         self.keep(started)
 

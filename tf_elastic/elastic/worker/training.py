@@ -105,6 +105,17 @@ class _ElasticCallback(ProgressCallback):
         self.trainer.end_epoch(epoch, logs if logs is not None else {})
 
 
+class _EpochEndCommit(keras.callbacks.Callback):
+    """The last of the callbacks: commits the epoch's end once the user's callbacks have had their say."""
+
+    def __init__(self, trainer: "_ElasticTrainer"):
+        super().__init__()
+        self.trainer = trainer
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.trainer.commit_epoch(epoch)
+
+
 class _ElasticTrainer:
     """Exact data positions, commits on cadence, and stops at the same step on every worker."""
 
@@ -228,10 +239,12 @@ class _ElasticTrainer:
         self.step += 1
 
     def end_epoch(self, epoch: int, logs: Dict) -> None:
+        """Keras ended the epoch (first of the callbacks): its event, and validation, whose logs the user's
+        callbacks then see. The epoch-end commit comes after them (`commit_epoch`)."""
         start = self.epoch_start + self.batch_in_epoch * self.global_batch
         if self.batch_in_epoch < len(self.batches):
             if not self.stopped:  # a callback of the user's stopped training mid-epoch (an agreed stop committed)
-                self.commit(epoch, start)
+                self.commit(epoch, start, early_stop=True)
             return
         if self.world.is_chief:
             seconds = time.time() - self.epoch_began
@@ -243,13 +256,20 @@ class _ElasticTrainer:
         skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
         if skipped:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=epoch, samples=skipped, rank=self.world.rank)
-        self.commit(epoch + 1, 0)  # before validation: an evaluation that fails loses no training
-        if self.validation.due(epoch):  # statistics were averaged by the commit: every worker evaluates one model
+        if self.validation.due(epoch):
+            self.average_statistics()  # every worker evaluates one model
             logs.update(self.validation.run(self.model, ProgressCallback(self.events, self.world)))
+
+    def commit_epoch(self, epoch: int) -> None:
+        """After every callback of the epoch's end: the commit holds what they decided too (a user's early
+        stop, a learning rate ReduceLROnPlateau lowered)."""
+        if self.batch_in_epoch < len(self.batches):
+            return  # stopped mid-epoch: committed at the step already
+        self.commit(epoch + 1, 0, early_stop=self.model.stop_training and not self.stopped)
         self.set_batches(epoch + 1, 0)
 
     # Commit and agreement ------------------------------------------------------------------------
-    def commit(self, epoch: int, samples: int) -> None:
+    def commit(self, epoch: int, samples: int, early_stop: bool = False) -> None:
         """Commits on every worker. The chief's `commit` event, the promise that this step survives the loss of
         any host, is written only once the commit is in force on every host that keeps commits (learnt at the
         next agreement): `seconds` is what the training step paid for the write, `check_seconds` for averaging
@@ -266,7 +286,7 @@ class _ElasticTrainer:
                           learning_rate=_learning_rate(self.model), world_size=self.world.size,
                           global_batch=self.global_batch, check_seconds=round(time.perf_counter() - started, 4))
         self.state.commit(epoch, samples, self.step, self.global_batch, announce=fields, started=started,
-                          data=(self.data_fingerprint, self.source.num_examples))
+                          data=(self.data_fingerprint, self.source.num_examples), early_stop=early_stop)
         report_activity()
         self.last_commit = time.time()
 
@@ -299,10 +319,13 @@ class _ElasticTrainer:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=self.epoch, rank=self.world.rank,
                               samples=self.plan.remainder(self.epoch_start, self.global_batch))
             self.set_batches(self.epoch + 1, 0)
-        if self.epoch >= epochs and self.world.is_chief:  # a second run of a finished script must say so
-            logging.warning("training is already complete: the commit in %s is at epoch %d of %d (step %d); "
-                            "nothing to train. Give more epochs to train on, or another run dir to start anew.",
-                            self.state.directory, self.epoch, epochs, self.step)
+        if self.state.early_stopped or self.epoch >= epochs:
+            if self.world.is_chief:  # a second run of a finished script must say so
+                logging.warning("training is already complete: the commit in %s is at epoch %d of %d (step %d%s); "
+                                "nothing to train. Give more epochs to train on, or another run dir to start anew.",
+                                self.state.directory, self.epoch, epochs, self.step,
+                                ", stopped early by a callback" if self.state.early_stopped else "")
+            return []
         return list(range(self.epoch, epochs))
 
     def close(self) -> None:
@@ -369,7 +392,8 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                               state=state, config=config, worker_batch=global_batch // world.size, events=events,
                               sum_fn=sum_fn, group=group, schedule=schedule, class_weight=class_weight)
     trainer.validation = validation
-    everyone = _CallbacksOfOneFit([_ElasticCallback(trainer), *(callbacks or ()), history], verbose=verbose,
+    everyone = _CallbacksOfOneFit([_ElasticCallback(trainer), *(callbacks or ()), history, _EpochEndCommit(trainer)],
+                                  verbose=verbose,
                                   epochs=epochs, model=model)
     _train(trainer, group, epochs, everyone, dict(verbose=verbose))
     return history
@@ -387,7 +411,10 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
         trainer.record_consumption()
         previous = {sig: signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
                     for sig in world.stop_signals}
-        for epoch in trainer.remaining_epochs(epochs):
+        remaining = trainer.remaining_epochs(epochs)
+        if not remaining:  # finished before this process: what model.fit's end did (EMA averages) is not committed
+            model.optimizer.finalize_variable_values(model.trainable_variables)
+        for epoch in remaining:
             if trainer.stopped or model.stop_training:
                 break
             # One `model.fit` an epoch: each epoch's planned order (and augmentation seeds) is a dataset of its
