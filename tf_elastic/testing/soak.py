@@ -4,8 +4,9 @@ Faults (each at a random moment, after the group recovered from the previous one
 SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its heartbeat goes on (the
 progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and its worker a preemption
 notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
-corrupt the newest checkpoint (then kill the chief so the group restores), and with etcd, stop and
-restart the store. Every kind is drawn once before any repeats.
+corrupt the newest checkpoint (then kill the chief so the group restores), fill the chief's state file
+with NUL bytes (a crash mid-write; then kill the chief), and with etcd, stop and restart the store. Every
+kind is drawn once before any repeats. The job's paths hold glob's characters (`soak[*?]`).
 
 The workers, and the fault-free reference run, run the trainer module the caller names (`trainer`, e.g.
 "launch.train"), which takes `launch.train`'s flags (`TRAIN`) and writes its events.
@@ -38,7 +39,7 @@ TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--co
 AGENT = ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1", "--blacklist_after=1000",
          "--stop_grace=10", "--preemption_signals=SIGTERM,SIGUSR1", "--progress_timeout=8"]
 KINDS = ("kill_worker", "kill_host", "stop_worker", "stall_worker", "term_agent", "preempt_agent", "start_agent",
-         "kill_chief_in_commit", "corrupt_checkpoint", "restart_store")
+         "kill_chief_in_commit", "corrupt_checkpoint", "damage_state_file", "restart_store")
 # Kinds that end a host's part in the job, and need another host to carry on.
 _LEAVING = ("kill_host", "term_agent", "preempt_agent")
 
@@ -81,7 +82,8 @@ class Soak:
 
     def choose(self) -> str:
         """The next kind of the plan that fits the job now, else a random one that does."""
-        kinds = ["kill_worker", "stop_worker", "stall_worker", "kill_chief_in_commit", "corrupt_checkpoint"]
+        kinds = ["kill_worker", "stop_worker", "stall_worker", "kill_chief_in_commit", "corrupt_checkpoint",
+                 "damage_state_file"]
         if len(self.live) >= 2:
             kinds += list(_LEAVING)
         if len(self.live) < 3:
@@ -104,7 +106,7 @@ class Soak:
     def inject(self, kind: str) -> Fault:
         job = self.job
         host = self.rng.choice(self.live)
-        if kind in ("kill_chief_in_commit", "corrupt_checkpoint"):
+        if kind in ("kill_chief_in_commit", "corrupt_checkpoint", "damage_state_file"):
             host = self.chief_host()
         fault = Fault(kind, host, time.time())
         if kind == "kill_worker":
@@ -130,6 +132,9 @@ class Soak:
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "corrupt_checkpoint":
             fault.note = _corrupt_newest(job.run_dir, self.live)
+            signal_pid(job.worker_pid(host), signal.SIGKILL)
+        elif kind == "damage_state_file":  # as a crash mid-write leaves it: the host's commits must all stay
+            fault.note = _damage_state_file(job.run_dir, host)
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "restart_store":
             self.etcd.stop()
@@ -164,7 +169,7 @@ class Soak:
 def _wait_for_commit_in_progress(run_dir: Path, timeout: float) -> bool:
     """Polls for TF's temporary shard directory of a checkpoint being written (on any host)."""
     deadline = time.time() + timeout
-    pattern = str(RunDir(run_dir).host_commits("*") / "*_temp*")
+    pattern = glob.escape(str(RunDir(run_dir).path)) + "/commits/*/*_temp*"
     while time.time() < deadline:
         if glob.glob(pattern):
             return True
@@ -188,6 +193,15 @@ def _corrupt_newest(run_dir: Path, hosts: List[str]) -> str:
             with open(data, "r+b") as f:
                 f.truncate(size // 2)
     return f"truncated {', '.join(sorted(names))}"
+
+
+def _damage_state_file(run_dir: Path, host: str) -> str:
+    """Fills `host`'s state file with NUL bytes, as a host crash between its write and its sync can leave it."""
+    state = RunDir(run_dir).host_commits(host) / "checkpoint"
+    if not state.exists():
+        return "no commit yet"
+    state.write_bytes(b"\0" * state.stat().st_size)
+    return f"{host}'s state file"
 
 
 def _newest_commit(state: Path) -> str:
@@ -258,8 +272,8 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     # digits: about an epoch a second; a fault and its recovery take ~5 s, ~15 s waiting for spares
     epochs = epochs or (10 if wait_for_spares else 5) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
-    (root / "soak").mkdir(parents=True)
-    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
+    (root / "soak[*?]").mkdir(parents=True)  # glob's characters in every path of the job
+    soak = Soak(root / "soak[*?]", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
     try:
         soak.start_host()
         soak.start_host()
