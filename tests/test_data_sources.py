@@ -552,7 +552,7 @@ def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
         codes = job.wait_agents()
         assert codes["a"] == 0 and codes["c"] == 0, job.describe()
         counts = audit.exactly_once(job.run_dir, 1400, 2 * batch)
-        assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0}, counts
+        assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0, "off_plan": 0}, counts
         assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
     finally:
         job.cleanup()

@@ -48,7 +48,7 @@ def _max_step_before(job, round_):
 def _assert_exactly_once(job, num_examples, epochs):
     largest_global_batch = 16 * max(e["world_size"] for e in job.events("rendezvous"))
     counts = audit.exactly_once(job.run_dir, num_examples, largest_global_batch)
-    assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0}, counts
+    assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0, "off_plan": 0}, counts
 
 
 def _first_step(job, round_min, world_size=None):
