@@ -69,7 +69,7 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     events = read_events(run_dir)
     hosts = _host_of_worker_events(events)
     commits = [e for e in events if e["event"] == Event.COMMIT]
-    restarts = {e["round"]: e["restarts"] for e in events if e["event"] == Event.RENDEZVOUS}
+    failed_rounds = set(_failed_rounds(events))
     resumed, reached = _resumed_and_reached(events)
     by_host: Dict[str, List[Dict]] = {}
     for e in events:
@@ -92,7 +92,7 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
             if state == "training":
                 within = [c for c in commits if c["round"] == event["round"] and event["time"] <= c["time"]
                           < following["time"]]
-                failed = restarts.get(event["round"] + 1, 0) > restarts.get(event["round"], 0)
+                failed = event["round"] in failed_rounds
                 lost = min(length, max(0.0, _redone(event, following["time"] - evaluating, within, reached.get(
                     event["round"]), resumed.get(event["round"] + 1)))) if failed else 0.0
                 paid = min(length - lost, sum(c.get("seconds", 0.0) + c.get("check_seconds", 0.0) for c in within))
@@ -123,14 +123,23 @@ def _resumed_and_reached(events: List[Dict]) -> Tuple[Dict[int, int], Dict[int, 
     return resumed, reached
 
 
-def samples_redone(run_dir: RunDirs) -> Tuple[int, int]:
-    """(steps, samples) trained by a round a failure ended and trained again by the next: the steps past
-    the one the next round resumed from, at the failed round's global batch."""
+def samples_redone(run_dir: RunDirs) -> Tuple[int, int, int]:
+    """(steps, samples, unknown): what rounds a failure ended trained and the next round trained again, the
+    steps past the one it resumed from at the failed round's global batch, where a worker saw the collective
+    fail at a known step; `unknown`: failed rounds without such a step (no collective failed: say, every
+    worker was killed), whose time after their last commit `time_split` counts as redone."""
     events = read_events(run_dir)
     resumed, reached = _resumed_and_reached(events)
     batch = {e["round"]: e["global_batch"] for e in events if e["event"] == Event.FIRST_STEP and "global_batch" in e}
     steps = {r: max(0, step - resumed[r + 1]) for r, step in reached.items() if r + 1 in resumed}
-    return sum(steps.values()), sum(n * batch.get(r, 0) for r, n in steps.items())
+    unknown = [r for r in _failed_rounds(events) if r not in reached and r in batch]
+    return sum(steps.values()), sum(n * batch.get(r, 0) for r, n in steps.items()), len(unknown)
+
+
+def _failed_rounds(events: List[Dict]) -> List[int]:
+    """Rounds that a counted failure ended (the next round's restart count is higher)."""
+    restarts = {e["round"]: e["restarts"] for e in events if e["event"] == Event.RENDEZVOUS}
+    return [r for r in sorted(restarts) if restarts.get(r + 1, 0) > restarts[r]]
 
 
 def _evaluations(events: List[Dict], end: float) -> List[Tuple[float, float]]:
@@ -246,8 +255,10 @@ def main(argv: List[str]) -> None:
     print(summary(dirs))
     print("\nWhere each host's time went (goodput: training time over wall time):\n")
     print(time_table(time_split(dirs)))
-    steps, samples = samples_redone(dirs)
-    print(f"\nredone after failures: {steps} steps, {samples} samples")
+    steps, samples, unknown = samples_redone(dirs)
+    print(f"\nredone after failures: {steps} steps, {samples} samples, in the failed rounds whose last step a "
+          f"worker saw" + (f"; {unknown} failed round(s) without a known last step, whose time after their last "
+                           f"commit the time split counts as redone" if unknown else ""))
     if any(RunDir(d).indices.is_dir() for d in run_dirs(dirs)):
         print(f"steps trained again after a restart (from the index logs): {audit.steps_redone(dirs)}")
     plot(dirs, dirs[0] / "run.png", size)

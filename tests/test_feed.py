@@ -52,16 +52,15 @@ def _complete_evaluations(job):
 
 
 def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empty_disk_join(tmp_path):
-    """a alone (1 worker), b joins (2), b is SIGKILLed (1), c joins with an empty disk (2), d joins with
-    two workers (4): every step at the global batch, every id once per epoch, every validation example
-    once per pass at every world size."""
+    """a and b (2 workers), b is SIGKILLed (a alone: 1), c joins with an empty disk (2), d joins with two
+    workers (4): every step at the global batch, every id once per epoch, every validation example once
+    per pass at every world size."""
     epochs = 40
     job = _job(tmp_path, epochs, ["--min_workers=1", "--max_workers=4", "--heartbeat_timeout=5"], step_seconds=0.1)
     try:
         job.start_agent("a")
-        one = job.first_step_after(0, world_size=1, timeout=240)
         job.start_agent("b")
-        two = job.first_step_after(one["time"], world_size=2, timeout=240)
+        two = job.first_step_after(0, world_size=2, timeout=240)
         job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == two["round"]], what="a commit of 2")
         job.kill_host("b")
         alone = job.first_step_after(two["time"], world_size=1, timeout=240)

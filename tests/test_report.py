@@ -61,7 +61,19 @@ def test_the_causes_tile_each_hosts_wall_time_with_evaluation_apart(tmp_path):
 
 
 def test_the_samples_redone_are_the_failed_rounds_steps_past_the_resumed_one(tmp_path):
-    assert report.samples_redone(_two_hosts_a_failure_and_a_restart(tmp_path)) == (10, 10 * 64)
+    assert report.samples_redone(_two_hosts_a_failure_and_a_restart(tmp_path)) == (10, 10 * 64, 0)
+
+
+def test_a_failed_round_without_a_known_last_step_is_named_where_its_time_is_counted_as_redone(tmp_path):
+    """The time split showed 0.8 s "redone after a failure" where the summary said 0 steps redone: a round
+    whose workers all died saw no collective fail, so its last step is unknown, and only the time split
+    (its time after its last commit) counted it. The summary now says so."""
+    run_dir = _two_hosts_a_failure_and_a_restart(tmp_path)
+    rows = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows
+                                                  if r["event"] != "collective_failure"))
+    assert report.time_split(run_dir)["a"]["redone after a failure"] > 0
+    assert report.samples_redone(run_dir) == (0, 0, 1)
 
 
 def test_an_evaluation_cut_short_by_a_kill_ends_at_the_hosts_next_state(tmp_path):
