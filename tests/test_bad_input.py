@@ -153,7 +153,8 @@ def test_an_unusable_run_dir_and_a_mistyped_command_end_the_agent_in_one_line_cr
     cases = [(["--run_dir=/proc/nope"], TRAIN, "--run_dir=/proc/nope: cannot be used"),
              ([f"--run_dir={tmp_path / 'a_file' / 'run'}"], TRAIN, "a_file/run: cannot be used (Not a directory)"),
              ([], ["tf-elastic-trian", "--dataset=digits"], "the worker command 'tf-elastic-trian' is not an "
-                                                             "executable program")]
+                                                             "executable program"),
+             ([f"--run_dir={tmp_path / 'sweep[lr=0.1]'}"], TRAIN, "TensorFlow reads a checkpoint's path as a pattern")]
     for flags, command, message in cases:
         proc = _run([sys.executable, "-m", "launch.elastic_run",
                      *agent_argv(tmp_path / "rdzv", tmp_path / "run", flags), "--", *command])

@@ -1,4 +1,6 @@
 """What a commit holds: every variable that affects training, each once, named, and saved by the checkpoint."""
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -222,24 +224,25 @@ def test_an_unreadable_state_file_deletes_no_commit_and_the_newest_still_restore
     assert path.endswith("ckpt-0-3-0-96") and step == 3
 
 
-def test_a_run_dir_with_glob_characters_copies_and_expires_commits_whole(tmp_path):
-    """`glob(prefix + ".*")` matched nothing under `sweep[lr=0.1]`: empty durable copies were marked
-    complete (and then deleted the good ones), and expired local commits were never deleted."""
+def test_a_run_dir_tensorflow_would_read_as_a_pattern_is_refused_and_no_copy_of_nothing_is_marked(tmp_path):
+    """Under `sweep[lr=0.1]` TensorFlow's checkpoint reader finds no commit (it matches the path as a
+    pattern), and `glob(prefix + ".*")` found no file: empty durable copies were marked complete, then
+    deleted the good ones, and expired commits were never deleted. Such a path is refused, naming it;
+    and a durable copy of a commit without files is an error, never marked complete."""
     from tf_elastic.elastic.worker.durable import DurableCopies
+    from tf_elastic.elastic.worker.storage import StorageError
 
-    run_dir, remote = tmp_path / "sweep[lr=0.1]*?", tmp_path / "remote"
     model, schedule = _training_setup()
-    state = CommittedState(World(), str(run_dir), model, schedule, durable=DurableCopies(str(remote)),
-                           durable_every_commits=1)
-    for step in range(1, 6):
-        state.commit(epoch=0, samples=32 * step, step=step, global_batch=32)
-    state.close(final=True)
-    assert len(list((run_dir / "checkpoints").glob("*.index"))) == 3
-    copies = DurableCopies(str(remote)).copies()
-    assert copies and all(c.complete for c in copies)
-    assert all(any(f.name.endswith(".index") for f in (remote / c.prefix.split("/")[-1]).iterdir()) for c in copies)
-    path, step = _restored_step(tmp_path / "fresh", durable=DurableCopies(str(remote)), durable_every_commits=1)
-    assert step == 5 and str(remote) in path
+    for run_dir, remote, argument in ((tmp_path / "sweep[lr=0.1]", None, "commit directory"),
+                                      (tmp_path / "run", tmp_path / "copies*", "--checkpoint_dir")):
+        durable = DurableCopies(str(remote)) if remote else None
+        with pytest.raises(ConfigurationError, match=re.escape(argument) + r".*a path with .*could not be restored"):
+            CommittedState(World(), str(run_dir), model, schedule, durable=durable, durable_every_commits=1)
+        assert not run_dir.exists() and not (remote and remote.exists())
+    remote = DurableCopies(str(tmp_path / "remote"))
+    with pytest.raises(StorageError, match="has no index file to copy"):
+        remote.copy(str(tmp_path / "nothing" / "ckpt-0-1-0-32"))
+    assert remote.copies() == [] or not any(c.complete for c in remote.copies())
 
 
 def test_a_damaged_newest_durable_copy_falls_back_to_the_older_complete_one(tmp_path):

@@ -5,6 +5,8 @@ given from inside the step. Planned or logged indices are no evidence: a strateg
 worker's batch once trained 1/W of every epoch at 1/W of the global batch while every log said all.
 """
 import collections
+import re
+import sys
 
 import pytest
 
@@ -97,5 +99,25 @@ def test_two_local_replicas_and_steps_per_execution_through_a_worker_kill(tmp_pa
         assert replica_batches == {BATCH // 2}, replica_batches
         _assert_every_id_once_per_epoch_at_the_global_batch(job, epochs)
         assert len(_complete_evaluations(job)) >= epochs
+    finally:
+        job.cleanup()
+
+
+def test_hosts_that_see_different_data_are_refused_in_one_line_naming_both(tmp_path):
+    """One host's copy of the data lacks examples (a missing file): the plan indexes each worker's own
+    data, so examples were used twice and others never, without an error. The group now compares the
+    data's fingerprint and size before it trains, and the job ends naming both."""
+    job = _job(tmp_path, 2, ["--min_workers=2", "--max_workers=2", "--nowarm_start"])
+    try:
+        job.start_agent("a")
+        job.start_agent("b", command=[sys.executable, "-m", "tf_elastic.testing.id_trainer", *job.train_args,
+                                      f"--examples={EXAMPLES - 16}"])
+        codes = job.wait_agents(timeout=300)
+        assert codes == {"a": 1, "b": 1}, job.describe()
+        reasons = " ".join(job.exit_reasons().values())
+        assert re.search(rf"the workers see different training data: rank 0 {EXAMPLES} examples \(fingerprint "
+                         rf"[0-9a-f]{{12}}\), rank 1 {EXAMPLES - 16} examples", reasons) or re.search(
+            rf"rank 0 {EXAMPLES - 16} examples .*rank 1 {EXAMPLES} examples", reasons), reasons
+        assert not list(tmp_path.glob("hosts/*/commits/*/*.index")), "nothing was committed"
     finally:
         job.cleanup()

@@ -6,7 +6,7 @@ progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and 
 notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
 corrupt the newest checkpoint (then kill the chief so the group restores), fill the chief's state file
 with NUL bytes (a crash mid-write; then kill the chief), and with etcd, stop and restart the store. Every
-kind is drawn once before any repeats. The job's paths hold glob's characters (`soak[*?]`).
+kind is drawn once before any repeats.
 
 The workers, and the fault-free reference run, run the trainer module the caller names (`trainer`, e.g.
 "launch.train"), which takes `launch.train`'s flags (`TRAIN`) and writes its events.
@@ -272,8 +272,8 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     # digits: about an epoch a second; a fault and its recovery take ~5 s, ~15 s waiting for spares
     epochs = epochs or (10 if wait_for_spares else 5) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
-    (root / "soak[*?]").mkdir(parents=True)  # glob's characters in every path of the job
-    soak = Soak(root / "soak[*?]", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
+    (root / "soak").mkdir(parents=True)
+    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
     try:
         soak.start_host()
         soak.start_host()

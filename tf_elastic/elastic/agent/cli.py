@@ -118,6 +118,9 @@ def _usable_run_dir(run_dir: str) -> str:
     """`--run_dir` as an absolute path (`~` expanded: the workers may start elsewhere), created and writable;
     checked before anything is created in the store's directory."""
     path = os.path.abspath(os.path.expanduser(run_dir))
+    if any(c in path for c in "[]*?"):  # (the workers' commits would be refused: say so before anything starts)
+        raise app.UsageError(f"--run_dir={run_dir}: TensorFlow reads a checkpoint's path as a pattern, so commits "
+                             f"under a path with '[', ']', '*' or '?' could not be restored; use a path without them")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

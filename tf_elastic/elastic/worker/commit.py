@@ -26,7 +26,7 @@ from tensorflow.python.ops import resource_variable_ops
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Event, RunDir, error_line, first_line
 from tf_elastic.elastic.worker import keras_compat
-from tf_elastic.elastic.worker.commit_files import STATE_FILE, complete_on_disk, kept_commits
+from tf_elastic.elastic.worker.commit_files import STATE_FILE, check_plain, complete_on_disk, kept_commits
 from tf_elastic.elastic.worker.commit_log import CommitLog
 from tf_elastic.elastic.worker.durable import NO_COMMIT, CommitId, DurableCopies, commit_id
 from tf_elastic.elastic.worker.storage import files_of, sync_local
@@ -71,6 +71,9 @@ class CommittedState:
         self.directory = str(layout.host_commits(world.host_id) if world.host_id else layout.checkpoints)
         if "://" not in self.directory:  # `~` and relative run dirs: one absolute path in the state file
             self.directory = os.path.abspath(os.path.expanduser(self.directory))
+        check_plain(self.directory, "the run dir's commit directory")
+        if durable is not None:
+            check_plain(durable.directory, "--checkpoint_dir")
         self.durable = durable if world.is_chief and durable_every_commits else None
         self._durable_every, self._commits, self._copied = durable_every_commits, 0, None
         self._max_to_keep = max_to_keep

@@ -17,8 +17,21 @@ from tensorflow.python.lib.io import file_io  # what get_checkpoint_state reads 
 from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
 from tf_elastic.elastic.worker.durable import commit_id
+from tf_elastic.elastic.worker.errors import ConfigurationError
 
 STATE_FILE = "checkpoint"
+# TensorFlow's checkpoint reader matches a commit's path as a pattern: under a directory named `a[1]` it finds
+# nothing, and `*` or `?` could match another directory's commit.
+PATTERN_CHARACTERS = "[]*?"
+
+
+def check_plain(directory: str, argument: str) -> None:
+    """Refuses a commit directory whose path TensorFlow would read as a pattern, naming `argument`."""
+    found = sorted({c for c in directory if c in PATTERN_CHARACTERS})
+    if found:
+        raise ConfigurationError(f"{argument}={directory}: TensorFlow reads a checkpoint's path as a pattern, so "
+                                 f"commits under a path with {' '.join(found)} could not be restored; use a path "
+                                 f"without any of {' '.join(PATTERN_CHARACTERS)}")
 READ_TRIES, READ_PAUSE = 3, 0.2  # a transient error of a network filesystem clears within a second
 
 
