@@ -111,7 +111,7 @@ def test_hosts_that_see_different_data_are_refused_in_one_line_naming_both(tmp_p
     try:
         job.start_agent("a")
         job.start_agent("b", command=[sys.executable, "-m", "tf_elastic.testing.id_trainer", *job.train_args,
-                                      f"--examples={EXAMPLES - 16}"])
+                                      f"--train_examples={EXAMPLES - 16}"])
         codes = job.wait_agents(timeout=300)
         assert codes == {"a": 1, "b": 1}, job.describe()
         reasons = " ".join(job.exit_reasons().values())

@@ -19,6 +19,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record_dir", required=True)
     parser.add_argument("--examples", type=int, default=96)
+    parser.add_argument("--train_examples", type=int, default=None, help="Train on the first N (default: all).")
     parser.add_argument("--validation_examples", type=int, default=24)
     parser.add_argument("--batch_size", type=int, default=16, help="The global batch.")
     parser.add_argument("--epochs", type=int, default=3)
@@ -50,7 +51,7 @@ def main(args: argparse.Namespace) -> None:
                      output_stream=f"file://{record / f'eval-round{world.round}-rank{world.rank}.txt'}")
             return super().test_step(data)
 
-    ids = np.arange(args.examples)
+    ids = np.arange(args.train_examples or args.examples)
     inputs = keras.Input((1,))
     model = Recording(inputs, keras.layers.Dense(args.examples)(inputs))
     model.compile(optimizer=keras.optimizers.SGD(0.01), steps_per_execution=args.steps_per_execution,
