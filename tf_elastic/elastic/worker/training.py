@@ -322,9 +322,10 @@ class _ElasticTrainer:
         if self.state.early_stopped or self.epoch >= epochs:
             if self.world.is_chief:  # a second run of a finished script must say so
                 logging.warning("training is already complete: the commit in %s is at epoch %d of %d (step %d%s); "
-                                "nothing to train. Give more epochs to train on, or another run dir to start anew.",
-                                self.state.directory, self.epoch, epochs, self.step,
-                                ", stopped early by a callback" if self.state.early_stopped else "")
+                                "nothing to train. %s", self.state.directory, self.epoch, epochs, self.step,
+                                ", where a callback stopped it early" if self.state.early_stopped else "",
+                                "Another run dir starts anew." if self.state.early_stopped else
+                                "Give more epochs to train on, or another run dir to start anew.")
             return []
         return list(range(self.epoch, epochs))
 
