@@ -63,7 +63,8 @@ class JobKeys:
 class JobOutcome:
     status: JobStatus
     reason: str
-    at: Optional[float] = None  # when it was recorded (Unix time; None in a record of an older version)
+    # When it was recorded (Unix time; None in a record of an older version): not part of what the outcome is.
+    at: Optional[float] = dataclasses.field(default=None, compare=False)
 
 
 class JobRecord:
