@@ -6,7 +6,7 @@ the next round restored from; steps after it were redone.
 import collections
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
 from tf_elastic.elastic.protocol import Event, RunDir
@@ -35,13 +35,22 @@ def index_records(run_dir: RunDirs) -> List[Dict]:
 
 
 def _consumed(path: Path) -> Dict[int, List[int]]:
-    """Step -> the indices its replicas trained, from `worker.consumed`'s lines `STEP [I I ...]`."""
+    """Step -> the indices its replicas trained, from `worker.consumed`'s lines."""
     steps: Dict[int, List[int]] = {}
+    for step, indices in step_lines(path):
+        steps.setdefault(step, []).extend(indices)
+    return steps
+
+
+def step_lines(path: Path) -> List[Tuple[int, List[int]]]:
+    """(step, indices) of each line `STEP [I I ...]` that `tf.print` wrote (one a replica's step), in order;
+    a line cut short by a killed worker is left out (that step was never committed either)."""
+    lines = []
     for line in path.read_text(errors="replace").splitlines() if path.exists() else ():
         head, _, rest = line.partition(" ")
-        if head.isdigit() and rest.startswith("[") and rest.endswith("]"):  # else: killed mid-line
-            steps.setdefault(int(head), []).extend(int(t) for t in rest.strip("[]").split())
-    return steps
+        if head.isdigit() and rest.startswith("[") and rest.endswith("]"):
+            lines.append((int(head), [int(t) for t in rest.strip("[]").split()]))
+    return lines
 
 
 def restores(run_dir: RunDirs) -> Dict[int, int]:

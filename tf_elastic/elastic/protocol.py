@@ -108,6 +108,11 @@ class Event(str, enum.Enum):
     EVALUATION = "evaluation"  # launch.train's test accuracy
 
 
+# TensorFlow's checkpoint reader matches a commit's path as a pattern: under a directory named `a[1]` it finds
+# nothing, and `*` or `?` could match another directory's commit. A run dir holding them is refused.
+PATTERN_CHARACTERS = "[]*?"
+
+
 class RunDir:
     """The layout of a run directory: where each side writes what the other (and `launch.report`) reads."""
 

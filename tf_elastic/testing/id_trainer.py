@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from tf_elastic.elastic import audit
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,10 +71,7 @@ def read_records(record_dir: Path, kind: str) -> List[Tuple[int, int, int, List[
     rows = []
     for path in sorted(Path(record_dir).glob(f"{kind}-round*-rank*.txt")):
         round_, rank = (int(n) for n in path.stem[len(kind) + len("-round"):].split("-rank"))
-        for line in path.read_text().splitlines():
-            step, _, ids = line.partition(" ")
-            if ids.startswith("[") and ids.endswith("]"):  # else: a worker killed mid-line
-                rows.append((round_, rank, int(step), [int(i) for i in ids.strip("[]").split()]))
+        rows += [(round_, rank, step, ids) for step, ids in audit.step_lines(path)]
     return rows
 
 

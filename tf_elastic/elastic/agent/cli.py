@@ -17,7 +17,7 @@ from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent
 from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.elastic.agent.worker_output import ECHO_CHOICES
 from tf_elastic.elastic.flag_checks import require_finite_floats, run_program
-from tf_elastic.elastic.protocol import Env
+from tf_elastic.elastic.protocol import PATTERN_CHARACTERS, Env
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
 flags.DEFINE_string("nproc", "1", "Workers on this host: a number, or 'gpu' for one per visible GPU. The visible "
@@ -118,9 +118,10 @@ def _usable_run_dir(run_dir: str) -> str:
     """`--run_dir` as an absolute path (`~` expanded: the workers may start elsewhere), created and writable;
     checked before anything is created in the store's directory."""
     path = os.path.abspath(os.path.expanduser(run_dir))
-    if any(c in path for c in "[]*?"):  # (the workers' commits would be refused: say so before anything starts)
+    if any(c in path for c in PATTERN_CHARACTERS):  # the workers' commits would be refused: say so before they start
         raise app.UsageError(f"--run_dir={run_dir}: TensorFlow reads a checkpoint's path as a pattern, so commits "
-                             f"under a path with '[', ']', '*' or '?' could not be restored; use a path without them")
+                             f"under a path with any of {' '.join(PATTERN_CHARACTERS)} could not be restored; use "
+                             f"a path without them")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):

@@ -88,7 +88,7 @@ class CommittedState:
             tf.io.gfile.makedirs(self.directory)
             # (path, time) pairs: with the times, `tf.train.CheckpointManager` also lists these commits. An
             # unreadable state file yields the complete commits on disk: the sweep below keeps them.
-            self._kept = kept_commits(self.directory)[0]
+            self._kept = kept_commits(self.directory)
             self._sweep()
         if self.durable:
             self.durable.check_writable()
@@ -209,7 +209,7 @@ class CommittedState:
         """(path, how to get a prefix TensorFlow reads) of every commit to try, newest first."""
         local = []
         if self.world.keeps_commits:
-            named = [path for path, _ in kept_commits(self.directory)[0]]
+            named = [path for path, _ in kept_commits(self.directory)]
             local = named + [p for p in complete_on_disk(self.directory) if p not in named]
         found = [(commit_id(posixpath.basename(p)) or NO_COMMIT, p, lambda p=p: p) for p in local]
         for copy in reversed(self.durable.copies() if self.durable else []):

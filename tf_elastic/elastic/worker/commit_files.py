@@ -16,13 +16,11 @@ from google.protobuf import text_format
 from tensorflow.python.lib.io import file_io  # what get_checkpoint_state reads with
 from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
+from tf_elastic.elastic.protocol import PATTERN_CHARACTERS
 from tf_elastic.elastic.worker.durable import commit_id
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 STATE_FILE = "checkpoint"
-# TensorFlow's checkpoint reader matches a commit's path as a pattern: under a directory named `a[1]` it finds
-# nothing, and `*` or `?` could match another directory's commit.
-PATTERN_CHARACTERS = "[]*?"
 
 
 def check_plain(directory: str, argument: str) -> None:
@@ -35,18 +33,17 @@ def check_plain(directory: str, argument: str) -> None:
 READ_TRIES, READ_PAUSE = 3, 0.2  # a transient error of a network filesystem clears within a second
 
 
-def kept_commits(directory: str) -> Tuple[List[Tuple[str, float]], bool]:
-    """(path, time) of each commit the state file names, oldest first, and whether they came from it: if it
-    exists but cannot be read or parsed, the complete commits found on disk (False), so that nothing is
-    taken for absent."""
+def kept_commits(directory: str) -> List[Tuple[str, float]]:
+    """(path, time) of each commit the state file names, oldest first; if it exists but cannot be read or
+    parsed, the complete commits found on disk, so that nothing is taken for absent."""
     path = posixpath.join(directory, STATE_FILE)
     error = None
     for attempt in range(READ_TRIES):
         try:
             if not tf.io.gfile.exists(path):
-                return [], True
+                return []
             state = text_format.Parse(file_io.read_file_to_string(path), CheckpointState())
-            return list(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps)), True
+            return list(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps))
         except (tf.errors.OpError, OSError) as failed:
             error = failed
             time.sleep(READ_PAUSE * (attempt + 1))
@@ -56,7 +53,7 @@ def kept_commits(directory: str) -> Tuple[List[Tuple[str, float]], bool]:
     found = complete_on_disk(directory)
     logging.warning("the state file %s could not be read (%s); the %d complete commits on disk stand in for it",
                     path, str(error).splitlines()[0][:200] if str(error) else type(error).__name__, len(found))
-    return [(prefix, 0.0) for prefix in found], False
+    return [(prefix, 0.0) for prefix in found]
 
 
 def complete_on_disk(directory: str) -> List[str]:

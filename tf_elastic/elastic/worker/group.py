@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from tf_elastic.elastic.worker.data.feed import local_replicas
 from tf_elastic.elastic.worker.durable import CommitId
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure
 from tf_elastic.elastic.worker.world import World
@@ -40,8 +41,8 @@ def sum_over_workers(strategy: tf.distribute.Strategy, world: World) -> SumOverW
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
     # Every local replica contributes: divide by their number (exact for the small integers we sum).
-    local_replicas = strategy.num_replicas_in_sync // world.size
-    return lambda values: total(tf.constant(values, tf.float64)).numpy() / local_replicas
+    here = local_replicas(strategy, world.size)
+    return lambda values: total(tf.constant(values, tf.float64)).numpy() / here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,7 @@ class GroupState:
         if len({id(v) for v in self.variables}) != len(self.variables) or len(self.names) != len(self.variables):
             raise ValueError("GroupState needs each TensorFlow variable once, with one name each")
         self.bytes = 4 * sum(words(v) for v in self.variables)
-        self._local_replicas = strategy.num_replicas_in_sync // world.size
+        self._local_replicas = local_replicas(strategy, world.size)
         self._pack = tf.function(lambda: tf.concat([to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
         self._broadcast = tf.function(self._broadcast_graph)  # one function: one trace at a round's start
         self._fingerprints = tf.function(self._fingerprint_graph)
