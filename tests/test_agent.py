@@ -17,11 +17,11 @@ from test_rendezvous import _host_rendezvous
 from tf_elastic.elastic import audit
 from tf_elastic.elastic.agent import workers
 from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent, RoundResult
-from tf_elastic.elastic.agent.round import Round
+from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.agent.worker_output import WorkerOutput
 from tf_elastic.elastic.events import EventLog, read_events
 from tf_elastic.elastic.protocol import Event, Heartbeat, HostDir, write_heartbeat
-from tf_elastic.elastic.store import StoreOptions
+from tf_elastic.elastic.store import StoreError, StoreOptions
 from tf_elastic.elastic.store.etcd import EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
@@ -313,3 +313,31 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
         reached = max(r["step"] for r in audit.index_records(job.run_dir) if r["round"] == round_)
         assert restores[round_ + 1] == reached
     assert not (job.run_dir / "heartbeats").exists()  # heartbeats live on the host, not in the run dir
+
+
+class _OneFailedRoundRead(FileStore):
+    """The first read of the round key (the one a failure's effects make, to open the next round) fails."""
+    failed = False
+
+    def get(self, key):
+        if key.endswith("/group/round") and not self.failed:
+            self.failed = True
+            raise StoreError("simulated: one request timed out")
+        return super().get(key)
+
+
+def test_a_failure_whose_effects_met_a_store_error_is_judged_once(tmp_path):
+    """The store failed once while the agent opened the next round after a worker's exit: the monitor
+    judged the same dead worker again at its next look, so one start failure counted as two "alike" and
+    the job failed after one start."""
+    store = _OneFailedRoundRead(str(tmp_path / "rdzv"))
+    command = [sys.executable, "-c", "import sys; print('ImportError: transient', file=sys.stderr); sys.exit(1)"]
+    config = AgentConfig(command=command, job_id="job", run_dir=str(tmp_path / "run"), max_restarts=5, host_id="h",
+                         warm_start=False, preemption_signals=(), monitor_interval=0.05,
+                         timeouts=Timeouts(rendezvous=10, last_call=0.2, survivor_wait=2, host_ttl=1.0, poll=0.05))
+    assert ElasticAgent(config, store).run() == 1  # two starts failed alike: the job ends, naming the error
+    assert store.failed
+    failures = [e for e in read_events(tmp_path / "run") if e["event"] == Event.FAILURE]
+    assert [(e["round"], e["counted"]) for e in failures] == [(0, True), (1, False)]
+    assert "on 2 tries in a row: ImportError: transient" in store.get("/job/group/outcome")
+    assert Round.from_json(store.get("/job/group/round")).restarts == 1

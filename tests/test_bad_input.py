@@ -102,8 +102,11 @@ def test_bad_training_input_is_named_and_committed_work_stays(committed, flags, 
 
 
 AGENT_CASES = [
-    (["--rdzv=etcd://127.0.0.1:9", "--rendezvous_timeout=1", "--rdzv_request_timeout=0.3"],
+    (["--rdzv=etcd://127.0.0.1:9", "--rendezvous_timeout=1", "--rdzv_request_timeout=0.1"],
      "no rendezvous within --rendezvous_timeout=1s: cannot reach etcd (127.0.0.1:9"),
+    (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10", "--rdzv_request_timeout=0.1"],
+     "--rdzv_request_timeout=0.1 must be at most --host_ttl / (6 x 2 endpoints) = 0.0833: a lease renewal"),
+    (["--rdzv_request_timeout=2"], "raise --host_ttl or leave --rdzv_request_timeout out"),
     (["--rdzv=etcd://127.0.0.1"], "expected etcd://HOST:PORT"),
     (["--rdzv=etcd://127.0.0.1:99999"], "port in 1..65535"),
     (["--rdzv=file://relative"], "expected file:///ABSOLUTE/DIR"),

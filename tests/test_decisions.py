@@ -193,3 +193,15 @@ def test_a_start_failure_repeated_alike_ends_the_job_and_any_other_does_not():
     assert decisions.repeated_start_failure([error]) is None  # one failure may be the machine's
     assert decisions.repeated_start_failure(["Killed", error]) is None
     assert decisions.repeated_start_failure([None, None]) is None  # nothing said: not named, not ended
+
+
+def test_a_standby_watches_rank_zeros_host():
+    assert decisions.standby_watch(_round(phase="frozen", assignment={"b": [1, 2], "a": [0], "s": []})) == "a"
+    assert decisions.standby_watch(_round(phase="frozen", assignment={"s": []})) is None
+
+
+@pytest.mark.parametrize("host_ttl, endpoints, limit", [(1.0, 1, 1 / 6), (1.0, 2, 1 / 12), (10.0, 3, 10 / 18)])
+def test_a_request_timeout_keeps_a_renewal_inside_its_lease(host_ttl, endpoints, limit):
+    assert decisions.request_timeout_limit(host_ttl, endpoints) == pytest.approx(limit)
+    # due a third into the lease, behind one request, two of its own, each over every endpoint: 5/6 of it
+    assert host_ttl / 3 + 3 * endpoints * limit <= host_ttl * 5 / 6 + 1e-9

@@ -87,8 +87,7 @@ def test_an_etcd_outage_does_not_stop_training(jobs, tmp_path):
 
 def test_an_agent_cannot_rendezvous_without_its_store_and_says_so(jobs, tmp_path):
     etcd = EtcdServer()  # never started: nothing listens on its port
-    job = _job(jobs, tmp_path, etcd.url, agent=["--nowarm_start", "--rendezvous_timeout=2",
-                                                "--rdzv_request_timeout=0.5"])
+    job = _job(jobs, tmp_path, etcd.url, agent=["--nowarm_start", "--rendezvous_timeout=2"])
     assert job.start_agent("a", command=SLEEPER).wait(timeout=60) == 1
     reason = job.events("exit")[-1]["reason"]
     assert "no rendezvous within --rendezvous_timeout=2s: cannot reach etcd" in reason, reason

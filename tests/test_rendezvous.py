@@ -1,6 +1,7 @@
 """Stores and rendezvous rounds in one process, against both backends (a file store and a real etcd)."""
 import dataclasses
 import json
+import socket
 import threading
 import time
 import uuid
@@ -8,11 +9,13 @@ import uuid
 import pytest
 
 from tf_elastic.testing.etcd_server import EtcdServer
+from tf_elastic.elastic.agent import decisions
 from tf_elastic.elastic.agent.job_record import JobOutcome, JobRecord, TokenRefused
 from tf_elastic.elastic.agent.rendezvous import HostIdTaken, Rendezvous, RendezvousTimeout
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.protocol import JobStatus
 from tf_elastic.elastic.store import StoreError, StoreOptions, open_store
+from tf_elastic.elastic.store.etcd import EtcdStore
 from tf_elastic.elastic.store.file import FileStore
 from tf_elastic.testing.net import free_port
 from tf_elastic.testing.rendezvous_sim import Simulation
@@ -614,19 +617,18 @@ def test_an_agent_whose_lapsed_lease_was_taken_by_another_stops(tmp_path):
         first.keepalive()
 
 
-def test_a_renewal_never_overwrites_a_newcomers_lease(rdzv_url, monkeypatch):
-    """The lease lapses and a newcomer takes the id just after the renewal's read: a read-then-write
-    renewal used to overwrite the newcomer's lease (the newcomer then found itself refused)."""
+def test_a_renewal_never_overwrites_a_newcomers_lease(rdzv_url):
+    """The lease lapses and a newcomer takes the id: a read-then-write renewal used to overwrite the
+    newcomer's lease (the newcomer then found itself refused). Renewals are compare-and-sets, and the read
+    that follows two failed ones (a reply lost?) accepts only a record of this agent's own incarnation."""
     job = uuid.uuid4().hex
     first = _host_rendezvous(open_store(rdzv_url), "node1", job=job)
     first.claim_host_id()
     first.store.delete(first.keys.host("node1"))  # lapsed
     newcomer = _host_rendezvous(open_store(rdzv_url), "node1", job=job)
     newcomer.claim_host_id()
-    with monkeypatch.context() as patch:
-        patch.setattr(first.store, "get", lambda key: first._lease())  # a read from before the takeover
-        with pytest.raises(HostIdTaken):
-            first.keepalive()
+    with pytest.raises(HostIdTaken):
+        first.keepalive()
     newcomer.keepalive()  # still its own
     first.leave()  # and a refused agent's leave never deletes it
     assert _incarnation_at(newcomer) == newcomer.incarnation
@@ -673,3 +675,179 @@ def test_losing_the_race_to_open_the_next_round_never_fails_the_job(tmp_path):
     assert b.open_next(seen, reason="join b", failure=False)  # b moves on first, without a failure
     assert not a.open_next(seen, reason="worker_exit", failure=True)
     assert a.job.outcome() is None
+
+
+class _LosesOneReply:
+    """A store whose first compare-and-set on a key containing `key_part` (and a value containing
+    `value_part`) is applied, but whose reply is lost: it raises `StoreError` ("error", a timeout after the
+    write), or answers False ("refused": etcd re-sent the transaction to the next endpoint, whose compare
+    then failed)."""
+
+    def __init__(self, store, key_part, value_part, mode):
+        self._store, self._key_part, self._value_part, self._mode = store, key_part, value_part, mode
+        self.lost = 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def compare_and_set(self, key, expected, value, ttl=None):
+        written = self._store.compare_and_set(key, expected, value, ttl)
+        if written and not self.lost and self._key_part in key and self._value_part in value:
+            self.lost += 1
+            if self._mode == "error":
+                raise StoreError("etcd at 127.0.0.1:1 refused /v3/kv/txn: request timed out (its reply lost)")
+            return False
+        return written
+
+
+@pytest.mark.parametrize("mode", ["error", "refused"])
+def test_a_join_whose_lease_write_lost_its_reply_still_joins(rdzv_url, job, mode):
+    """The join's lease write is applied and its reply lost: the next renewal found our own record there,
+    failed both compare-and-sets and ended a healthy agent as `HostIdTaken`."""
+    store = _LosesOneReply(open_store(rdzv_url), "/hosts/", '"round"', mode)
+    a = _rendezvous(store, job, "a", max_workers=1)
+    round_ = a.join()
+    assert store.lost == 1 and round_.assignment == {"a": [0]}
+    a.keepalive()
+    assert json.loads(store.get(a.keys.host("a")))["incarnation"] == a.incarnation
+
+
+@pytest.mark.parametrize("mode", ["error", "refused"])
+def test_a_round_opened_whose_reply_was_lost_counts_as_opened_and_checks_max_restarts(rdzv_url, job, mode):
+    store = _LosesOneReply(open_store(rdzv_url), "/group/round", '"number": 1', mode)
+    a = _rendezvous(store, job, "a", max_workers=1, max_restarts=0)
+    seen = a.join()
+    if mode == "error":
+        with pytest.raises(StoreError):
+            a.open_after(seen.number, reason="worker_exit rank=0", failure=True)
+    assert a.open_after(seen.number, reason="worker_exit rank=0", failure=True)  # again, as the agent retries
+    assert a.current().restarts == 1 and a.job.outcome().status is JobStatus.FAILED  # max_restarts=0 exceeded
+
+
+def _train_in_one_round(store, job, hosts):
+    """`hosts` join one round (max_workers: their number) and stop there: no agent renews their leases."""
+    rounds = {}
+    threads = [threading.Thread(target=lambda h=h: rounds.update({h: _rendezvous(
+        store, job, h, min_workers=len(hosts), max_workers=len(hosts)).join()})) for h in hosts]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    return rounds[hosts[0]]
+
+
+@pytest.mark.parametrize("hosts", [["w"], ["w1", "w2"]], ids=["the only ranked host", "every ranked host"])
+def test_a_standby_opens_the_next_round_once_every_ranked_host_is_gone(rdzv_url, job, hosts):
+    """No ring watcher is left (one ranked host, or all died together): the standby waited forever."""
+    store = open_store(rdzv_url)
+    trained = _train_in_one_round(store, job, hosts)
+    standby = _rendezvous(open_store(rdzv_url), job, "s", max_workers=len(hosts))
+    began = time.monotonic()
+    round_ = standby.join(cancelled=lambda: time.monotonic() - began > 8)
+    assert round_ is not None and round_.number == trained.number + 1, "the standby waited on"
+    assert round_.assignment == {"s": [0]} and round_.restarts == 1 and sorted(round_.lost) == hosts
+    rank_zero = next(host for host, ranks in trained.assignment.items() if ranks == [0])
+    assert round_.reason == f"host_lost host={rank_zero}"
+
+
+def test_a_standby_leaves_a_round_whose_ranked_hosts_live_alone(rdzv_url, job):
+    store = open_store(rdzv_url)
+    trained = _train_in_one_round(store, job, ["w"])
+    trainer = _rendezvous(store, job, "w", max_workers=1)
+    trainer._claimed, trainer._lease_value = True, store.get(trainer.keys.host("w"))
+    trainer.incarnation = json.loads(trainer._lease_value)["incarnation"]
+    standby = _rendezvous(open_store(rdzv_url), job, "s", max_workers=1)
+    began = time.monotonic()
+
+    def cancelled():
+        trainer.renew_if_due()  # the trainer's agent lives on
+        return time.monotonic() - began > 3
+
+    assert standby.join(cancelled=cancelled) is None and standby.current() == trained
+
+
+def test_a_host_noticed_to_leave_after_a_round_froze_with_it_makes_the_next_a_leave(rdzv_url, job):
+    """The notice lands after the opener listed b's lease, before b looked at the frozen round: b left, and
+    the others counted a lost host (a restart) for a graceful leave."""
+    store = open_store(rdzv_url)
+    a, b = (_rendezvous(store, job, h, min_workers=2, max_workers=2) for h in "ab")
+    rounds = {}
+
+    def b_noticed():
+        current = b.current()
+        return current is not None and current.phase == "frozen"
+
+    threads = [threading.Thread(target=lambda: rounds.update(a=a.join())),
+               threading.Thread(target=lambda: rounds.update(b=b.join(cancelled=b_noticed)))]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert rounds["b"] is None and sorted(rounds["a"].assignment) == ["a", "b"]
+    b.withdraw(after=-1)  # what the agent does when its join was cancelled
+    look = a.look(rounds["a"], a.watched_keys(rounds["a"]))
+    assert look.change.value == "resized" and look.current.restarts == 0 and not look.lost
+    assert look.current.expected == ["a"] and look.current.reason == "leave b"
+
+
+def test_a_restarted_agent_never_takes_the_round_its_predecessor_was_ranked_in(tmp_path, job):
+    """Its claim waits out the dead predecessor's lease; meanwhile another agent replaces the round that
+    ranks this host id. The round read before the claim used to be taken: workers in a replaced round."""
+    store = FileStore(str(tmp_path))
+    trained = _train_in_one_round(store, job, ["a", "b"])
+    b = _rendezvous(store, job, "b", min_workers=1, max_workers=2)
+    b._claimed, b._lease_value = True, store.get(b.keys.host("b"))
+    b.incarnation = json.loads(b._lease_value)["incarnation"]
+    restarted = _rendezvous(FileStore(str(tmp_path)), job, "a", min_workers=1, max_workers=2)
+
+    def b_notices_a_lost():  # b renews its lease; once a's lease is gone, b opens the next round
+        while b.current().number == trained.number:
+            b.renew_if_due()
+            if store.get(b.keys.host("a")) is None:
+                b.open_after(trained.number, reason="host_lost host=a", failure=True)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=b_notices_a_lost)
+    thread.start()
+    began = time.monotonic()
+    round_ = restarted.join(cancelled=lambda: time.monotonic() - began > 6)
+    thread.join(timeout=10)
+    assert round_ is None or round_.number > trained.number, "it took a round already replaced"
+
+
+def test_a_renewal_through_a_hung_endpoint_ends_inside_the_lease(etcd, job):
+    """A renewal that waited on an endpoint that never answers (the old 2 s request timeout, a 1 s lease)
+    outlived the lease: the ring watcher reported the healthy host lost. With the request timeout the rule
+    allows (`decisions.request_timeout_limit`), it moves to the next endpoint in time."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)  # connects, never answers
+    try:
+        endpoints = [f"127.0.0.1:{hung.getsockname()[1]}", etcd.url.split("://")[1]]
+        options = StoreOptions(request_timeout=decisions.request_timeout_limit(FAST.host_ttl, len(endpoints)))
+        stores = {"a": EtcdStore(endpoints, options), "b": open_store(etcd.url)}
+        stores["a"]._current = 1
+        rounds = {}
+        threads = [threading.Thread(target=lambda h=h: rounds.update({h: _rendezvous(
+            stores[h], job, h, min_workers=2).join()})) for h in "ab"]
+        [t.start() for t in threads]
+        [t.join(timeout=30) for t in threads]
+        a = _rendezvous(stores["a"], job, "a")
+        a._claimed, a._lease_value = True, stores["a"].get(a.keys.host("a"))
+        a.incarnation, a._renewed = json.loads(a._lease_value)["incarnation"], time.monotonic()
+        b, round_ = _rendezvous(stores["b"], job, "b"), rounds["b"]
+        assert b.watched_keys(round_)[1:] == [a.keys.host("a")]
+        stop = threading.Event()
+
+        def renew():  # a's agent, on its own
+            while not stop.is_set():
+                stores["a"]._current = 0  # every renewal meets the hung endpoint first
+                a.renew_if_due()
+                time.sleep(0.05)
+
+        renewing = threading.Thread(target=renew)
+        renewing.start()
+        began, lost = time.monotonic(), []
+        while time.monotonic() - began < 3 and not lost:
+            lost = b.look(round_, b.wait_for_change(0.05, training=round_)).lost
+        stop.set()
+        renewing.join(timeout=10)
+        assert not lost, "a healthy host was reported lost"
+    finally:
+        hung.close()

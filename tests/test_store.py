@@ -126,3 +126,17 @@ def test_file_store_rejects_malformed_content(tmp_path):
 def test_unknown_store_scheme_is_named():
     with pytest.raises(ValueError, match=r"--rdzv='zk://x': unknown store scheme 'zk'"):
         open_store("zk://x")
+
+
+def test_a_lease_first_seen_long_after_its_last_write_is_expired(tmp_path):
+    """A reader that never saw a lease counted it live however old: a taker froze a round at its first
+    listing with a host dead for seconds. Its age is read on the filesystem's clock instead."""
+    FileStore(str(tmp_path / "rdzv")).set("/job/hosts/dead", "{}", ttl=1.0)
+    FileStore(str(tmp_path / "rdzv")).set("/job/hosts/live", "{}", ttl=1.0)
+    path = tmp_path / "rdzv" / "job" / "hosts" / "dead.json"
+    os.utime(path, (path.stat().st_mtime - 3, path.stat().st_mtime - 3))  # its host died 3 s ago
+    reader = FileStore(str(tmp_path / "rdzv"))
+    assert reader.get("/job/hosts/dead") is None
+    assert reader.list("/job/hosts") == {"/job/hosts/live": "{}"}
+    FileStore(str(tmp_path / "rdzv")).set("/job/hosts/dead", "{}", ttl=1.0)  # renewed (or taken) again: live
+    assert reader.get("/job/hosts/dead") == "{}"

@@ -5,13 +5,14 @@ agent runs its local workers through the states below and turns every change int
 """
 import dataclasses
 import enum
+import functools
 import json
 import os
 import shutil
 import signal
 import socket
 import time
-from typing import Collection, Dict, List, Optional, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Tuple
 
 from absl import logging
 
@@ -90,6 +91,7 @@ class ElasticAgent:
         self._start_failures: List[Optional[str]] = []  # last error lines of workers failed before a step
         self._trained = False  # a worker of this host reached a training step in this job
         self._training_round = -1  # the last round whose first training step was logged
+        self._effects: Optional[Callable[[], RoundResult]] = None  # a verdict's, until the store let them through
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
@@ -118,7 +120,7 @@ class ElasticAgent:
                     return self._exit(AgentExit.FAILED, str(timeout))
                 if round_ is None:
                     self.notices.report()
-                    self._release_lease()
+                    self._withdraw(after)
                     return self._exit(AgentExit.OK, "left the job gracefully (while waiting for a round)")
                 ranks, after = round_.assignment[self.host_id], round_.number
                 self._report_round(round_, ranks)
@@ -269,7 +271,10 @@ class ElasticAgent:
 
     def _check_round(self, round_: Round, running: List[Worker], changed: Collection[str]) -> Optional[RoundResult]:
         """One look: observe (worker exit codes, heartbeats, and the store if it `changed`), let
-        `decisions` judge, act on the verdict."""
+        `decisions` judge, act on the verdict. A verdict whose effects the store failed is not judged
+        again: only its effects are carried out again."""
+        if self._effects is not None:
+            return self._carry_out(self._effects)
         codes = {w.rank: w.process.poll() for w in running}
         own = decisions.own_failure(codes)
         look = self.rendezvous.look(round_, changed)
@@ -287,8 +292,16 @@ class ElasticAgent:
         verdict = decisions.judge_workers(codes, silent, stalled)
         result = self._act_on_workers(verdict, round_, look.current, running, own)
         if result is None and look.lost:
-            self._failure(round_, Failure.HOST_LOST, None, None, host=look.lost[0])
-            return RoundResult.RESTART
+            return self._failure(round_, Failure.HOST_LOST, None, None, host=look.lost[0])
+        return result
+
+    def _carry_out(self, effects: Callable[[], RoundResult]) -> RoundResult:
+        """Carries out a verdict's `effects` (store writes first, then signals). A `StoreError` leaves them
+        for the next look, where they are tried again without judging again: the same dead worker judged
+        twice would be counted twice (two start failures "alike", two blacklist strikes)."""
+        self._effects = effects
+        result = effects()
+        self._effects = None
         return result
 
     def _act_on_group(self, change: GroupChange, round_: Round, current: Optional[Round], running: List[Worker],
@@ -327,21 +340,22 @@ class ElasticAgent:
         if verdict.state is WorkersState.STOPPED:
             # Stopped on its own (a preemption notice sent straight to the worker).
             self.events.write(Event.WORKER_STOPPED, round=round_.number, rank=verdict.rank)
-            self.rendezvous.open_next(current, reason=f"rank {verdict.rank} stopped", failure=False)
-            self._stop(running)
-            return RoundResult.RESTART
+            return self._carry_out(functools.partial(self._resize, round_, f"rank {verdict.rank} stopped", running))
         failed = next(w for w in running if w.rank == verdict.rank)
         if verdict.state is WorkersState.CONFIG_ERROR:
             cause = self._cause(failed, round_)
-            self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} on {self.host_id} stopped on a configuration "
-                                              f"error (exit code {verdict.code}); a restart cannot fix it: "
-                                              f"{cause or 'see the worker log'}")
-            self.events.write(Event.FAILURE, round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank,
-                              code=verdict.code, host=self.host_id, counted=False,
-                              **_account(cause, self._traceback(failed, round_)))
-            return RoundResult.FAILED
-        if self._failed_alike_before_start(failed, verdict, round_):
-            return RoundResult.FAILED
+            return self._carry_out(functools.partial(
+                self._fail_job, f"rank {verdict.rank} on {self.host_id} stopped on a configuration error (exit code "
+                                f"{verdict.code}); a restart cannot fix it: {cause or 'see the worker log'}",
+                round=round_.number, kind=Failure.CONFIG_ERROR.value, rank=verdict.rank, code=verdict.code,
+                **_account(cause, self._traceback(failed, round_))))
+        alike = self._failed_alike_before_start(failed, verdict, round_)
+        if alike is not None:
+            return self._carry_out(functools.partial(
+                self._fail_job, f"rank {verdict.rank} on {self.host_id} exited with code {verdict.code} before its "
+                                f"first step on {len(self._start_failures)} tries in a row: {alike}",
+                round=round_.number, kind=Failure.WORKER_EXIT.value, rank=verdict.rank, code=verdict.code,
+                **_account(alike, self._traceback(failed, round_))))
         cause = self._cause(failed, round_)  # before a hung worker is killed: its signal would read as the cause
         if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
             workers.kill(failed.process)
@@ -349,9 +363,20 @@ class ElasticAgent:
             # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
             # the host keeps healthy peers out of the blacklist; the restart still counts.
             own = verdict.failure is Failure.HANG
-        self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=cause,
-                      traceback=self._traceback(failed, round_))
+        return self._failure(round_, verdict.failure, verdict.rank, verdict.code, own=own, cause=cause,
+                             traceback=self._traceback(failed, round_))
+
+    def _resize(self, round_: Round, reason: str, running: List[Worker]) -> RoundResult:
+        """Effects of a change that is no failure: the next round opens, our workers commit and stop."""
+        self.rendezvous.open_after(round_.number, reason=reason, failure=False)
+        self._stop(running)
         return RoundResult.RESTART
+
+    def _fail_job(self, reason: str, **failure) -> RoundResult:
+        """Effects of a failure no restart can fix: the job's outcome, then the failure's event."""
+        self.job.finish(JobStatus.FAILED, reason)
+        self.events.write(Event.FAILURE, host=self.host_id, counted=False, **failure)
+        return RoundResult.FAILED
 
     def _traceback(self, worker: Worker, round_: Round) -> Optional[List[str]]:
         """The last traceback lines a worker that raised wrote to its error file (None: it did not raise)."""
@@ -372,41 +397,37 @@ class ElasticAgent:
             return error_record_line(record)
         return workers.last_error_line(worker.process)
 
-    def _failed_alike_before_start(self, worker: Worker, verdict: WorkersVerdict, round_: Round) -> bool:
-        """Ends the job when this host's workers, none of which ever trained in this job, failed the same way
-        before their first step on their last tries (`decisions.repeated_start_failure`: an import error, a
-        bad flag), naming the worker's last error line. A host whose workers trained before and then fail
+    def _failed_alike_before_start(self, worker: Worker, verdict: WorkersVerdict, round_: Round) -> Optional[str]:
+        """The error line, when this host's workers, none of which ever trained in this job, failed the same
+        way before their first step on their last tries (`decisions.repeated_start_failure`: an import
+        error, a bad flag): the job ends, naming it. A host whose workers trained before and then fail
         goes the elastic way instead (restarts, its blacklist): its environment may be what broke."""
         if worker.training or verdict.failure is not Failure.WORKER_EXIT or self._trained:
             self._start_failures = []
-            return False
+            return None
         # A signal from outside (a kill, the OOM killer) says nothing of the next start: never "alike".
         self._start_failures.append(None if worker.process.wait() < 0 else self._cause(worker, round_))
-        line = decisions.repeated_start_failure(self._start_failures)
-        if line is None:
-            return False
-        tries = len(self._start_failures)
-        self.job.finish(JobStatus.FAILED, f"rank {verdict.rank} on {self.host_id} exited with code {verdict.code} "
-                                          f"before its first step on {tries} tries in a row: {line}")
-        self.events.write(Event.FAILURE, round=round_.number, kind=Failure.WORKER_EXIT.value, rank=verdict.rank,
-                          code=verdict.code, host=self.host_id, counted=False,
-                          **_account(line, self._traceback(worker, round_)))
-        return True
+        return decisions.repeated_start_failure(self._start_failures)
 
     def _failure(self, round_: Round, kind: Failure, rank: Optional[int], code: Optional[int],
                  host: Optional[str] = None, own: bool = False, cause: Optional[str] = None,
-                 traceback: Optional[List[str]] = None) -> None:
+                 traceback: Optional[List[str]] = None) -> RoundResult:
+        """A counted failure: judged here once (the blacklist's count), carried out until the store answers."""
         self.blacklist.count(own)
-        current = self.rendezvous.current()
         # Name only what is known: a lost host has no rank, a hang no exit code.
         known = ([kind.value] + ([f"rank={rank}"] if rank is not None else []) + [f"host={host or self.host_id}"]
                  + ([f"code={code}"] if code is not None else []))
         reason = " ".join(known) + (f": {cause[:200]}" if cause else "")
-        counted = current is not None and current.number == round_.number and self.rendezvous.open_next(
-            current, reason=reason, failure=True)
-        self.events.write(Event.FAILURE, round=round_.number, kind=kind.value, rank=rank, code=code,
-                          host=host or self.host_id, counted=counted, **_account(cause, traceback))
+        return self._carry_out(functools.partial(
+            self._restart_after_failure, round_, reason, round=round_.number, kind=kind.value, rank=rank, code=code,
+            host=host or self.host_id, **_account(cause, traceback)))
+
+    def _restart_after_failure(self, round_: Round, reason: str, **failure) -> RoundResult:
+        """Effects of a counted failure: the next round opens (counted by whoever opens it), then the event."""
+        counted = self.rendezvous.open_after(round_.number, reason=reason, failure=True)
+        self.events.write(Event.FAILURE, counted=counted, **failure)
         logging.warning("round %d: %s", round_.number, reason)
+        return RoundResult.RESTART
 
     def _silent(self, worker: Worker) -> bool:
         """No heartbeat for heartbeat_timeout once training, or no first step within startup_timeout."""
@@ -421,9 +442,7 @@ class ElasticAgent:
         see this host go once its lease expires."""
         self.notices.report()
         try:
-            current = self.rendezvous.current()
-            if current is not None and current.number == round_.number:
-                self.rendezvous.open_next(current, reason=f"leave {self.host_id}", failure=False, leaving=True)
+            self.rendezvous.open_after(round_.number, reason=f"leave {self.host_id}", failure=False, leaving=True)
         except StoreError as error:
             logging.warning("leaving while the rendezvous store is unreachable (%s)", error)
         self._stop(running)
@@ -439,6 +458,13 @@ class ElasticAgent:
             self.rendezvous.leave()
         except StoreError:
             pass  # unreachable: the lease expires within host_ttl
+
+    def _withdraw(self, after: int) -> None:
+        """`Rendezvous.withdraw`: leaves while joining, without costing the others a counted restart."""
+        try:
+            self.rendezvous.withdraw(after)
+        except StoreError:
+            pass  # unreachable: the lease expires within host_ttl, and the others count a lost host
 
     # Processes ---------------------------------------------------------------------------------------
     def _stop(self, running: List[Worker]) -> None:

@@ -18,20 +18,33 @@ class Blacklist:
         self.job, self.host_id, self.events = job, host_id, events
         self.after, self.cooldown = after, cooldown
         self._in_a_row = 0  # failures of this host's own workers, in a row
+        self._strike_due = False  # a strike the store has not taken yet
 
     def count(self, own: bool) -> None:
         """Notes how a round ended for this host (`own`: one of its own workers failed); blacklists it
-        after `after` of its own failures in a row."""
+        after `after` of its own failures in a row. Never raises: a strike the store does not take now is
+        written at the next call (before the next join at the latest), and counted once."""
         self._in_a_row = self._in_a_row + 1 if own else 0
         if own and self._in_a_row >= self.after:
-            self._in_a_row = 0
+            self._in_a_row, self._strike_due = 0, True
+        self._record_strike()
+
+    def _record_strike(self) -> None:
+        if not self._strike_due:
+            return
+        try:
             seconds = self.job.blacklist(self.cooldown)
-            logging.warning("host %s: %d failures of its own workers in a row; out for %.0fs", self.host_id,
-                            self.after, seconds)
+        except StoreError as error:
+            logging.warning("host %s: its blacklist strike waits for the store (%s)", self.host_id, error)
+            return
+        self._strike_due = False
+        logging.warning("host %s: %d failures of its own workers in a row; out for %.0fs", self.host_id,
+                        self.after, seconds)
 
     def sit_out(self, leave: Callable[[], None], cancelled: Callable[[], bool]) -> None:
         """While this host is blacklisted: gives up its lease (`leave`) and waits, until the time is up, the
         job ended (the next join reports how) or `cancelled()`."""
+        self._record_strike()
         try:
             seconds = self.job.blacklisted_for()
         except StoreError:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from typing import List, Optional, Tuple
 
 from absl import app, flags, logging
@@ -32,8 +33,9 @@ flags.DEFINE_string("rdzv_password", None, f"etcd password; prefer {Env.RDZV_PAS
 flags.DEFINE_string("rdzv_ca_cert", None, "TLS: CA certificate to verify etcd with (switches to https).")
 flags.DEFINE_string("rdzv_cert", None, "TLS: client certificate for etcd (with --rdzv_key).")
 flags.DEFINE_string("rdzv_key", None, "TLS: client key for etcd (with --rdzv_cert).")
-flags.DEFINE_float("rdzv_request_timeout", 2.0, "Seconds per store request before an endpoint counts as down.",
-                   lower_bound=0.1)
+flags.DEFINE_float("rdzv_request_timeout", None, "Seconds per store request (and file-store lock wait) before an "
+                   "endpoint counts as down; at most --host_ttl / (6 x endpoints), so that a lease renewal ends "
+                   "inside the lease (default: that).", lower_bound=0.01)
 flags.DEFINE_string("job_token", None, f"Shared secret every agent of the job presents; an agent with another "
                     f"token is refused. Prefer {Env.JOB_TOKEN}: a flag's value is visible to every user in ps.")
 flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
@@ -101,9 +103,20 @@ def _validate() -> None:
     if FLAGS.monitor_interval >= FLAGS.heartbeat_timeout:
         raise app.UsageError(f"--monitor_interval={FLAGS.monitor_interval} must be < "
                              f"--heartbeat_timeout={FLAGS.heartbeat_timeout}.")
+    limit = decisions.request_timeout_limit(FLAGS.host_ttl, _endpoints(FLAGS.rdzv))
+    if FLAGS.rdzv_request_timeout is not None and FLAGS.rdzv_request_timeout > limit:
+        raise app.UsageError(f"--rdzv_request_timeout={FLAGS.rdzv_request_timeout:g} must be at most --host_ttl / "
+                             f"(6 x {_endpoints(FLAGS.rdzv)} endpoints) = {limit:.3g}: a lease renewal (due a third "
+                             f"into the lease, two requests, maybe behind one more) must end inside the lease; "
+                             f"raise --host_ttl or leave --rdzv_request_timeout out")
     if 2 * FLAGS.monitor_interval > FLAGS.host_ttl:
         raise app.UsageError(f"--monitor_interval={FLAGS.monitor_interval} must be at most half of "
                              f"--host_ttl={FLAGS.host_ttl}: the host lease is renewed every monitor interval.")
+
+
+def _endpoints(url: str) -> int:
+    """How many endpoints a store URL names (comma-separated, as etcd://A:2379,B:2379; a file store: one)."""
+    return max(1, len([e for e in urllib.parse.urlparse(url).netloc.split(",") if e]))
 
 
 def _check_command(program: str) -> None:
@@ -212,7 +225,8 @@ def main(argv: List[str]) -> int:
     options = StoreOptions(user=FLAGS.rdzv_user,
                            password=FLAGS.rdzv_password or os.environ.get(Env.RDZV_PASSWORD),
                            ca_cert=FLAGS.rdzv_ca_cert, cert=FLAGS.rdzv_cert, key=FLAGS.rdzv_key,
-                           request_timeout=FLAGS.rdzv_request_timeout)
+                           request_timeout=FLAGS.rdzv_request_timeout or decisions.request_timeout_limit(
+                               FLAGS.host_ttl, _endpoints(FLAGS.rdzv)))
     try:
         store = open_store(FLAGS.rdzv, options)
     except (ValueError, StoreError) as error:

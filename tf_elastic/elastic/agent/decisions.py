@@ -192,6 +192,21 @@ def watched_host(round_: Round, me: str) -> Optional[str]:
     return hosts[(hosts.index(me) + 1) % len(hosts)]
 
 
+def standby_watch(round_: Round) -> Optional[str]:
+    """The ranked host a standby beside `round_` watches: rank 0's. Ring watchers notice one lost host; a
+    lost rank 0 that nobody else noticed means the ring is gone too (one ranked host, or all died)."""
+    ranked = [(ranks[0], h) for h, ranks in (round_.assignment or {}).items() if ranks]
+    return min(ranked)[1] if ranked else None
+
+
+def request_timeout_limit(host_ttl: float, endpoints: int) -> float:
+    """The longest store request timeout that keeps every lease renewal inside its lease: a renewal falls
+    due a third into `host_ttl`, may wait behind one request of the agent's loop and sends up to two, each
+    trying every one of `endpoints` for the timeout; with a sixth of the TTL per endpoint that ends by
+    five sixths of it."""
+    return host_ttl / (6 * endpoints)
+
+
 def progress_timeout(configured: Optional[float], floor: float, longest_gap: float, factor: float = 10.0) -> float:
     """Seconds without progress that count as a hang: `configured` if given, else `factor` times the
     longest wait for progress seen so far (a commit, an epoch end and an evaluation included), never

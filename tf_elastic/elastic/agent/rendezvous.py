@@ -28,7 +28,7 @@ from tf_elastic.elastic.agent.decisions import JoinAction
 from tf_elastic.elastic.agent.job_record import JobOutcome, JobRecord
 from tf_elastic.elastic.agent.ports import NoFreePorts, claim_ports
 from tf_elastic.elastic.agent.round import Phase, Round, Timeouts, participants_of
-from tf_elastic.elastic.protocol import JobStatus
+from tf_elastic.elastic.protocol import Failure, JobStatus
 from tf_elastic.elastic.store import Store, StoreError
 
 
@@ -71,6 +71,7 @@ class Rendezvous:
         # Stale by the time the workers stopped, which is safe: every change since wakes the next wait.
         self._seen: Optional[Tuple[Optional[JobOutcome], Optional[Round], Optional[str]]] = None
         self._watching: Tuple[Optional[int], Optional[str]] = (None, None)  # round number, its watched host
+        self._opening: Optional[str] = None  # the round record this agent last tried to open
 
     def wait_for_change(self, timeout: float, training: Optional[Round] = None) -> Set[str]:
         """The store keys that may have changed within `timeout` (every one named, for a store that
@@ -101,13 +102,7 @@ class Rendezvous:
         lease = self.store.lease_seconds(self.timeouts.host_ttl)  # etcd may raise it (to 1.5 election timeouts)
         deadline = time.monotonic() + 3 * lease + 1.0
         while True:
-            if self.store.compare_and_set(key, None, value, ttl=self.timeouts.host_ttl):
-                break
-            held = self.store.get(key)
-            # Ours already (an earlier try's reply was lost on the way back): rewritten to hold `value`,
-            # since the caller acts on what it says (the round it joins).
-            if _incarnation(held) == self.incarnation and (
-                    held == value or self.store.compare_and_set(key, held, value, ttl=self.timeouts.host_ttl)):
+            if self.store.compare_and_set(key, None, value, ttl=self.timeouts.host_ttl) or self._ours(key, value):
                 break
             if time.monotonic() > deadline:
                 raise HostIdTaken(f"another live agent already uses --host_id={self.host_id!r} in job "
@@ -122,10 +117,19 @@ class Rendezvous:
         newcomer's lease."""
         key, ttl, new = self.keys.host(self.host_id), self.timeouts.host_ttl, value or self._lease_value
         if not (self.store.compare_and_set(key, self._lease_value, new, ttl=ttl)
-                or self.store.compare_and_set(key, None, new, ttl=ttl)):
+                or self.store.compare_and_set(key, None, new, ttl=ttl) or self._ours(key, new)):
             raise HostIdTaken(f"another agent took --host_id={self.host_id!r} in job {self.job.job_id!r} while "
                               f"this one's lease had lapsed; this agent stops its workers and exits")
         self._lease_value, self._renewed = new, time.monotonic()
+
+    def _ours(self, key: str, value: str) -> bool:
+        """Whether the lease at `key` is this agent's own after all, made to hold `value`: a write applied
+        whose reply was lost (an error after the write, or etcd re-sending the transaction to the next
+        endpoint, whose compare then fails) left our own record there. The caller acts on what the lease
+        says (the round it joins), so it is rewritten to `value` if it holds another of ours."""
+        held = self.store.get(key)
+        return _incarnation(held) == self.incarnation and (
+            held == value or self.store.compare_and_set(key, held, value, ttl=self.timeouts.host_ttl))
 
     def renew_if_due(self) -> None:
         """`keepalive`, once a third of the host TTL has passed since the last renewal (the agent's loops
@@ -185,14 +189,32 @@ class Rendezvous:
         `seen`; True if we did.
 
         Only the agent whose compare-and-set wins counts a failure, so a failure seen by every agent
-        is counted once."""
+        is counted once. A write applied whose reply was lost still counts as ours: the round then holds
+        exactly the record we wrote."""
         nxt = decisions.next_round(seen, reason, failure, time.time(), self.host_id,
                                    self.host_id if leaving else None)
-        opened = self.store.compare_and_set(self.keys.round, seen.to_json(), nxt.to_json())
+        self._opening = nxt.to_json()
+        opened = (self.store.compare_and_set(self.keys.round, seen.to_json(), self._opening)
+                  or self.store.get(self.keys.round) == self._opening)
+        return opened and self._opened(nxt, reason)
+
+    def open_after(self, number: int, reason: str, failure: bool, leaving: bool = False) -> bool:
+        """`open_next` from round `number`, if the group is still in it (read now); True if this agent
+        opened the next round. Safe to call again after a `StoreError`: a round that an earlier call
+        wrote (its reply lost) is found as written and counts as opened here."""
+        raw = self.store.get(self.keys.round)
+        current = None if raw is None else Round.from_json(raw, self.keys.round)
+        if raw is not None and raw == self._opening:
+            return self._opened(current, reason)
+        if current is None or current.number != number:
+            return False
+        return self.open_next(current, reason, failure, leaving)
+
+    def _opened(self, nxt: Round, reason: str) -> bool:
         # Only the winner judges: a lost compare-and-set means another agent moved on, maybe without a failure.
-        if opened and nxt.restarts > self.max_restarts:
+        if nxt.restarts > self.max_restarts:
             self.job.finish(JobStatus.FAILED, f"max_restarts={self.max_restarts} exceeded ({reason})")
-        return opened
+        return True
 
     def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1,
              cancelled: Callable[[], bool] = lambda: False,
@@ -257,15 +279,18 @@ class Rendezvous:
         self.job.raise_if_ended(outcome)
         action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
         if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
-            # Joining at once: the lease is taken with the join in it, one write rather than two.
-            joining = action is JoinAction.ADD_SELF
-            self.claim_host_id(self._join_record(round_, previous_ranks) if joining else None)
-            if joining:
-                self._joined = round_.number
+            if self._claim(round_, action, previous_ranks):
                 return action, round_, round_.opener == self.host_id
+            # The claim may have waited out a dead predecessor's lease, and the round read before it (one
+            # that ranks this host id: the predecessor's) replaced meanwhile: decide from a read made since.
+            outcome, round_, raw = self.read_group()
+            self.job.raise_if_ended(outcome)
+            action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
         self.renew_if_due()
-        if action in (JoinAction.TAKE, JoinAction.STANDBY):
+        if action is JoinAction.TAKE:
             return action, round_, False
+        if action is JoinAction.STANDBY:
+            return action, round_, self._ranked_host_lost(round_, changed)
         if action is JoinAction.CREATE_FIRST:
             first = Round(0, Phase.JOINING.value, "start", 0, time.time(), [], self.host_id)
             self.store.compare_and_set(self.keys.round, None, first.to_json())
@@ -282,18 +307,70 @@ class Rendezvous:
             logging.info("round %d: its opener %s is gone; %s freezes it", round_.number, round_.opener,
                          self.host_id)
             self.store.compare_and_set(self.keys.round, raw, dataclasses.replace(round_, opener=self.host_id).to_json())
-        else:
-            leases = self.leases()
-            participants = self._participants(leases, round_.number)
-            alive = {key.rsplit("/", 1)[-1] for key in leases}
-            arrival = self._arrival_order(round_.number, participants)  # at every listing, ready or not
-            if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
-                                             self._joining_for(round_.number), self.timeouts):
-                return action, round_, False
-            frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides,
-                                      arrival)
-            self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
+        elif not self._try_freeze(round_, raw):
+            return action, round_, False
         return action, round_, True
+
+    def _claim(self, round_: Optional[Round], action: JoinAction, previous_ranks: Optional[List[int]]) -> bool:
+        """Takes this host's lease, with the join in it when `action` adds this host to `round_` (one write
+        rather than two); True if it joined."""
+        joining = action is JoinAction.ADD_SELF
+        self.claim_host_id(self._join_record(round_, previous_ranks) if joining else None)
+        if joining:
+            self._joined = round_.number
+        return joining
+
+    def _try_freeze(self, round_: Round, raw: str) -> bool:
+        """The opener's look at the leases: freezes `round_` once `decisions.ready_to_freeze`; True if it
+        wrote."""
+        leases = self.leases()
+        participants = self._participants(leases, round_.number)
+        alive = {key.rsplit("/", 1)[-1] for key in leases}
+        arrival = self._arrival_order(round_.number, participants)  # at every listing, ready or not
+        if not decisions.ready_to_freeze(round_, participants, self.min_workers, self.max_workers, alive,
+                                         self._joining_for(round_.number), self.timeouts):
+            return False
+        frozen = decisions.freeze(round_, participants, self.max_workers, alive, self.world_size_divides, arrival)
+        self.store.compare_and_set(self.keys.round, raw, frozen.to_json())
+        return True
+
+    def _ranked_host_lost(self, round_: Round, changed: bool) -> bool:
+        """A standby's look beside `round_`: when the ranked host it watches (`decisions.standby_watch`) is
+        gone and nobody opened the next round (it was the only ranked host, or every ranked host died
+        together: no ring watcher is left), opens it as that host's failure. True if it did (look again).
+        Looks only when no watch fired for a while, as a lost opener is looked for."""
+        watched = decisions.standby_watch(round_)
+        if (changed and self.store.notifies) or watched is None or self.store.get(self.keys.host(watched)):
+            return False
+        # A finished host records the outcome, then lets its lease go: read the group again first.
+        outcome, current, _ = self.read_group()
+        if outcome is not None or current is None or current.number != round_.number:
+            return True
+        logging.warning("round %d: ranked host %s is gone and no round follows; standby %s opens the next",
+                        round_.number, watched, self.host_id)
+        return self.open_next(round_, reason=f"{Failure.HOST_LOST.value} host={watched}", failure=True)
+
+    def withdraw(self, after: int) -> None:
+        """Leaves while joining (a notice came): gives up the lease, so that no later listing ranks this
+        host, and if a round had frozen with it ranked all the same (its opener listed the leases just
+        before), opens the next round as this host's leave: the others then commit and regroup, where a
+        ranked host gone would cost them a counted restart."""
+        if not self._claimed:
+            return
+        joined = self._joined
+        self.leave()
+        deadline = time.monotonic() + self.timeouts.host_ttl  # a freeze follows the listing it rests on at once
+        while True:
+            round_ = self.current()
+            if round_ is None:
+                return
+            if round_.phase == Phase.FROZEN.value:
+                if round_.number > after and (round_.assignment or {}).get(self.host_id):
+                    self.open_next(round_, reason=f"leave {self.host_id}", failure=False, leaving=True)
+                return
+            if round_.number != joined or time.monotonic() > deadline:
+                return
+            time.sleep(self.timeouts.poll)
 
     def _join_record(self, round_: Round, previous_ranks: Optional[List[int]]) -> str:
         """This host's lease announcing that it joins `round_`, with ports for its workers."""

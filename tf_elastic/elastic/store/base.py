@@ -22,7 +22,9 @@ class StoreOptions:
     ca_cert: Optional[str] = None  # TLS: verify the server against this CA
     cert: Optional[str] = None  # TLS client certificate and its key
     key: Optional[str] = None
-    request_timeout: float = 2.0  # seconds per request before an endpoint counts as unreachable
+    # Seconds per request before an endpoint counts as unreachable: at most a sixth of the host TTL per
+    # endpoint (`decisions.request_timeout_limit`; the agent's CLI checks it), here for the default 1 s.
+    request_timeout: float = 1.0 / 6
 
 
 class Store(abc.ABC):

@@ -7,7 +7,10 @@ shared disk as they do through an etcd outage.
 
 Leases never compare clocks across hosts: each write carries a fresh version, and a reader counts a
 key with a TTL as expired once it has seen the same version for longer than the TTL on its own
-monotonic clock.
+monotonic clock. A version it sees for the first time is as old as the filesystem says: its file's
+mtime against the mtime of the lock file touched just now, both stamped by the filesystem's one clock
+(the kernel's, or the NFS server's), so that a reader never counts a lease whose host died long
+before it looked as live.
 
 Each write goes to a temporary file, is fsynced and renamed into place; writes and compare-and-sets hold
 one `flock`, waited for at most `request_timeout` (`--rdzv_request_timeout`), so that a stopped holder
@@ -30,7 +33,7 @@ from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 class FileStore(Store):
     """A directory: one JSON file a key, atomic renames, one lock file for compare-and-set."""
 
-    def __init__(self, root: str, lock_timeout: float = 2.0):
+    def __init__(self, root: str, lock_timeout: float = 1.0 / 6):
         self.root = Path(root)
         self.lock_timeout = lock_timeout
         try:
@@ -119,18 +122,46 @@ class FileStore(Store):
                 and (ttl is None or (isinstance(ttl, (int, float)) and ttl > 0))):
             raise StoreError(f"malformed store file {path}: expected {{'value': str, 'version': str, "
                              f"'ttl': positive number or null}}")
-        if ttl is not None and self._unchanged_for(path, record["version"]) > ttl:
+        if ttl is not None and self._unchanged_for(path, record["version"], ttl) > ttl:
             return None
         return record["value"]
 
-    def _unchanged_for(self, path: Path, version: str) -> float:
-        """Seconds this reader has seen `version` at `path` (0 the first time)."""
+    def _unchanged_for(self, path: Path, version: str, ttl: float) -> float:
+        """Seconds `version` has been at `path`: since this reader first saw it, or (a path it never saw
+        before) since the filesystem stamped it. A version that replaced one this reader saw is new."""
         now = time.monotonic()
-        seen_version, since = self._seen.get(path, (None, now))
+        if path not in self._seen:
+            self._seen[path] = (version, now - self._age(path, ttl))
+        seen_version, since = self._seen[path]
         if seen_version != version:
             self._seen[path] = (version, now)
             return 0.0
         return now - since
+
+    def _age(self, path: Path, ttl: float) -> float:
+        """How long ago `path` was last written, on the filesystem's clock (0 when it cannot tell; a
+        file replaced since the read is younger, never older). Only an age beyond `ttl` matters, so a
+        file young by this host's clock costs one stat (a clock behind the filesystem's can only make a
+        file look younger: counted live, as any reader that just met it did before)."""
+        try:
+            written = path.stat().st_mtime
+        except OSError:
+            return 0.0
+        if time.time() - written <= ttl:  # young by this host's clock too: no need to ask the filesystem's
+            return 0.0
+        return max(0.0, self._filesystem_now() - written)
+
+    def _filesystem_now(self) -> float:
+        """The filesystem's clock now: the lock file touched, then its mtime read back."""
+        try:
+            fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.utime(fd)
+                return os.fstat(fd).st_mtime
+            finally:
+                os.close(fd)
+        except OSError:
+            return float("-inf")
 
     @staticmethod
     def _write(path: Path, value: str, ttl: Optional[float]) -> None:
