@@ -77,10 +77,10 @@ def test_the_newest_commit_is_the_highest_generation_then_the_highest_step():
     assert commit_id("checkpoint") is None and commit_id("GENERATION") is None
 
 
-def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_path):
-    """The generation follows the round's number, and the start's generation when that is higher (a new
-    rendezvous store counts rounds from 0 again); the chief prefers a durable copy of a newer generation
-    to a local commit with a higher step, and names commits by generation."""
+def test_a_round_commits_under_a_generation_above_its_start_plus_its_round(tmp_path):
+    """The generation is the start's generation plus one, plus the round's number (a new rendezvous store
+    counts rounds from 0 again); the chief prefers a durable copy of a newer generation to a local commit
+    with a higher step, and names commits by generation."""
     model, schedule = _trained()
     remote = str(tmp_path / "remote")
     state = CommittedState(World(round=7), str(tmp_path / "old"), model, schedule, durable=DurableCopies(remote),
@@ -92,22 +92,22 @@ def test_a_round_commits_under_a_generation_above_its_round_and_its_start(tmp_pa
     restarted.restore()
     assert restarted.held == CommitId(7, 1)
     restarted.begin_generation(restarted.held)
-    assert restarted.generation == 8
+    assert restarted.generation == 9
     restarted.commit(epoch=0, samples=32, step=2, global_batch=16)
-    assert DurableCopies(remote).newest().id == CommitId(8, 2)
+    assert DurableCopies(remote).newest().id == CommitId(9, 2)
     # The old host's commit with a higher step, from generation 7: the chief takes the newer durable copy.
     state.commit(epoch=0, samples=160, step=10, global_batch=16)
     old = CommittedState(World(round=2), str(tmp_path / "old"), *_setup(), durable=DurableCopies(remote),
                          durable_every_commits=1)
     path, _ = old.restore()
-    assert path == DurableCopies(remote).newest().prefix and old.held == CommitId(8, 2), path
+    assert path == DurableCopies(remote).newest().prefix and old.held == CommitId(9, 2), path
 
 
 def test_a_job_restarted_from_an_older_durable_copy_outranks_the_old_jobs_later_commits(tmp_path):
     """The old job's chief marks each generation it begins in the durable directory. Its last round (9)
-    committed only on its host (no copy yet); the job restarted under a new store (round 1) from the
-    older copy (generation 5) must commit above 9, or the old host's step 50 would take the group back
-    to a history it no longer follows when that host joins."""
+    committed only on its host (no copy yet) under generation 15 (6 + 9); the job restarted under a new
+    store (round 1) from the older copy (generation 5) must commit above 15, or the old host's step 50
+    would take the group back to a history it no longer follows when that host joins."""
     model, schedule = _trained()
     remote = DurableCopies(str(tmp_path / "remote"))
     old = CommittedState(World(round=5), str(tmp_path / "old"), model, schedule, durable=remote,
@@ -119,23 +119,41 @@ def test_a_job_restarted_from_an_older_durable_copy_outranks_the_old_jobs_later_
     late.restore()
     late.begin_generation(late.held, late.generation_floor())
     late.commit(epoch=0, samples=800, step=50, global_batch=16)
-    assert remote.newest().id == CommitId(5, 1) and remote.generation_mark() == 9
+    assert remote.newest().id == CommitId(5, 1) and remote.generation_mark() == 15
 
     restarted = CommittedState(World(round=1), str(tmp_path / "new"), *_setup(), durable=remote,
                                durable_every_commits=1)
     restarted.restore()
     assert restarted.held == CommitId(5, 1)
     restarted.begin_generation(restarted.held, restarted.generation_floor())
-    assert restarted.generation == 10 and remote.generation_mark() == 10
+    assert restarted.generation == 17 and remote.generation_mark() == 17
     restarted.commit(epoch=0, samples=32, step=2, global_batch=16)
-    assert group.newest_holder([CommitId(10, 2), CommitId(9, 50)]) == 0
+    assert group.newest_holder([CommitId(17, 2), CommitId(15, 50)]) == 0
     # Only the chief reads the mark (the agreement hands its floor to the others).
     assert CommittedState(World(round=1, rank=1, size=2), str(tmp_path / "w1"), *_setup(), durable=remote,
                           durable_every_commits=1).generation_floor() == 0
     # Marks only grow: a chief cut off from the store that begins a lower generation later cannot lower it.
     remote.mark_generation(4)
-    assert remote.generation_mark() == 10 and restarted.generation_floor() == 11
-    assert sorted(p.name for p in (tmp_path / "remote").glob("GENERATION*")) == ["GENERATION-10"]
+    assert remote.generation_mark() == 17 and restarted.generation_floor() == 18
+    assert sorted(p.name for p in (tmp_path / "remote").glob("GENERATION*")) == ["GENERATION-17"]
+
+
+def test_a_host_cut_off_alone_and_the_group_that_went_on_never_share_a_generation(tmp_path):
+    """Under a new store (rounds from 0, generations far above): host H, cut off, trains alone in round 1;
+    the group goes on without it in round 2, both from the commit all held (generation 21). Each chief's
+    durable mark is its own (the default per-host `RUN_DIR/durable`). They shared generation 22, and at
+    the rejoin H's longer abandoned history won the agreement: the group's work was dropped."""
+    agreed = CommitId(21, 150)
+    alone = CommittedState(World(round=1), str(tmp_path / "h"), *_setup(), durable=DurableCopies(
+        str(tmp_path / "h" / "durable")), durable_every_commits=10)
+    alone.begin_generation(agreed, alone.generation_floor())
+    marked = DurableCopies(str(tmp_path / "a" / "durable"))
+    marked.mark_generation(21)
+    went_on = CommittedState(World(round=2), str(tmp_path / "a"), *_setup(), durable=marked, durable_every_commits=10)
+    went_on.begin_generation(agreed, went_on.generation_floor())
+    assert went_on.generation > alone.generation
+    rejoin = [CommitId(went_on.generation, 400), CommitId(went_on.generation, 400), CommitId(alone.generation, 900)]
+    assert group.newest_holder(rejoin) == 0  # the group's history, not H's longer one
 
 
 def test_commits_named_before_generations_are_refused_not_ignored(tmp_path):

@@ -169,14 +169,17 @@ class CommittedState:
         return self.durable.generation_mark() + 1 if self.durable else 0
 
     def begin_generation(self, agreed: CommitId, floor: int = 0) -> None:
-        """Numbers this round's commits once the round agreed on where it starts: after the round's number
-        (the rendezvous orders rounds, so a host cut off from the store that trained on alone in an older
-        round commits under a lower generation than the group that went on without it), after the agreed
-        commit's (generations grow along a history even when a new store counts rounds from 0 again) and
-        at `floor` or above (the chief's `generation_floor`, the same on every worker: a job restarted from
-        an older durable copy outranks what the old job's hosts committed after it). The chief raises the
-        mark before any commit of the generation exists. A commit that is received keeps its own generation."""
-        self.generation = max(self.world.round, agreed.generation + 1, floor)
+        """Numbers this round's commits once the round agreed on where it starts: above the agreed commit's
+        generation (generations grow along a history) and at `floor` or above (the chief's
+        `generation_floor`, the same on every worker: a job restarted from an older durable copy outranks
+        what the old job's hosts committed after it), plus the round's number. The round's number is added,
+        not compared: two rounds that start from the same commit (a host cut off from the store that trained
+        on alone in round 1, the group that went on without it in round 2) then never share a generation,
+        and the later round's outranks the other even when a new store counts rounds from 0 again and the
+        agreed generation is far above them; with a shared generation the cut-off host's longer history
+        would win the next agreement and the group's work be dropped. The chief raises the mark before any
+        commit of the generation exists. A commit that is received keeps its own generation."""
+        self.generation = max(agreed.generation + 1, floor) + self.world.round
         if self.durable:
             try:
                 self.durable.mark_generation(self.generation)
