@@ -5,13 +5,21 @@ SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its h
 progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and its worker a preemption
 notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
 corrupt the newest checkpoint (then kill the chief so the group restores), fill the chief's state file
-with NUL bytes (a crash mid-write; then kill the chief), and with etcd, stop and restart the store. Every
-kind is drawn once before any repeats.
+with NUL bytes (a crash mid-write; then kill the chief), hang the store for a while (etcd: SIGSTOP its
+server; the file store: a process holds its lock), send a preemption notice to one host while a round
+change (another host's worker killed) is under way, SIGKILL every ranked host at once while a standby
+waits (it must notice alone, and carry on from the durable copies: the chief copies every commit), the
+same with the newest durable copy damaged as the hosts die (the standby falls back to the one before), and
+with etcd, stop and restart the store. Every kind is drawn once before any repeats.
+
+The soak injects every fault it is asked for: faults are paced by the training left (`Soak.hurried`),
+which drops the waits between them when it runs short.
 
 The workers, and the fault-free reference run, run the trainer module the caller names (`trainer`, e.g.
 "launch.train"), which takes `launch.train`'s flags (`TRAIN`) and writes its events.
 """
 import dataclasses
+import fcntl
 import glob
 import os
 import random
@@ -39,9 +47,13 @@ TRAIN = ["--dataset=digits", "--per_replica_batch_size=16", "--threads=1", "--co
 AGENT = ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1", "--blacklist_after=1000",
          "--stop_grace=10", "--preemption_signals=SIGTERM,SIGUSR1", "--progress_timeout=8"]
 KINDS = ("kill_worker", "kill_host", "stop_worker", "stall_worker", "term_agent", "preempt_agent", "start_agent",
-         "kill_chief_in_commit", "corrupt_checkpoint", "damage_state_file", "restart_store")
+         "kill_chief_in_commit", "corrupt_checkpoint", "damage_state_file", "hang_store", "notice_in_round_change",
+         "kill_ranked_with_standby", "kill_ranked_damaged_durable", "restart_store")
 # Kinds that end a host's part in the job, and need another host to carry on.
-_LEAVING = ("kill_host", "term_agent", "preempt_agent")
+_LEAVING = ("kill_host", "term_agent", "preempt_agent", "notice_in_round_change")
+# Kinds that restart nothing: the workers train on through them.
+_NO_RESTART = ("restart_store", "hang_store")
+EPOCHS_PER_FAULT = 20  # the default length: a fault, its recovery and a warm spare again take ~14 epochs
 
 
 @dataclasses.dataclass
@@ -58,12 +70,15 @@ class Soak:
                  etcd: Optional[EtcdServer], max_gap: float, wait_for_spares: bool, trainer: str):
         self.max_gap, self.wait_for_spares = max_gap, wait_for_spares
         self.rng, self.etcd = rng, etcd
-        self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={seed}"],
+        self.durable = root / "durable"
+        self.job = LocalJob(root, TRAIN + [f"--epochs={epochs}", f"--seed={seed}", f"--checkpoint_dir={self.durable}",
+                                           "--durable_every_commits=1"],
                             AGENT + [f"--max_restarts={10 * faults + 10}"], rdzv=etcd.url if etcd else None,
                             trainer=trainer)
         self.tmp = root / "tmp"
         self.tmp.mkdir(parents=True)
         self.live: List[str] = []
+        self.killed: List[str] = []  # hosts SIGKILLed whole
         self.spawned = 0
         self.faults: List[Fault] = []
         # Every kind once, in a seeded order, before any repeats: a short soak still draws them all.
@@ -83,7 +98,7 @@ class Soak:
     def choose(self) -> str:
         """The next kind of the plan that fits the job now, else a random one that does."""
         kinds = ["kill_worker", "stop_worker", "stall_worker", "kill_chief_in_commit", "corrupt_checkpoint",
-                 "damage_state_file"]
+                 "damage_state_file", "hang_store", "kill_ranked_with_standby", "kill_ranked_damaged_durable"]
         if len(self.live) >= 2:
             kinds += list(_LEAVING)
         if len(self.live) < 3:
@@ -112,8 +127,7 @@ class Soak:
         if kind == "kill_worker":
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "kill_host":
-            job.kill_host(host)
-            self.live.remove(host)
+            self._kill_hosts([host])
         elif kind == "stop_worker":
             signal_pid(job.worker_pid(host), signal.SIGSTOP)  # its agent kills it as hung
         elif kind == "stall_worker":
@@ -136,16 +150,80 @@ class Soak:
         elif kind == "damage_state_file":  # as a crash mid-write leaves it: the host's commits must all stay
             fault.note = _damage_state_file(job.run_dir, host)
             signal_pid(job.worker_pid(host), signal.SIGKILL)
+        elif kind == "notice_in_round_change":  # another host's worker fails; the notice lands as the group regroups
+            other = self.rng.choice([h for h in self.live if h != host])
+            signal_pid(job.worker_pid(other), signal.SIGKILL)
+            time.sleep(self.rng.uniform(0.2, 1.5))
+            job.agents[host].send_signal(signal.SIGUSR1)
+            fault.note = f"{other}'s worker killed first"
+            self.live.remove(host)
+        elif kind in ("kill_ranked_with_standby", "kill_ranked_damaged_durable"):
+            fault.note = self._kill_ranked_with_standby(damage=kind == "kill_ranked_damaged_durable")
+            fault.time = time.time()
+        elif kind == "hang_store":
+            fault.note = self._hang_store(self.rng.uniform(0.5, 2.0))
         elif kind == "restart_store":
             self.etcd.stop()
             time.sleep(self.rng.uniform(1.0, 4.0))
             self.etcd.start()
-        fault.time = time.time() if kind == "restart_store" else fault.time
+        fault.time = time.time() if kind in _NO_RESTART else fault.time
         self.faults.append(fault)
         return fault
 
-    def await_recovery(self, fault: Fault) -> None:
-        if fault.kind == "restart_store":
+    def _kill_hosts(self, hosts: List[str]) -> None:
+        for host in hosts:
+            self.job.kill_host(host)
+            self.live.remove(host)
+            self.killed.append(host)
+
+    def _kill_ranked_with_standby(self, damage: bool) -> str:
+        """Starts hosts until one waits as a standby (`--max_workers=3`), then SIGKILLs every ranked host at
+        once: no ring watcher is left; the standby alone must notice, and go on from the durable copies
+        (`damage`: the newest one truncated as the hosts die, so that it falls back to the one before)."""
+        since = time.time()
+        while len(self.live) < 4:
+            self.start_host()
+        ranked, standing = self.job.wait_for(lambda: self._ranked_beside_a_standby(since), timeout=300,
+                                             what="three ranked hosts and a standby")
+        self._kill_hosts(sorted(ranked))
+        damaged = f"; truncated the durable {_truncate_newest_copy(self.durable)}" if damage else ""
+        return f"{len(ranked)} ranked hosts killed; {standing} stood by{damaged}"
+
+    def _ranked_beside_a_standby(self, since: float) -> Optional[tuple]:
+        """(the ranked hosts, a standby) of the newest round, once a host waits beside it as a standby."""
+        rounds = self.job.events(Event.RENDEZVOUS)
+        latest = max(e["round"] for e in rounds)
+        ranked = {e["source"].split(":", 1)[1] for e in rounds if e["round"] == latest}
+        standing = [e["source"].split(":", 1)[1] for e in self.job.events(Event.STANDBY)
+                    if e["time"] > since and e["round"] == latest]
+        return (ranked, standing[0]) if standing and len(ranked) == 3 else None
+
+    def _hang_store(self, seconds: float) -> str:
+        """The store answers nothing for `seconds`: etcd's server stopped (SIGSTOP), or the file store's lock
+        held by a process that does not let go."""
+        if self.etcd:
+            os.kill(self.etcd.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(seconds)
+            finally:
+                os.kill(self.etcd.process.pid, signal.SIGCONT)
+            return f"etcd stopped {seconds:.1f} s"
+        with open(Path(self.job.rdzv[len("file://"):]) / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            time.sleep(seconds)
+        return f"lock held {seconds:.1f} s"
+
+    def epoch(self) -> int:
+        """The newest committed epoch."""
+        return max([e["epoch"] for e in self.job.events(Event.COMMIT)] or [0])
+
+    def hurried(self, epochs: int, faults: int) -> bool:
+        """Whether the training left is short for the faults left (fewer than 8 epochs each): then the
+        soak drops its pauses and its wait for warm spares, so that every fault asked is injected."""
+        return epochs - self.epoch() < 8 * (faults - len(self.faults))
+
+    def await_recovery(self, fault: Fault, hurried: bool = False) -> None:
+        if fault.kind in _NO_RESTART:
             return  # training went on; nothing restarts
         try:
             step = self.job.first_step_after(fault.time, timeout=180)
@@ -154,9 +232,9 @@ class Soak:
             if self.running():
                 raise
             fault.note += " (the job had finished)"
-        if fault.kind in ("term_agent", "preempt_agent"):
+        if fault.kind in ("term_agent", "preempt_agent", "notice_in_round_change"):
             self.job.agents[fault.target].wait(timeout=60)
-        if not self.wait_for_spares:
+        if not self.wait_for_spares or hurried:
             return  # the next fault may meet a group whose workers start cold: harder, and quicker to run
         # The next fault waits for every live host to have a warm spare again, as a user's would.
         since = fault.time
@@ -195,6 +273,19 @@ def _corrupt_newest(run_dir: Path, hosts: List[str]) -> str:
     return f"truncated {', '.join(sorted(names))}"
 
 
+def _truncate_newest_copy(durable: Path) -> str:
+    """Truncates the data of the newest complete durable copy (`ckpt-GENERATION-STEP-...` folders with a
+    `COMPLETE` marker); returns its name."""
+    complete = [p for p in durable.glob("ckpt-*") if (p / "COMPLETE").exists()]
+    if not complete:
+        return "(none yet)"
+    newest = max(complete, key=lambda p: tuple(int(n) for n in p.name.split("-")[1:3]))
+    for data in newest.glob("*.data-*"):
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
+    return newest.name
+
+
 def _damage_state_file(run_dir: Path, host: str) -> str:
     """Fills `host`'s state file with NUL bytes, as a host crash between its write and its sync can leave it."""
     state = RunDir(run_dir).host_commits(host) / "checkpoint"
@@ -225,25 +316,32 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
     largest_batch = 16 * max(e["world_size"] for e in events if e["event"] == Event.RENDEZVOUS)
     data = audit.exactly_once(run_dir, len(datasets.load("digits").y_train), largest_batch)
     # Committed progress: every round restores at least the last commit before it, but for a
-    # corrupted newest commit, which sends it back to the previous one.
-    backwards, commits = [], []
+    # corrupted newest commit, which sends it back to the previous one, and for every holder of the
+    # newest commits killed at once, which sends it back to the newest durable copy.
+    backwards, commits, durable = [], [], None
     for e in events:
         if e["event"] == Event.COMMIT:
             commits.append(e["step"])
+        elif e["event"] == Event.DURABLE_COPY and e.get("bytes"):
+            durable = e["path"]
         elif e["event"] == Event.RESTORE and e["rank"] == 0 and commits and e["step"] < max(commits):
             skipped = [s for s in events if s["event"] == Event.CHECKPOINT_SKIPPED and s["round"] == e["round"]]
-            if not skipped:
+            if not skipped and e["path"] != durable:
                 backwards.append((e["round"], e["step"], max(commits)))
     orphans = job.worker_pids_alive() + [p.pid for p in job.agents.values() if running(p.pid)]
     # The job's processes have a TMPDIR of their own. A SIGKILLed host cannot clean up (a real dead host
     # takes its /tmp with it); the next agent started on a host sweeps what dead agents left.
-    killed = {soak.job.agents[f.target].pid for f in soak.faults if f.kind == "kill_host"}
+    killed = {soak.job.agents[host].pid for host in soak.killed}
     # (TF's autograph leaves files of its own; the hosts' port registries are meant to outlive agents)
     left = sorted(str(p) for p in soak.tmp.glob("tf_elastic-*") if not p.name.startswith(ports.REGISTRY_PREFIX))
     by_killed = [p for p in left if Path(p).name.split("-")[1][len("agent"):] in {str(k) for k in killed}]
     leaked = [p for p in left if p not in by_killed]
     bound = [addr for e in events if e["event"] == Event.RENDEZVOUS for addr in e.get("cluster") or []
              if not bindable(*_host_port(addr))]
+    # A host that left gracefully must never be a round's lost host (a counted restart for a leave).
+    graceful = {e["host"] for e in events if e["event"] == Event.EXIT and "left the job gracefully" in e["reason"]}
+    leaves_lost = sorted({(e["round"], host) for e in events if e["event"] == Event.RENDEZVOUS
+                          for host in e.get("lost") or [] if host in graceful})
     accuracy = [e["test_accuracy"] for e in events if e["event"] == Event.EVALUATION]
     final_commit = [e for e in events if e["event"] == Event.COMMIT][-1]
     return {
@@ -253,7 +351,8 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
         "steps_off_plan": data["off_plan"],
         "steps_redone": audit.steps_redone(run_dir), "progress_backwards": backwards,
         "checkpoints_skipped": len([e for e in events if e["event"] == Event.CHECKPOINT_SKIPPED and e["rank"] == 0]),
-        "orphans": orphans, "leaked_temp_dirs": leaked, "left_by_killed_hosts": len(by_killed),
+        "leaves_counted_as_lost": leaves_lost, "orphans": orphans, "leaked_temp_dirs": leaked,
+        "left_by_killed_hosts": len(by_killed),
         "ports_still_bound": sorted(set(bound)),
         "agent_exits": {e["host"]: f"{e['code']}: {e['reason']}" for e in events if e["event"] == Event.EXIT},
     }
@@ -270,7 +369,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     returns the faults and the checks."""
     rng = random.Random(seed)
     # digits: about an epoch a second; a fault and its recovery take ~5 s, ~15 s waiting for spares
-    epochs = epochs or (10 if wait_for_spares else 5) * faults
+    epochs = epochs or (EPOCHS_PER_FAULT if wait_for_spares else 6) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
     (root / "soak").mkdir(parents=True)
     soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
@@ -281,8 +380,9 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
         for host in soak.live:
             soak.job.wait_for(lambda: soak.job.events(Event.SPARE_READY, source=f"agent:{host}"), timeout=180)
         while len(soak.faults) < faults and soak.running():
-            time.sleep(rng.uniform(0.0, soak.max_gap))
-            soak.await_recovery(soak.inject(soak.choose()))
+            hurried = soak.hurried(epochs, faults)
+            time.sleep(0.0 if hurried else rng.uniform(0.0, soak.max_gap))
+            soak.await_recovery(soak.inject(soak.choose()), hurried)
         for host in soak.live:
             soak.job.agents[host].wait(timeout=1800)
     finally:
@@ -305,14 +405,14 @@ def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:
     for key in ("samples_repeated", "samples_skipped", "steps_off_plan"):
         if c[key]:
             failed.append(f"{key} = {c[key]}")
-    for key in ("progress_backwards", "orphans", "leaked_temp_dirs", "ports_still_bound"):
+    for key in ("progress_backwards", "leaves_counted_as_lost", "orphans", "leaked_temp_dirs", "ports_still_bound"):
         if c[key]:
             failed.append(f"{key}: {c[key]}")
     if c["epochs_checked"] != result["epochs"]:
         failed.append(f"the index logs cover {c['epochs_checked']} of the {result['epochs']} epochs trained")
     injected = [f for f in result["faults"] if "job had finished" not in f["note"]]
     unrecovered = [f"{f['kind']} at {f['time']:.1f}" for f in injected if f["recovered"] is None
-                   and f["kind"] != "restart_store"]
+                   and f["kind"] not in _NO_RESTART]
     if unrecovered:
         failed.append(f"faults without a recovery: {unrecovered}")
     if len(injected) < result["faults_asked"]:  # a soak that ran out of training proves less than it was asked
@@ -343,7 +443,7 @@ def table(result: Dict[str, object]) -> str:
               f"{c['samples_skipped']} (over {c['epochs_checked']} epochs, as the steps consumed them); steps that "
               f"trained other than planned: {c['steps_off_plan']}",
               f"- corrupted commits detected and skipped: {c['checkpoints_skipped']}; progress backwards otherwise: "
-              f"{c['progress_backwards']}",
+              f"{c['progress_backwards']}; graceful leaves counted as lost hosts: {c['leaves_counted_as_lost']}",
               f"- orphan processes: {c['orphans']}; leaked temp dirs: {c['leaked_temp_dirs']}; ports still bound: "
               f"{c['ports_still_bound']}",
               "- agents' exits: " + "; ".join(f"{h} {r}" for h, r in sorted(c["agent_exits"].items()))]
