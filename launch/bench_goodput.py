@@ -1,7 +1,7 @@
 """Goodput on spot capacity: one preemption trace replayed against the elastic runtime and against a
 fixed-size job that checkpoints and is requeued, beside the ideal.
 
-    python -m launch.bench_goodput                   # 4 hosts, seeds 0,1,2: ~40 minutes on 2 cores
+    python -m launch.bench_goodput                   # 4 hosts, seeds 0,1,2: ~50 minutes on 2 cores
     python -m launch.bench_goodput --quick           # 2 hosts, one short run of each
     python -m launch.bench_goodput --trace_csv=spot.csv --compression=1   # your own trace (preemption_trace.py)
 
@@ -18,8 +18,11 @@ same samples three ways:
   worker (the group commits and stops at its next agreed step, exit 3); a preemption kills every worker
   still running, as a scheduler ends a job that lost a node; once every host is back the job is relaunched
   (no queueing delay) and resumes from the last commit.
-- ideal: the same samples at the capacity the trace offers, at the throughput per world size measured
-  first (a fixed-size run of the same worker at each size), with no start-up, recovery or lost work.
+- ideal: the same samples at the capacity the trace offers, with no start-up, recovery or lost work: at each
+  moment the fastest world the hosts up allow (more workers are not always faster), at the steady-state
+  throughput measured first for each world size the way the methods train (a fixed-size run of each method,
+  the same worker and commit cadence, its first third left out as warm-up; the faster of the two). It is an
+  upper bound: the table flags a method whose samples-committed curve rises above it beyond noise.
 
 The trace's clock starts at each job's first training step at full size (the elastic workers wait at a gate
 until all hosts are in one round), so no method is ahead at time 0; what comes before is start-up that
@@ -76,13 +79,14 @@ flags.DEFINE_integer("per_worker_batch", 16, "Examples per worker per step.", lo
 flags.DEFINE_integer("epochs", 20, "Epochs of the 1536 digits every method trains.", lower_bound=1)
 flags.DEFINE_integer("commit_every_steps", 20, "Workers commit every N steps (and at each epoch's end).",
                      lower_bound=1)
-flags.DEFINE_integer("calibration_steps", 80, "Steps of each fixed-size run that measures the throughput per world "
-                     "size for the ideal.", lower_bound=10)
+flags.DEFINE_integer("calibration_steps", 160, "Steps of each fixed-size run (one per method and world size) that "
+                     "measures the steady-state throughput for the ideal.", lower_bound=10)
 flags.DEFINE_float("max_seconds", 1800.0, "A run still training this long after its clock started is stopped and "
                    "reported as unfinished.", lower_bound=1.0)
 flags.DEFINE_string("root", None, "Directory for the runs, results.json and goodput.png (default: a temp dir).")
-flags.DEFINE_bool("quick", False, "2 hosts, 2 epochs, one seed, 30 calibration steps, traces 4x more compressed "
-                  "(flags given explicitly win): checks the design, measures nothing worth quoting.")
+flags.DEFINE_bool("quick", False, "2 hosts, 2 epochs, one seed, 30 calibration steps, a commit every 5 steps, "
+                  "traces 4x more compressed (flags given explicitly win): checks the design, measures nothing "
+                  "worth quoting.")
 flags.DEFINE_enum("role", "bench", ["bench", "worker"], "worker: one training worker (internal).")
 flags.DEFINE_string("worker_run_dir", None, "worker: its run dir without an agent (internal).")
 flags.DEFINE_string("gate", None, "worker: wait for this file before training (internal).")
@@ -92,7 +96,7 @@ require_finite_floats(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 DATASET_SIZE = 1536  # digits: a multiple of 16 x 1, 2, 3, 4 workers, so no epoch has a remainder at those sizes
-QUICK = {"hosts": 2, "epochs": 2, "seeds": ["0"], "calibration_steps": 30}
+QUICK = {"hosts": 2, "epochs": 2, "seeds": ["0"], "calibration_steps": 30, "commit_every_steps": 5}
 ELASTIC, RESTART, IDEAL = "elastic", "checkpoint-restart", "ideal"
 WAITING = "waiting for all hosts"
 CAUSES = report.CAUSES + (WAITING,)
@@ -372,30 +376,38 @@ def skipped(method) -> int:
     return sum(last.values())
 
 
-def calibrate(root: Path, hosts: int) -> Dict[int, float]:
-    """Samples/s of the worker at each world size 1..hosts, from a fixed-size run's commits (first to last)."""
-    rates = {}
+def calibrate(root: Path, hosts: int) -> Dict[str, Dict[int, float]]:
+    """Steady-state samples/s at each world size 1..hosts, by method, from a fixed-size run of each (as it
+    trains in a trace: the same worker, commit cadence and clock start), and the faster of the two as the
+    ideal's."""
+    rates = {ELASTIC: {}, RESTART: {}, IDEAL: {}}
     for size in range(1, hosts + 1):
         epochs = max(1, math.ceil(FLAGS.calibration_steps * FLAGS.per_worker_batch * size / DATASET_SIZE))
-        method = RestartMethod(root / f"size-{size}", size, epochs)
-        run = replay(method, Trace(size, ()), FLAGS.max_seconds)
-        points = progress(method, run["clock0"])
-        if run["end"] is None or len(points) < 2:
-            raise RuntimeError(f"the calibration run of {size} workers did not finish with two commits: {root}")
-        rates[size] = (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+        for kind in (ElasticMethod, RestartMethod):
+            method = kind(root / kind.name / f"size-{size}", size, epochs)
+            run = replay(method, Trace(size, ()), FLAGS.max_seconds)
+            rate = preemption_trace.steady_rate(progress(method, run["clock0"]))
+            if run["end"] is None or rate is None:
+                raise RuntimeError(f"the {kind.name} calibration run of {size} workers did not finish with three "
+                                   f"commits past its first third: {root}")
+            rates[kind.name][size] = rate
+        rates[IDEAL][size] = max(rates[ELASTIC][size], rates[RESTART][size])
     return rates
 
 
 def run_trace(root: Path, trace: Trace, rates: Dict[int, float]) -> Dict:
-    """The trace against each method; the same target samples for all three."""
+    """The trace against each method; the same target samples for all three (`rates`: the ideal's)."""
     target = FLAGS.epochs * DATASET_SIZE
+    slack = FLAGS.commit_every_steps * FLAGS.per_worker_batch * trace.hosts
     result = {"trace": [e.__dict__ for e in trace.events], "target": target,
               IDEAL: {"seconds": trace.ideal_time(rates, target), "samples": target, "finished": True}}
     for kind in (ElasticMethod, RestartMethod):
         method = kind(root / kind.name, trace.hosts, FLAGS.epochs)
         run = replay(method, trace, FLAGS.max_seconds)
+        points = progress(method, run["clock0"])
         result[kind.name] = dict(run, samples=target - skipped(method), finished=run["end"] is not None,
-                                 split=method.split(run["clock0"], trace), progress=progress(method, run["clock0"]))
+                                 split=method.split(run["clock0"], trace), progress=points,
+                                 above_ideal=preemption_trace.above_ideal(points, trace, rates, slack))
         print(f"  {kind.name}: {run['seconds']:.1f}s{'' if run['end'] else ' (unfinished)'}, "
               f"{len(run['replayed'])} trace actions replayed", flush=True)
     for name in (ELASTIC, RESTART, IDEAL):
@@ -416,7 +428,8 @@ def _interval(values: Sequence[float], form: str = "{:.1f}") -> str:
 
 def summary_table(results: List[Dict]) -> str:
     lines = ["| method | finished | time to train, s | goodput (of ideal) | speed-up over checkpoint-restart | "
-             + " | ".join(f"{c} %" for c in CAUSES) + " |", "|---|---:|---:|---:|---:|" + "---:|" * len(CAUSES)]
+             "runs above the ideal | " + " | ".join(f"{c} %" for c in CAUSES) + " |",
+             "|---|---:|---:|---:|---:|---:|" + "---:|" * len(CAUSES)]
     for name in (ELASTIC, RESTART, IDEAL):
         runs = [r[name] for r in results]
         speedup = _interval([r[RESTART]["seconds"] / r[name]["seconds"] for r in results], "{:.2f}")
@@ -425,14 +438,15 @@ def summary_table(results: List[Dict]) -> str:
         unfinished = "" if all(r["finished"] for r in runs) else " (a lower bound)"
         lines.append(f"| {name} | {sum(r['finished'] for r in runs)}/{len(runs)} | "
                      f"{_interval([r['seconds'] for r in runs])}{unfinished} | "
-                     f"{_interval([r['goodput'] for r in runs], '{:.3f}')} | {speedup} | {shares[0]} |")
+                     f"{_interval([r['goodput'] for r in runs], '{:.3f}')} | {speedup} | "
+                     f"{sum(bool(r.get('above_ideal')) for r in runs) if name != IDEAL else '-'} | {shares[0]} |")
     return "\n".join(lines)
 
 
 def seed_table(seeds: Sequence[str], results: List[Dict]) -> str:
     lines = ["| seed | preemptions (with notice) | returns | actions replayed | latest action, s late | "
-             "ideal s | elastic s | checkpoint-restart s | elastic goodput | checkpoint-restart goodput |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ideal s | elastic s | checkpoint-restart s | elastic goodput | checkpoint-restart goodput | "
+             "above the ideal |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for seed, r in zip(seeds, results):
         preempts = [e for e in r["trace"] if e["kind"] == PREEMPT]
         replayed = [a for name in (ELASTIC, RESTART) for a in r[name]["replayed"]]
@@ -440,13 +454,24 @@ def seed_table(seeds: Sequence[str], results: List[Dict]) -> str:
                      f"{len(r['trace']) - len(preempts)} | {len(r[ELASTIC]['replayed'])}, "
                      f"{len(r[RESTART]['replayed'])} | {max([a['late'] for a in replayed], default=0.0):.2f} | "
                      f"{r[IDEAL]['seconds']:.1f} | {r[ELASTIC]['seconds']:.1f} | {r[RESTART]['seconds']:.1f} | "
-                     f"{r[ELASTIC]['goodput']:.3f} | {r[RESTART]['goodput']:.3f} |")
+                     f"{r[ELASTIC]['goodput']:.3f} | {r[RESTART]['goodput']:.3f} | {_above(r)} |")
     return "\n".join(lines)
 
 
-def throughput_table(rates: Dict[int, float]) -> str:
-    lines = ["| world size | samples/s | x one worker |", "|---:|---:|---:|"]
-    lines += [f"| {size} | {rate:.1f} | {rate / rates[1]:.2f} |" for size, rate in sorted(rates.items())]
+def _above(result: Dict) -> str:
+    """The methods whose curve rose above the ideal's beyond noise (`above_ideal`), flagged with where."""
+    flagged = [f"FLAGGED: {name} at {result[name]['above_ideal'][0]:.0f} s ({result[name]['above_ideal'][1]:.0f} "
+               f"samples)" for name in (ELASTIC, RESTART) if result[name].get("above_ideal")]
+    return "; ".join(flagged) or "none"
+
+
+def throughput_table(rates: Dict[str, Dict[int, float]]) -> str:
+    """Steady-state samples/s by world size and method, and what the ideal gets with that many hosts up."""
+    best = preemption_trace.fastest(rates[IDEAL])
+    lines = [f"| world size | {ELASTIC} samples/s | {RESTART} samples/s | ideal's samples/s with that many hosts up "
+             "| x one worker |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {size} | {rates[ELASTIC][size]:.1f} | {rates[RESTART][size]:.1f} | {best[size]:.1f} | "
+              f"{best[size] / best[1]:.2f} |" for size in sorted(best)]
     return "\n".join(lines)
 
 
@@ -467,7 +492,7 @@ def plot(result: Dict, trace: Trace, rates: Dict[int, float], path: Path) -> Non
     hosts_ax.set_ylabel("hosts up (orange: notice)")
     hosts_ax.set_ylim(-0.2, trace.hosts + 0.2)
     times = sorted({t for t, _ in steps} | {result[IDEAL]["seconds"]})
-    ideal = [min(result["target"], trace.integral(rates, 0.0, t)) for t in times]
+    ideal = [min(result["target"], trace.ideal_samples(rates, t)) for t in times]
     samples_ax.plot(times, ideal, color="black", linestyle=":", label=IDEAL)
     for name in (ELASTIC, RESTART):
         points = result[name]["progress"]
@@ -519,13 +544,16 @@ def main(argv: List[str]) -> None:
           f"beside the real all-reduce, {FLAGS.per_worker_batch} examples per worker; {FLAGS.epochs} epochs of "
           f"{DATASET_SIZE} digits; commits every {FLAGS.commit_every_steps} steps; traces compressed "
           f"{FLAGS.compression:g}x; runs in {root}", flush=True)
-    rates = calibrate(root / "calibration", FLAGS.hosts)
-    print("throughput per world size (fixed-size runs of the same worker):\n" + throughput_table(rates), flush=True)
+    measured = calibrate(root / "calibration", FLAGS.hosts)
+    print("steady-state throughput per world size (fixed-size runs of each method):\n" + throughput_table(measured),
+          flush=True)
+    rates = measured[IDEAL]
     results = []
     for seed, trace in zip(FLAGS.seeds, traces):
         print(f"seed {seed}: {len(trace.events)} trace events", flush=True)
         results.append(run_trace(root / f"seed-{seed}", trace, rates))
-    (root / "results.json").write_text(json.dumps({"rates": rates, "seeds": FLAGS.seeds, "runs": results}, indent=1))
+    (root / "results.json").write_text(json.dumps({"rates": rates, "rates_by_method": measured, "seeds": FLAGS.seeds,
+                                                   "runs": results}, indent=1))
     plot(results[0], traces[0], rates, root / "goodput.png")
     print(f"\n## Goodput on a preemption trace ({len(results)} traces; mean ± 95% interval; causes: % of "
           f"host-seconds)\n\n" + summary_table(results) + "\n\n" + seed_table(FLAGS.seeds, results) +

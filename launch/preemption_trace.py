@@ -67,18 +67,59 @@ class Trace:
         """Host-seconds the trace offers between trace times `begin` and `end`."""
         return self.integral({up: float(up) for up in range(self.hosts + 1)}, begin, end)
 
+    def ideal_samples(self, rates: Dict[int, float], end: float) -> float:
+        """Samples the ideal has trained by trace time `end` (see `ideal_time`)."""
+        return self.integral(fastest(rates), 0.0, end)
+
     def ideal_time(self, rates: Dict[int, float], samples: float) -> float:
-        """Trace seconds to train `samples` at `rates[k]` samples/s whenever k hosts are up: the ideal, which
-        uses every host the moment it is up and loses nothing to start-up, recovery or redone steps."""
+        """Trace seconds to train `samples` whenever k hosts are up at the fastest world they allow
+        (`fastest(rates)`, from `rates[n]`: samples/s of n workers): the ideal, which uses the best of the hosts
+        the moment they are up and loses nothing to start-up, recovery or redone steps; no method can do better
+        on this trace with these rates."""
         if not rates.get(self.hosts):
             raise ValueError(f"rates must give a throughput > 0 at the full size {self.hosts}; got {rates}.")
+        best = fastest(rates)
         steps = self.capacity() + [(math.inf, self.hosts)]
         for (t0, up), (t1, _) in zip(steps, steps[1:]):
-            rate = rates.get(up, 0.0)
+            rate = best.get(up, 0.0)
             if rate and samples <= rate * (t1 - t0):
                 return t0 + samples / rate
             samples -= rate * (t1 - t0)
         raise AssertionError("unreachable: every host is up after the last event")
+
+
+def fastest(rates: Dict[int, float]) -> Dict[int, float]:
+    """Samples/s with k hosts up, for each k measured or above: the fastest world of at most k workers
+    (more workers are not always faster: on 2 cores, 3 beat 4)."""
+    best, found = {}, 0.0
+    for size in range(1, max(rates, default=0) + 1):
+        found = max(found, rates.get(size, 0.0))
+        best[size] = found
+    return best
+
+
+def steady_rate(points: List[List[float]]) -> Optional[float]:
+    """Samples/s between the first commit past the first third of a run and its last (warm-up left out:
+    the first steps trace and compile); None with fewer than three commits there."""
+    if not points:
+        return None
+    late = [p for p in points if p[0] >= points[-1][0] / 3]
+    if len(late) < 3:
+        return None
+    return (late[-1][1] - late[0][1]) / (late[-1][0] - late[0][0])
+
+
+def above_ideal(points: List[List[float]], trace: Trace, rates: Dict[int, float], slack: float,
+                tolerance: float = 0.03) -> Optional[List[float]]:
+    """The commit (trace seconds, samples) at which a method's samples-committed curve is furthest above the
+    ideal's, if any is beyond noise: more than `tolerance` of the ideal's samples and `slack` samples (a
+    commit's worth: commits come in steps) above it. None when the curve stays under the bound."""
+    worst, excess = None, 0.0
+    for at, samples in points:
+        over = samples - trace.ideal_samples(rates, at) * (1 + tolerance) - slack
+        if over > excess:
+            worst, excess = [at, samples], over
+    return worst
 
 
 def generate(seed: int, hosts: int, preemptions_per_host_hour: float, notice_fraction: float, notice_seconds: float,

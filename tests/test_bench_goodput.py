@@ -94,3 +94,28 @@ def test_quick_replays_the_trace_as_given_and_every_method_trains_the_same_sampl
     assert sorted(results["rates"]) == ["1", "2"] and all(rate > 0 for rate in results["rates"].values())
     assert "| elastic |" in proc.stdout and "| ideal |" in proc.stdout
     assert (tmp_path / "runs" / "goodput.png").stat().st_size > 10_000
+
+
+def test_the_ideal_runs_the_fastest_world_the_hosts_up_allow():
+    """On 2 cores 3 workers beat 4 (measured): an ideal scheduler with 4 hosts up runs 3, so the ideal
+    must be at least that fast, or a method that did so would score above it."""
+    rates = {1: 10.0, 2: 15.0, 3: 20.0, 4: 18.0}
+    assert preemption_trace.fastest(rates) == {1: 10.0, 2: 15.0, 3: 20.0, 4: 20.0}
+    assert preemption_trace.fastest({2: 15.0, 4: 30.0}) == {1: 0.0, 2: 15.0, 3: 15.0, 4: 30.0}
+    trace = Trace(4, (TraceEvent(10.0, 3, PREEMPT), TraceEvent(30.0, 3, RETURN)))
+    assert trace.ideal_time(rates, 400.0) == pytest.approx(20.0)  # 20/s throughout: 4 up or 3 up
+    assert trace.ideal_samples(rates, 15.0) == pytest.approx(300.0)
+    # No schedule of the measured worlds beats it: e.g. 4 workers while 4 are up, 3 while 3.
+    assert trace.integral(rates, 0.0, 20.0) <= trace.ideal_samples(rates, 20.0)
+
+
+def test_steady_rate_leaves_the_warm_up_out_and_a_curve_above_the_ideal_is_flagged():
+    # A slow first commit (tracing, compiling), then 100 samples/s.
+    points = [[3.0, 100.0], [4.0, 200.0], [5.0, 300.0], [6.0, 400.0], [7.0, 500.0], [8.0, 600.0], [9.0, 700.0]]
+    assert preemption_trace.steady_rate(points) == pytest.approx(100.0)
+    assert preemption_trace.steady_rate(points[-2:]) is None  # too few commits to leave warm-up out
+    trace, rates = Trace(2, ()), {1: 60.0, 2: 100.0}
+    assert preemption_trace.above_ideal(points, trace, rates, slack=0.0) is None  # at most 100/s
+    faster = [[t, 110.0 * t] for t in range(1, 10)]  # 10 % above the ideal's 100/s at every commit
+    assert preemption_trace.above_ideal(faster, trace, rates, slack=0.0) == [9, 990.0]
+    assert preemption_trace.above_ideal(faster, trace, rates, slack=100.0) is None  # within a commit's worth
