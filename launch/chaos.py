@@ -1,14 +1,12 @@
 """A fault-injection soak: an elastic job on this machine under random faults, then invariants.
 
-Faults (each at a random moment, after the group recovered from the previous one): SIGKILL a worker,
-SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its heartbeat goes on (the
-progress watchdog's case), SIGTERM an agent (graceful leave), send an agent and its worker a preemption
-notice (SIGUSR1, as Slurm's --signal does), start a new agent, SIGKILL the chief while it commits,
-corrupt the newest checkpoint (then kill the chief so the group restores), and with etcd, stop and
-restart the store. Every kind is drawn once before any repeats. Afterwards, from events.jsonl, the
-index logs and the processes: the job finished with the accuracy of a fault-free run of the same seed and length,
-committed progress never went backwards (but to the previous commit when the newest was corrupted),
-every example was used exactly once per epoch, and no process, temp dir or port was left behind.
+The faults (`tf_elastic.testing.soak`'s docstring lists every kind) come at random moments, each after the
+group recovered from the previous one, every kind once before any repeats, paced so that every fault asked
+for is injected. Afterwards, from events.jsonl, the index logs and the processes: the job finished with the
+accuracy of a fault-free run of the same seed and length, committed progress never went backwards (but to
+an older commit when the newer ones were lost or corrupted), every example was used exactly once per epoch
+as the steps consumed them, no graceful leave was counted as a lost host, and no process, temp dir or port
+was left behind.
 
     python -m launch.chaos --faults=50 --seed=0 [--rdzv=etcd]
 """
