@@ -107,6 +107,9 @@ AGENT_CASES = [
     (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10", "--rdzv_request_timeout=0.1"],
      "--rdzv_request_timeout=0.1 must be at most --host_ttl / (6 x 2 endpoints) = 0.0833: a lease renewal"),
     (["--rdzv_request_timeout=2"], "raise --host_ttl or leave --rdzv_request_timeout out"),
+    (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10,127.0.0.1:11,127.0.0.1:12"],
+     "--host_ttl=1 is too short for a store of 4 endpoints: a request could take only 0.0417s; give --host_ttl "
+     "of at least 1.2"),
     (["--rdzv=etcd://127.0.0.1"], "expected etcd://HOST:PORT"),
     (["--rdzv=etcd://127.0.0.1:99999"], "port in 1..65535"),
     (["--rdzv=file://relative"], "expected file:///ABSOLUTE/DIR"),

@@ -28,13 +28,17 @@ def _round(number=0, phase="joining", expected=(), restarts=0, assignment=None, 
     (_round(), 0, -1, JoinAction.TRY_FREEZE),  # joined the round we opened
     (_round(opener="other"), 0, -1, JoinAction.WAIT),  # joined a round another agent freezes
     (_round(1, "frozen", assignment={"me": [0]}), 1, 0, JoinAction.TAKE),
+    # Ranked in a round this agent never joined: a dead predecessor's with our host id (we restarted).
+    (_round(1, "frozen", assignment={"me": [0]}), None, -1, JoinAction.REPLACE_PREDECESSOR),
+    (_round(2, "frozen", assignment={"me": [0]}), 1, 0, JoinAction.REPLACE_PREDECESSOR),
     (_round(1, "frozen", assignment={"me": [0]}), 1, 1, JoinAction.OPEN_NEXT),  # trained in it
     (_round(1, "frozen", assignment={"other": [0]}), None, -1, JoinAction.OPEN_NEXT),
     (_round(1, "frozen", assignment={"o": [0], "me": []}), 1, 0, JoinAction.STANDBY),  # considered, no place
     (_round(1, "frozen", assignment={"o": [0, 1]}), None, -1, JoinAction.STANDBY),  # full
     (_round(1, "frozen", assignment={"o": [0]}), None, -1, JoinAction.OPEN_NEXT),  # room left
 ], ids=["no round", "joining without us", "joined an older round", "we opened it", "another opened it",
-        "frozen with our ranks", "frozen, already trained", "frozen without us", "left out", "full", "room left"])
+        "frozen with our ranks", "a predecessor's ranks", "a newer round's ranks we never joined",
+        "frozen, already trained", "frozen without us", "left out", "full", "room left"])
 def test_next_join_action(round_, joined, after, action):
     assert decisions.next_join_action(round_, "me", joined, after, max_workers=2) is action
 

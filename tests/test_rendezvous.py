@@ -851,3 +851,54 @@ def test_a_renewal_through_a_hung_endpoint_ends_inside_the_lease(etcd, job):
         assert not lost, "a healthy host was reported lost"
     finally:
         hung.close()
+
+
+def test_a_withdrawing_host_stays_alive_until_its_leave_round_is_open(rdzv_url, job):
+    """`withdraw` used to delete the lease first: a ring watcher (or a standby) looking before the leave
+    round opened found the host gone and counted a restart for a graceful leave."""
+    store = open_store(rdzv_url)
+    trained = _train_in_one_round(store, job, ["a", "b"])
+    b = _rendezvous(open_store(rdzv_url), job, "b")
+    b._claimed, b._lease_value = True, store.get(b.keys.host("b"))
+    b.incarnation, b._joined = json.loads(b._lease_value)["incarnation"], trained.number
+    a = _rendezvous(store, job, "a")
+    real = b.store.compare_and_set
+
+    def slow_round_write(key, expected, value, ttl=None):  # widens the window between the lease and the round
+        if key.endswith("/group/round"):
+            time.sleep(0.5)
+        return real(key, expected, value, ttl)
+
+    b.store.compare_and_set = slow_round_write
+    looks = []
+    watcher = threading.Thread(target=lambda: [looks.append(a.look(trained, a.watched_keys(trained)))
+                                               or time.sleep(0.02) for _ in range(40)])
+    watcher.start()
+    b.withdraw(after=-1)
+    watcher.join(timeout=30)
+    assert not [look.lost for look in looks if look.lost], "the leaving host was seen lost"
+    assert a.current().reason == "leave b" and a.current().restarts == 0 and store.get(b.keys.host("b")) is None
+
+
+def test_a_restarted_agent_replaces_the_round_its_dead_predecessor_was_ranked_in(tmp_path, job):
+    """Its new lease would hide the predecessor's loss from the ring (its workers are gone): it opens the
+    next round as that host's failure, then joins it."""
+    store = FileStore(str(tmp_path))
+    trained = _train_in_one_round(store, job, ["a"])
+    store.delete(f"/{job}/hosts/a")  # the dead predecessor's lease expired
+    round_ = _rendezvous(store, job, "a", max_workers=1).join()
+    assert round_.number == trained.number + 1 and round_.restarts == trained.restarts + 1
+    assert round_.reason == "host_lost host=a: its agent restarted" and round_.assignment == {"a": [0]}
+
+
+def test_a_join_whose_reply_was_lost_before_the_round_froze_is_taken(tmp_path, job):
+    """Our lease announced the round (the write applied, its reply lost), and the round froze with us before
+    the retry: that round is ours to train in, not a predecessor's to replace."""
+    store = FileStore(str(tmp_path))
+    a = _rendezvous(store, job, "a", max_workers=1)
+    first = a.join()
+    frozen = dataclasses.replace(first, number=first.number + 1, reason="join b")
+    a.keepalive(a._join_record(frozen, [0]))  # applied; as far as `a` knows, its reply was lost:
+    a._joined = first.number
+    store.set(a.keys.round, frozen.to_json())
+    assert a.join(after=first.number) == frozen and a.current() == frozen

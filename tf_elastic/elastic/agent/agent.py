@@ -441,6 +441,11 @@ class ElasticAgent:
         our workers, who commit. With the store unreachable the workers still stop and commit: the others
         see this host go once its lease expires."""
         self.notices.report()
+        if self._effects is not None:  # a verdict judged before the notice: a failed job must not end as a leave
+            try:
+                return self._carry_out(self._effects)
+            except StoreError as error:
+                logging.warning("leaving before a failure's effects reached the store (%s)", error)
         try:
             self.rendezvous.open_after(round_.number, reason=f"leave {self.host_id}", failure=False, leaving=True)
         except StoreError as error:
@@ -463,8 +468,8 @@ class ElasticAgent:
         """`Rendezvous.withdraw`: leaves while joining, without costing the others a counted restart."""
         try:
             self.rendezvous.withdraw(after)
-        except StoreError:
-            pass  # unreachable: the lease expires within host_ttl, and the others count a lost host
+        except (StoreError, HostIdTaken):
+            pass  # unreachable (the lease expires within host_ttl), or no longer ours
 
     # Processes ---------------------------------------------------------------------------------------
     def _stop(self, running: List[Worker]) -> None:

@@ -22,8 +22,8 @@ class Blacklist:
 
     def count(self, own: bool) -> None:
         """Notes how a round ended for this host (`own`: one of its own workers failed); blacklists it
-        after `after` of its own failures in a row. Never raises: a strike the store does not take now is
-        written at the next call (before the next join at the latest), and counted once."""
+        after `after` of its own failures in a row. Never raises: a strike the store does not take now stays
+        due, counted once, and is written at the next `count` or `sit_out` that reaches the store."""
         self._in_a_row = self._in_a_row + 1 if own else 0
         if own and self._in_a_row >= self.after:
             self._in_a_row, self._strike_due = 0, True

@@ -85,6 +85,7 @@ flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent ech
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+MIN_REQUEST_TIMEOUT = 0.05  # seconds: below this a request to a healthy store on another machine times out
 
 require_finite_floats(__name__)
 
@@ -103,20 +104,35 @@ def _validate() -> None:
     if FLAGS.monitor_interval >= FLAGS.heartbeat_timeout:
         raise app.UsageError(f"--monitor_interval={FLAGS.monitor_interval} must be < "
                              f"--heartbeat_timeout={FLAGS.heartbeat_timeout}.")
-    limit = decisions.request_timeout_limit(FLAGS.host_ttl, _endpoints(FLAGS.rdzv))
-    if FLAGS.rdzv_request_timeout is not None and FLAGS.rdzv_request_timeout > limit:
-        raise app.UsageError(f"--rdzv_request_timeout={FLAGS.rdzv_request_timeout:g} must be at most --host_ttl / "
-                             f"(6 x {_endpoints(FLAGS.rdzv)} endpoints) = {limit:.3g}: a lease renewal (due a third "
-                             f"into the lease, two requests, maybe behind one more) must end inside the lease; "
-                             f"raise --host_ttl or leave --rdzv_request_timeout out")
+    _check_store_timeouts()
     if 2 * FLAGS.monitor_interval > FLAGS.host_ttl:
         raise app.UsageError(f"--monitor_interval={FLAGS.monitor_interval} must be at most half of "
                              f"--host_ttl={FLAGS.host_ttl}: the host lease is renewed every monitor interval.")
 
 
+def _check_store_timeouts() -> None:
+    """The rule that keeps a lease renewal inside its lease (`decisions.request_timeout_limit`)."""
+    endpoints = _endpoints(FLAGS.rdzv)
+    named = f"{endpoints} endpoint{'s' if endpoints > 1 else ''}"
+    limit = decisions.request_timeout_limit(FLAGS.host_ttl, endpoints)
+    if limit < MIN_REQUEST_TIMEOUT:
+        raise app.UsageError(f"--host_ttl={FLAGS.host_ttl:g} is too short for a store of {named}: a request could "
+                             f"take only {limit:.3g}s; give --host_ttl of at least "
+                             f"{6 * MIN_REQUEST_TIMEOUT * endpoints:g}")
+    if FLAGS.rdzv_request_timeout is not None and FLAGS.rdzv_request_timeout > limit:
+        raise app.UsageError(f"--rdzv_request_timeout={FLAGS.rdzv_request_timeout:g} must be at most --host_ttl / "
+                             f"(6 x {named}) = {limit:.3g}: a lease renewal (due a third into the lease, two "
+                             f"requests, maybe behind one more) must end inside the lease; raise --host_ttl or leave "
+                             f"--rdzv_request_timeout out")
+
+
 def _endpoints(url: str) -> int:
-    """How many endpoints a store URL names (comma-separated, as etcd://A:2379,B:2379; a file store: one)."""
-    return max(1, len([e for e in urllib.parse.urlparse(url).netloc.split(",") if e]))
+    """How many endpoints a store URL names (comma-separated, as etcd://A:2379,B:2379; a file store: one). A
+    URL that does not parse counts one: `open_store` names what is wrong with it."""
+    try:
+        return max(1, len([e for e in urllib.parse.urlparse(url).netloc.split(",") if e]))
+    except ValueError:
+        return 1
 
 
 def _check_command(program: str) -> None:

@@ -19,7 +19,11 @@ class JoinAction(enum.Enum):
     ADD_SELF = "add_self"  # a round still joining, without us: announce it in our lease
     TRY_FREEZE = "try_freeze"  # a round still joining, with us, that we opened: freeze it once `ready_to_freeze`
     WAIT = "wait"  # a round still joining, with us, that another agent opened: wait for it to freeze it
-    TAKE = "take"  # a frozen round newer than our last that gives us ranks: train in it
+    TAKE = "take"  # a frozen round newer than our last, that we joined and that gives us ranks: train in it
+    # A frozen round that ranks our host id but that this agent never joined: its dead predecessor's (this
+    # agent restarted). Its workers are gone and our lease hides that from the ring: open the next round as
+    # that host's failure.
+    REPLACE_PREDECESSOR = "replace_predecessor"
     STANDBY = "standby"  # a frozen round at max_workers: wait, without disturbing it, for a place to free up
 
 
@@ -36,7 +40,7 @@ def next_join_action(round_: Optional[Round], host_id: str, joined: Optional[int
     if round_.phase == Phase.FROZEN.value:
         assignment = round_.assignment or {}
         if round_.number > after and assignment.get(host_id):
-            return JoinAction.TAKE
+            return JoinAction.TAKE if joined == round_.number else JoinAction.REPLACE_PREDECESSOR
         # Considered and left out (the world was full, or a smaller size divides the global batch).
         if round_.number > after and (host_id in assignment or round_.world_size >= max_workers):
             return JoinAction.STANDBY

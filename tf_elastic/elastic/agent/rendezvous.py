@@ -71,7 +71,7 @@ class Rendezvous:
         # Stale by the time the workers stopped, which is safe: every change since wakes the next wait.
         self._seen: Optional[Tuple[Optional[JobOutcome], Optional[Round], Optional[str]]] = None
         self._watching: Tuple[Optional[int], Optional[str]] = (None, None)  # round number, its watched host
-        self._opening: Optional[str] = None  # the round record this agent last tried to open
+        self._opening: Optional[Tuple[Round, str]] = None  # a round this agent tried to open, not yet judged
 
     def wait_for_change(self, timeout: float, training: Optional[Round] = None) -> Set[str]:
         """The store keys that may have changed within `timeout` (every one named, for a store that
@@ -130,6 +130,14 @@ class Rendezvous:
         held = self.store.get(key)
         return _incarnation(held) == self.incarnation and (
             held == value or self.store.compare_and_set(key, held, value, ttl=self.timeouts.host_ttl))
+
+    def _announces(self, number: int) -> bool:
+        """Whether our own lease (this incarnation's) announces that we joined round `number`."""
+        held = self.store.get(self.keys.host(self.host_id))
+        try:
+            return _incarnation(held) == self.incarnation and json.loads(held).get("round") == number
+        except (TypeError, ValueError, AttributeError):
+            return False
 
     def renew_if_due(self) -> None:
         """`keepalive`, once a third of the host TTL has passed since the last renewal (the agent's loops
@@ -193,27 +201,37 @@ class Rendezvous:
         exactly the record we wrote."""
         nxt = decisions.next_round(seen, reason, failure, time.time(), self.host_id,
                                    self.host_id if leaving else None)
-        self._opening = nxt.to_json()
-        opened = (self.store.compare_and_set(self.keys.round, seen.to_json(), self._opening)
-                  or self.store.get(self.keys.round) == self._opening)
-        return opened and self._opened(nxt, reason)
+        self._opening = (nxt, reason)
+        if not (self.store.compare_and_set(self.keys.round, seen.to_json(), nxt.to_json())
+                or self._is_opening(self.current())):
+            self._opening = None
+            return False
+        return self._opened()
 
     def open_after(self, number: int, reason: str, failure: bool, leaving: bool = False) -> bool:
         """`open_next` from round `number`, if the group is still in it (read now); True if this agent
         opened the next round. Safe to call again after a `StoreError`: a round that an earlier call
-        wrote (its reply lost) is found as written and counts as opened here."""
-        raw = self.store.get(self.keys.round)
-        current = None if raw is None else Round.from_json(raw, self.keys.round)
-        if raw is not None and raw == self._opening:
-            return self._opened(current, reason)
+        wrote (its reply lost) is recognised and counts as opened here."""
+        current = self.current()
+        if self._is_opening(current):
+            return self._opened()
         if current is None or current.number != number:
             return False
         return self.open_next(current, reason, failure, leaving)
 
-    def _opened(self, nxt: Round, reason: str) -> bool:
-        # Only the winner judges: a lost compare-and-set means another agent moved on, maybe without a failure.
+    def _is_opening(self, round_: Optional[Round]) -> bool:
+        """Whether `round_` is the one this agent last tried to open (by its number and opening time: a
+        freeze or an opener's takeover since changes neither)."""
+        mine = self._opening and self._opening[0]
+        return bool(mine and round_ and (round_.number, round_.opened) == (mine.number, mine.opened))
+
+    def _opened(self) -> bool:
+        """Judges, once, a round this agent opened. Only the winner judges: a lost compare-and-set means
+        another agent moved on, maybe without a failure."""
+        nxt, reason = self._opening
         if nxt.restarts > self.max_restarts:
             self.job.finish(JobStatus.FAILED, f"max_restarts={self.max_restarts} exceeded ({reason})")
+        self._opening = None
         return True
 
     def join(self, previous_ranks: Optional[List[int]] = None, after: int = -1,
@@ -277,6 +295,8 @@ class Rendezvous:
         outcome, round_, raw = self._seen or self.read_group()
         self._seen = None
         self.job.raise_if_ended(outcome)
+        if self._is_opening(round_):  # ours, opened by a write whose reply was lost: judged now
+            self._opened()
         action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
         if not self._claimed:  # here, so that an unreachable store is retried like any other rendezvous step
             if self._claim(round_, action, previous_ranks):
@@ -286,6 +306,8 @@ class Rendezvous:
             outcome, round_, raw = self.read_group()
             self.job.raise_if_ended(outcome)
             action = decisions.next_join_action(round_, self.host_id, self._joined, after, self.max_workers)
+        if action is JoinAction.REPLACE_PREDECESSOR and self._announces(round_.number):
+            self._joined, action = round_.number, JoinAction.TAKE  # our join went out; its reply was lost
         self.renew_if_due()
         if action is JoinAction.TAKE:
             return action, round_, False
@@ -296,6 +318,11 @@ class Rendezvous:
             self.store.compare_and_set(self.keys.round, None, first.to_json())
         elif action is JoinAction.OPEN_NEXT:
             self.open_next(round_, reason=f"join {self.host_id}", failure=False)
+        elif action is JoinAction.REPLACE_PREDECESSOR:
+            logging.warning("round %d ranks host %s, whose previous agent is gone: %s opens the next round",
+                            round_.number, self.host_id, self.host_id)
+            self.open_next(round_, reason=f"{Failure.HOST_LOST.value} host={self.host_id}: its agent restarted",
+                           failure=True)
         elif action is JoinAction.ADD_SELF:
             self.keepalive(self._join_record(round_, previous_ranks))
             self._joined = round_.number
@@ -351,26 +378,29 @@ class Rendezvous:
         return self.open_next(round_, reason=f"{Failure.HOST_LOST.value} host={watched}", failure=True)
 
     def withdraw(self, after: int) -> None:
-        """Leaves while joining (a notice came): gives up the lease, so that no later listing ranks this
-        host, and if a round had frozen with it ranked all the same (its opener listed the leases just
-        before), opens the next round as this host's leave: the others then commit and regroup, where a
-        ranked host gone would cost them a counted restart."""
+        """Leaves while joining (a notice came). First the lease stops announcing a round, so that no later
+        listing ranks this host, but still shows it alive (gone now, a ring watcher or a standby would count
+        a lost host if a round froze with it); if a round had frozen with it ranked all the same (its opener
+        listed the leases just before), opens the next round as this host's leave, so that the others commit
+        and regroup instead of counting a restart; then gives the lease up."""
         if not self._claimed:
             return
         joined = self._joined
-        self.leave()
-        deadline = time.monotonic() + self.timeouts.host_ttl  # a freeze follows the listing it rests on at once
-        while True:
-            round_ = self.current()
-            if round_ is None:
-                return
-            if round_.phase == Phase.FROZEN.value:
-                if round_.number > after and (round_.assignment or {}).get(self.host_id):
-                    self.open_next(round_, reason=f"leave {self.host_id}", failure=False, leaving=True)
-                return
-            if round_.number != joined or time.monotonic() > deadline:
-                return
-            time.sleep(self.timeouts.poll)
+        try:
+            self.keepalive(self._lease_record())
+            deadline = time.monotonic() + self.timeouts.host_ttl  # a freeze follows the listing it rests on at once
+            while True:
+                round_ = self.current()
+                if round_ is not None and round_.phase == Phase.FROZEN.value:
+                    if round_.number > after and (round_.assignment or {}).get(self.host_id):
+                        self.open_next(round_, reason=f"leave {self.host_id}", failure=False, leaving=True)
+                    return
+                if round_ is None or round_.number != joined or time.monotonic() > deadline:
+                    return
+                time.sleep(self.timeouts.poll)
+                self.renew_if_due()
+        finally:
+            self.leave()
 
     def _join_record(self, round_: Round, previous_ranks: Optional[List[int]]) -> str:
         """This host's lease announcing that it joins `round_`, with ports for its workers."""

@@ -9,8 +9,9 @@ Leases never compare clocks across hosts: each write carries a fresh version, an
 key with a TTL as expired once it has seen the same version for longer than the TTL on its own
 monotonic clock. A version it sees for the first time is as old as the filesystem says: its file's
 mtime against the mtime of the lock file touched just now, both stamped by the filesystem's one clock
-(the kernel's, or the NFS server's), so that a reader never counts a lease whose host died long
-before it looked as live.
+(the kernel's, or the NFS server's), less `CLOCK_MARGIN` (filesystems that stamp the writer's clock, as
+some distributed ones do, need the hosts' clocks within it), so that a reader never counts a lease whose
+host died long before it looked as live.
 
 Each write goes to a temporary file, is fsynced and renamed into place; writes and compare-and-sets hold
 one `flock`, waited for at most `request_timeout` (`--rdzv_request_timeout`), so that a stopped holder
@@ -28,6 +29,9 @@ from pathlib import Path
 from typing import Dict, Iterator, Optional, Tuple
 
 from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
+
+
+CLOCK_MARGIN = 1.0  # seconds a first-seen file's age is reduced by: clocks stamping mtimes may differ this much
 
 
 class FileStore(Store):
@@ -106,7 +110,8 @@ class FileStore(Store):
 
     def _read(self, path: Path) -> Optional[str]:
         try:
-            text = path.read_text(encoding="utf-8")
+            with open(path, encoding="utf-8") as f:
+                text, written = f.read(), os.fstat(f.fileno()).st_mtime  # the mtime of the version read
         except FileNotFoundError:
             self._seen.pop(path, None)
             return None
@@ -122,34 +127,31 @@ class FileStore(Store):
                 and (ttl is None or (isinstance(ttl, (int, float)) and ttl > 0))):
             raise StoreError(f"malformed store file {path}: expected {{'value': str, 'version': str, "
                              f"'ttl': positive number or null}}")
-        if ttl is not None and self._unchanged_for(path, record["version"], ttl) > ttl:
+        if ttl is not None and self._unchanged_for(path, record["version"], ttl, written) > ttl:
             return None
         return record["value"]
 
-    def _unchanged_for(self, path: Path, version: str, ttl: float) -> float:
+    def _unchanged_for(self, path: Path, version: str, ttl: float, written: float) -> float:
         """Seconds `version` has been at `path`: since this reader first saw it, or (a path it never saw
-        before) since the filesystem stamped it. A version that replaced one this reader saw is new."""
+        before) since the filesystem stamped it (`written`). A version that replaced one this reader saw is
+        new."""
         now = time.monotonic()
         if path not in self._seen:
-            self._seen[path] = (version, now - self._age(path, ttl))
+            self._seen[path] = (version, now - self._age(written, ttl))
         seen_version, since = self._seen[path]
         if seen_version != version:
             self._seen[path] = (version, now)
             return 0.0
         return now - since
 
-    def _age(self, path: Path, ttl: float) -> float:
-        """How long ago `path` was last written, on the filesystem's clock (0 when it cannot tell; a
-        file replaced since the read is younger, never older). Only an age beyond `ttl` matters, so a
-        file young by this host's clock costs one stat (a clock behind the filesystem's can only make a
-        file look younger: counted live, as any reader that just met it did before)."""
-        try:
-            written = path.stat().st_mtime
-        except OSError:
+    def _age(self, written: float, ttl: float) -> float:
+        """How long ago a file stamped `written` was written, on the filesystem's clock, less `CLOCK_MARGIN`
+        (0 when it cannot tell). Only an age beyond `ttl` matters, so a file young by this host's clock is
+        not asked about (a clock behind the filesystem's can only make a file look younger: counted live,
+        as any reader that just met it did before)."""
+        if time.time() - written <= ttl + CLOCK_MARGIN:
             return 0.0
-        if time.time() - written <= ttl:  # young by this host's clock too: no need to ask the filesystem's
-            return 0.0
-        return max(0.0, self._filesystem_now() - written)
+        return max(0.0, self._filesystem_now() - written - CLOCK_MARGIN)
 
     def _filesystem_now(self) -> float:
         """The filesystem's clock now: the lock file touched, then its mtime read back."""
