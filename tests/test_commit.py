@@ -195,7 +195,7 @@ def _restored_step(run_dir, **kwargs):
     return path, state.step
 
 
-@pytest.mark.parametrize("damage", ["transient read error", "NUL bytes", "garbage"])
+@pytest.mark.parametrize("damage", ["transient read error", "NUL bytes", "garbage", "empty"])
 def test_an_unreadable_state_file_deletes_no_commit_and_the_newest_still_restores(tmp_path, damage, monkeypatch):
     """`get_checkpoint_state` returned None on any read or parse error, the sweep then deleted every commit
     of the host, and every later start failed with "no readable commit"."""
@@ -207,6 +207,8 @@ def test_an_unreadable_state_file_deletes_no_commit_and_the_newest_still_restore
         state_file.write_bytes(b"\0" * state_file.stat().st_size)
     elif damage == "garbage":
         state_file.write_text("model_checkpoint_path: \"ckpt-0-3-0-96\n###")
+    elif damage == "empty":  # what a crash between its write and its sync leaves on many filesystems
+        state_file.write_bytes(b"")
     else:
         from tensorflow.python.lib.io import file_io  # what TensorFlow reads the state file with
 

@@ -35,7 +35,7 @@ READ_TRIES, READ_PAUSE = 3, 0.2  # a transient error of a network filesystem cle
 
 def kept_commits(directory: str) -> List[Tuple[str, float]]:
     """(path, time) of each commit the state file names, oldest first; if it exists but cannot be read or
-    parsed, the complete commits found on disk, so that nothing is taken for absent."""
+    parsed, or names no commit, the complete commits found on disk, so that nothing is taken for absent."""
     path = posixpath.join(directory, STATE_FILE)
     error = None
     for attempt in range(READ_TRIES):
@@ -43,6 +43,8 @@ def kept_commits(directory: str) -> List[Tuple[str, float]]:
             if not tf.io.gfile.exists(path):
                 return []
             state = text_format.Parse(file_io.read_file_to_string(path), CheckpointState())
+            if not state.all_model_checkpoint_paths:  # we write it only after a commit: empty is damage
+                raise ValueError("it names no commit (empty, as a crash before its sync can leave it)")
             return list(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps))
         except (tf.errors.OpError, OSError) as failed:
             error = failed
