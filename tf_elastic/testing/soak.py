@@ -149,7 +149,7 @@ class Soak:
             fault.note = _corrupt_newest(job.run_dir, self.live)
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "damage_state_file":  # as a crash mid-write leaves it: the host's commits must all stay
-            fault.note = _damage_state_file(job.run_dir, host)
+            fault.note = _damage_state_file(job.run_dir, host, self.rng)
             signal_pid(job.worker_pid(host), signal.SIGKILL)
         elif kind == "notice_in_round_change":  # another host's worker fails; the notice lands as the group regroups
             other = self.rng.choice([h for h in self.live if h != host])
@@ -290,13 +290,16 @@ def _truncate_newest_copy(durable: Path) -> str:
     return newest.name
 
 
-def _damage_state_file(run_dir: Path, host: str) -> str:
-    """Fills `host`'s state file with NUL bytes, as a host crash between its write and its sync can leave it."""
+def _damage_state_file(run_dir: Path, host: str, rng: random.Random) -> str:
+    """Damages `host`'s state file as a host crash between its write and its sync can leave it: NUL bytes,
+    empty, or cut in half."""
     state = RunDir(run_dir).host_commits(host) / "checkpoint"
     if not state.exists():
         return "no commit yet"
-    state.write_bytes(b"\0" * state.stat().st_size)
-    return f"{host}'s state file"
+    size = state.stat().st_size
+    how = rng.choice(["NUL bytes", "empty", "cut in half"])
+    state.write_bytes({"NUL bytes": b"\0" * size, "empty": b"", "cut in half": state.read_bytes()[:size // 2]}[how])
+    return f"{host}'s state file: {how}"
 
 
 def _newest_commit(state: Path) -> str:
