@@ -115,7 +115,7 @@ def _check_store_timeouts() -> None:
     endpoints = _endpoints(FLAGS.rdzv)
     named = f"{endpoints} endpoint{'s' if endpoints > 1 else ''}"
     limit = decisions.request_timeout_limit(FLAGS.host_ttl, endpoints)
-    if limit < MIN_REQUEST_TIMEOUT:
+    if limit < MIN_REQUEST_TIMEOUT - 1e-9:  # (0.3 / 6 is 0.0499... in floating point)
         raise app.UsageError(f"--host_ttl={FLAGS.host_ttl:g} is too short for a store of {named}: a request could "
                              f"take only {limit:.3g}s; give --host_ttl of at least "
                              f"{6 * MIN_REQUEST_TIMEOUT * endpoints:g}")
