@@ -61,7 +61,7 @@ def run(root: Path, partition_seconds: float, epochs: int) -> Dict[str, float]:
     root.mkdir(parents=True, exist_ok=True)
     etcd = EtcdServer(hosts=("127.0.0.1", CUT)).start()
     job = LocalJob(root, TRAIN + [f"--epochs={epochs}"], ["--min_workers=1", "--max_workers=3", "--index_log",
-                                                          "--last_call=1", "--rdzv_request_timeout=0.5"],
+                                                          "--last_call=1"],
                    rdzv=etcd.url, trainer="launch.train")
     try:
         job.start_agent("a", advertise_addr="127.0.0.1")

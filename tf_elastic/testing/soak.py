@@ -97,7 +97,10 @@ class Soak:
         return any(self.job.agents[h].poll() is None for h in self.live)
 
     def choose(self) -> str:
-        """The next kind of the plan that fits the job now, else a random one that does."""
+        """The next kind of the plan, else a random one that fits the job now (a kind that makes a host leave
+        when a second host trains; a host started while fewer than three do)."""
+        if self.plan:
+            return self.plan.pop(0)
         kinds = ["kill_worker", "stop_worker", "stall_worker", "kill_chief_in_commit", "corrupt_checkpoint",
                  "damage_state_file", "hang_store", "kill_ranked_with_standby", "kill_ranked_damaged_durable"]
         if len(self.live) >= 2:
@@ -106,13 +109,16 @@ class Soak:
             kinds += ["start_agent", "start_agent"]
         if self.etcd:
             kinds.append("restart_store")
-        planned = next((k for k in self.plan if k in kinds), None)
-        if planned:
-            self.plan.remove(planned)
-            return planned
-        if self.plan and len(self.live) < 2:
-            return "start_agent"  # what is left of the plan makes a host leave: it needs a second host first
         return self.rng.choice(kinds)
+
+    def _grow_to_two(self) -> None:
+        """A kind of the plan makes a host leave while one trains alone: a second host joins first, within
+        the same fault, so that every kind of the plan is drawn within as many faults as there are kinds."""
+        since = time.time()
+        self.start_host()
+        self.job.wait_for(lambda: [e for e in self.job.events(Event.FIRST_STEP, rank=0)
+                                   if e["time"] > since and e["world_size"] >= 2], timeout=300,
+                          what="a second host training before it leaves")
 
     def chief_host(self) -> str:
         rendezvous = self.job.events(Event.RENDEZVOUS)
@@ -121,6 +127,8 @@ class Soak:
 
     def inject(self, kind: str) -> Fault:
         job = self.job
+        if kind in _LEAVING and len(self.live) < 2:
+            self._grow_to_two()
         host = self.rng.choice(self.live)
         if kind in ("kill_chief_in_commit", "corrupt_checkpoint", "damage_state_file"):
             host = self.chief_host()
