@@ -384,7 +384,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     returns the faults and the checks."""
     rng = random.Random(seed)
     # digits: about an epoch a second; a fault and its recovery take ~5 s, ~15 s waiting for spares
-    epochs = epochs or (EPOCHS_PER_FAULT if wait_for_spares else 6) * faults
+    epochs = epochs or (EPOCHS_PER_FAULT if wait_for_spares else 10) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
     (root / "soak").mkdir(parents=True)
     soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
