@@ -278,11 +278,15 @@ def _corrupt_newest(run_dir: Path, hosts: List[str]) -> str:
     for state in states:
         newest = _newest_commit(state)
         names.add(Path(newest).name)
-        for data in glob.glob(glob.escape(newest) + ".data-*"):
-            size = os.path.getsize(data)
-            with open(data, "r+b") as f:
-                f.truncate(size // 2)
+        _cut_in_half(Path(p) for p in glob.glob(glob.escape(newest) + ".data-*"))
     return f"truncated {', '.join(sorted(names))}"
+
+
+def _cut_in_half(files) -> None:
+    """Truncates each file to half its size: a commit's data as a torn write leaves it."""
+    for data in files:
+        with open(data, "r+b") as f:
+            f.truncate(data.stat().st_size // 2)
 
 
 def _truncate_newest_copy(durable: Path) -> str:
@@ -292,9 +296,7 @@ def _truncate_newest_copy(durable: Path) -> str:
     if not complete:
         return "(none yet)"
     newest = max(complete, key=lambda p: tuple(int(n) for n in p.name.split("-")[1:3]))
-    for data in newest.glob("*.data-*"):
-        with open(data, "r+b") as f:
-            f.truncate(data.stat().st_size // 2)
+    _cut_in_half(newest.glob("*.data-*"))
     return newest.name
 
 
