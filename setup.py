@@ -1,20 +1,9 @@
 """Installs `tf_elastic`, with the checkout's `models/` and `launch/` mapped into it as `tf_elastic.models` and
-`tf_elastic.launch`: an installed wheel trains without the checkout, and has no top-level `models` or `launch`."""
+`tf_elastic.launch`: an installed wheel trains without the checkout, and has no top-level `models` or `launch`.
+The wheel holds the library (its harness `tf_elastic.testing` included, which the main job runs on) and
+`launch/`'s own modules, the commands users run; the benchmarks and paper reproductions in `launch/`'s rooms stay
+in the checkout."""
 from setuptools import find_packages, setup
-from setuptools.command.build_py import build_py
-
-# What runs only from a checkout, left out of the wheel: the harness (`tf_elastic.testing`: local jobs of real
-# agents and workers, stand-in servers), and the launch tools that drive local jobs through it.
-CHECKOUT_ONLY = {"tf_elastic.launch": {"main_job", "chaos", "partition", "bench_elastic", "bench_durable",
-                                       "bench_input", "bench_rendezvous", "bench_goodput", "bench_world",
-                                       "preemption_trace"}}
-
-
-class BuildPyWithoutTheHarness(build_py):
-    def find_package_modules(self, package, package_dir):
-        left_out = CHECKOUT_ONLY.get(package, set())
-        return [found for found in super().find_package_modules(package, package_dir) if found[1] not in left_out]
-
 
 setup(
     name="tf_elastic",
@@ -24,9 +13,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["tf_elastic", "tf_elastic.*"], exclude=["tf_elastic.testing"])
-    + ["tf_elastic.models", "tf_elastic.launch"],
-    cmdclass={"build_py": BuildPyWithoutTheHarness},
+    # `launch/`'s own modules are the commands users run; its rooms (`launch/bench`, `launch/papers`) are
+    # subpackages not listed here, so the wheel leaves them out by the layout alone.
+    packages=find_packages(include=["tf_elastic", "tf_elastic.*"]) + ["tf_elastic.models", "tf_elastic.launch"],
     package_dir={"tf_elastic.models": "models", "tf_elastic.launch": "launch"},
     install_requires=[
         "tensorflow>=2.20,<2.22",
@@ -34,16 +23,17 @@ setup(
         "requests>=2.28",
         "absl-py",
         "tensorboard",  # TF 2.21 no longer pulls it in; tf.summary needs it
+        "scikit-learn",  # the `digits` dataset that ships offline: the README's first jobs train on it
     ],
     extras_require={
         # jax: the optimizer math on Keras' JAX backend; optax: the benchmark's reference LARS;
-        # matplotlib: plots; scipy: the reproductions' intervals and paired t-tests; scikit-learn: the `digits`
-        # dataset that ships offline; tensorflow-datasets (and importlib_resources, which its builders import):
-        # the `tfds:NAME` datasets; ruff: the lint CI runs; gcp-storage-emulator (pinned: the harness works around
-        # one of its bugs) and cryptography: gs:// durable copies against a local emulator (tf_elastic.testing.gcs);
+        # matplotlib: plots; scipy: the reproductions' intervals and paired t-tests; tensorflow-datasets (and
+        # importlib_resources, which its builders import): the `tfds:NAME` datasets; ruff: the lint CI runs;
+        # gcp-storage-emulator (pinned: the harness works around one of its bugs) and cryptography: gs:// durable
+        # copies against a local emulator (tf_elastic.testing.gcs);
         # wheel: tests/test_packaging.py builds the wheel without build isolation; moto[server]: a local S3 API
         # for the s3:// tests (tf_elastic.testing.s3).
-        "test": ["pytest", "jax", "optax", "matplotlib", "scikit-learn", "scipy", "tensorflow-datasets>=4.9",
+        "test": ["pytest", "jax", "optax", "matplotlib", "scipy", "tensorflow-datasets>=4.9",
                  "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography", "wheel",
                  "boto3>=1.28", "moto[server]>=5"],
         # s3:// durable copies (--checkpoint_dir=s3://bucket/prefix) through boto3; 1.28 reads AWS_ENDPOINT_URL.

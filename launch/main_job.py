@@ -10,6 +10,7 @@ At the end: a summary table from every host's `events.jsonl` and `ROOT/run.png` 
 rate against samples seen, with failures and resizes marked).
 
     python -m launch.main_job                      # about 1-2 minutes on 2 cores
+    python -m tf_elastic.launch.main_job           # the same, from the installed wheel
 """
 import sys
 import tempfile
@@ -39,7 +40,7 @@ def run_job(root: Path) -> LocalJob:
                           f"--commit_every_steps={FLAGS.commit_every_steps}", "--threads=1",
                           f"--checkpoint_dir={root / 'durable'}"],
                    ["--min_workers=1", "--max_workers=2", "--index_log", "--last_call=1"], job_id="main",
-                   host_run_dirs=True, trainer="launch.train")
+                   host_run_dirs=True, trainer=f"{__package__}.train")
     say = lambda text: print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
     try:
         say(f"starting host-a and host-b (run dirs {job.run_dir_of('HOST')}, durable copies {root / 'durable'})")
@@ -74,7 +75,7 @@ def run_job(root: Path) -> LocalJob:
 def main(argv: List[str]) -> int:
     del argv
     stop_jobs_on_sigterm()
-    root = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="tf_elastic-main-"))
+    root = Path(FLAGS.run_dir or tempfile.mkdtemp(prefix="tf_elastic-main-")).resolve()  # agents run elsewhere
     root.mkdir(parents=True, exist_ok=True)
     job = run_job(root)
     print("\n" + report.summary(job.run_dirs))

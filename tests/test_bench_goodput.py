@@ -1,4 +1,4 @@
-"""`launch.bench_goodput` and its traces: traces generated and read as documented, the ideal integrated over
+"""`launch.bench.bench_goodput` and its traces: traces generated and read as documented, the ideal integrated over
 the capacity, and `--quick` replaying a trace written here against both methods with the same samples."""
 import json
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from launch import preemption_trace
-from launch.preemption_trace import NOTICE, PREEMPT, RETURN, Trace, TraceEvent
+from launch.bench import preemption_trace
+from launch.bench.preemption_trace import NOTICE, PREEMPT, RETURN, Trace, TraceEvent
 from tf_elastic.testing.local_job import REPO, repo_env
 
 ELASTIC, RESTART, IDEAL = "elastic", "checkpoint-restart", "ideal"  # the bench's method names (it defines
@@ -63,7 +63,7 @@ def test_notices_come_first_and_the_ideal_integrates_the_measured_throughput_ove
     ("--seeds=1,x", "--seeds must be whole numbers"),
     ("--trace_csv=/nonexistent/trace.csv", "--trace_csv=/nonexistent/trace.csv: cannot read it")])
 def test_bad_flags_end_the_bench_before_it_starts_anything(tmp_path, argument, fragment):
-    proc = subprocess.run([sys.executable, "-m", "launch.bench_goodput", argument, f"--root={tmp_path / 'runs'}"],
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.bench_goodput", argument, f"--root={tmp_path / 'runs'}"],
                           cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and fragment in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "runs").exists()
@@ -75,7 +75,7 @@ def test_quick_replays_the_trace_as_given_and_every_method_trains_the_same_sampl
     with no host and resume from the durable copies) and comes back. No result is asserted, only the design."""
     csv = tmp_path / "trace.csv"
     csv.write_text("time_s,host,event,notice_s\n6,1,preempt,3\n10,1,return,\n16,0,preempt,0\n22,0,return,\n")
-    proc = subprocess.run([sys.executable, "-m", "launch.bench_goodput", "--quick", f"--trace_csv={csv}",
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.bench_goodput", "--quick", f"--trace_csv={csv}",
                            "--compression=1", f"--root={tmp_path / 'runs'}"], cwd=REPO, env=repo_env(),
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -85,10 +85,11 @@ def test_agent_flag_errors_name_the_flag(tmp_path, arguments, fragment):
 
 
 @pytest.mark.parametrize("script,argument", [
-    ("chaos", "--max_gap=nan"), ("bench_elastic", "--progress_timeout=nan"),
-    ("partition", "--root=/nonexistent --partition_seconds=inf"), ("reproduce_dynamic_sgd", "--phase_epochs=nan"),
-    ("reproduce_lars", "--weight_decay=nan"), ("sweep_dynamic_sgd", "--tuned_lr=nan"),
-    ("bench_rendezvous", "--host_ttl=nan"), ("bench_world", "--timeout=inf")])
+    ("bench.chaos", "--max_gap=nan"), ("bench.bench_elastic", "--progress_timeout=nan"),
+    ("bench.partition", "--root=/nonexistent --partition_seconds=inf"),
+    ("papers.reproduce_dynamic_sgd", "--phase_epochs=nan"), ("papers.reproduce_lars", "--weight_decay=nan"),
+    ("papers.sweep_dynamic_sgd", "--tuned_lr=nan"), ("bench.bench_rendezvous", "--host_ttl=nan"),
+    ("bench.bench_world", "--timeout=inf")])
 def test_every_launch_script_refuses_non_finite_floats(script, argument):
     proc = subprocess.run([sys.executable, "-m", f"launch.{script}", *argument.split()], cwd=REPO,
                           capture_output=True, text=True, timeout=120)

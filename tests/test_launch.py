@@ -21,7 +21,7 @@ def test_reproduce_dynamic_sgd_quick(tmp_path, mnist_dir):
     import numpy as np
 
     proc = run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}', '--data_dir={mnist_dir}'];"
-                      "from launch import reproduce_dynamic_sgd as r; from absl import app; app.run(r.main)")
+                      "from launch.papers import reproduce_dynamic_sgd as r; from absl import app; app.run(r.main)")
     table = (tmp_path / "table.md").read_text()
     assert "ramp check: every ramp finishes inside its phase" in table, table
     for name in ("static", "immediate", "ramp", "equal_lr", "momentum"):
@@ -114,7 +114,7 @@ def test_reproduce_lars_quick(tmp_path, mnist_dir):
     """SGD and LARS get grids of the same size, scored on the validation split; the chosen points go to the test
     set; unequal grids are refused."""
     run_python(f"import sys; sys.argv = ['r', '--quick', '--out_dir={tmp_path}', '--data_dir={mnist_dir}'];"
-               "from launch import reproduce_lars as r; from absl import app; app.run(r.main)")
+               "from launch.papers import reproduce_lars as r; from absl import app; app.run(r.main)")
     table = (tmp_path / "table.md").read_text()
     assert "| 0.4 | 0 |" in table and "| 0.28 | 0 |" in table and "| 5 | 0 |" in table, table
     assert "| LARS - tuned SGD (points) |" in table and "from the baseline" in table
@@ -124,8 +124,9 @@ def test_reproduce_lars_quick(tmp_path, mnist_dir):
     best_sgd = max((lr for opt, lr in grid if opt == "sgd"), key=lambda lr: grid["sgd", lr])
     assert any(f"SGD, batch 256, lr {best_sgd:g}," in name for name in results["test"]), results["test"].keys()
     assert (tmp_path / "lars.png").stat().st_size > 10_000
-    proc = subprocess.run([sys.executable, "-m", "launch.reproduce_lars", "--sgd_grid=0.4/1", "--lars_grid=5/1,10/1"],
-                          cwd=REPO, env=repo_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "launch.papers.reproduce_lars", "--sgd_grid=0.4/1",
+                           "--lars_grid=5/1,10/1"], cwd=REPO, env=repo_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode != 0 and "equal tuning budget" in proc.stderr, proc.stderr
 
 

@@ -1,4 +1,4 @@
-"""A network partition of one host (launch.partition, in a private network namespace): the job goes on
+"""A network partition of one host (launch.bench.partition, in a private network namespace): the job goes on
 without it, the host rejoins once healed, and every example is still used exactly once."""
 import json
 import os
@@ -30,7 +30,7 @@ def test_a_partitioned_host_is_left_behind_and_rejoins_when_healed(tmp_path):
                   "(unshare --net, ip rule: needs CAP_NET_ADMIN)")
         # Our CI machines allow it: there a refusal is a broken machine or test, never a quiet skip.
         (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
-    proc = subprocess.run(["unshare", "--net", sys.executable, "-m", "launch.partition", f"--root={tmp_path}",
+    proc = subprocess.run(["unshare", "--net", sys.executable, "-m", "launch.bench.partition", f"--root={tmp_path}",
                            "--partition_seconds=8", "--epochs=20"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200)
     logs = "".join(p.read_text(errors="replace")[-2000:] for p in tmp_path.glob("agent-*.log"))

@@ -15,7 +15,7 @@ CONFIGS = ("static", "immediate", "ramp", "momentum")
 def sweep(tmp_path_factory, mnist_dir):
     out = tmp_path_factory.mktemp("sweep")
     proc = run_python(f"import sys; sys.argv = ['s', '--quick', '--out_dir={out}', '--data_dir={mnist_dir}'];"
-                      "from launch import sweep_dynamic_sgd as s; from absl import app; app.run(s.main)")
+                      "from launch.papers import sweep_dynamic_sgd as s; from absl import app; app.run(s.main)")
     return proc.stdout, out, json.loads((out / "results.json").read_text())["cells"]
 
 
@@ -86,6 +86,6 @@ def test_the_sweep_writes_its_table_and_heat_maps(sweep):
 
 
 def test_a_factor_below_two_is_refused():
-    proc = subprocess.run([sys.executable, "-m", "launch.sweep_dynamic_sgd", "--factors=1,4"], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "launch.papers.sweep_dynamic_sgd", "--factors=1,4"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "--factors must be ints >= 2" in proc.stderr, proc.stderr[-2000:]

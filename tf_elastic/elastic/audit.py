@@ -1,7 +1,7 @@
 """What a finished elastic job did, checked from its own records: events, index logs, checkpoints.
 
-Read by `launch.report`, `launch.chaos` and the tests. Committed work is what survived: a round's steps up to the step
-the next round restored from; steps after it were redone.
+Read by `launch.report`, `launch.bench.chaos` and the tests. Committed work is what survived: a round's steps up to
+the step the next round restored from; steps after it were redone.
 """
 import collections
 import json

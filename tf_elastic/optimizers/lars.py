@@ -10,7 +10,7 @@ serializable, so saved `.keras` files load once `tf_elastic.LARS` has been impor
 Tuning: variables excluded from adaptation (by default biases and normalization parameters) take the
 global learning rate unscaled, so `learning_rate` must suit them and `trust_coefficient` the layers:
 `launch/train.py` defaults to 0.1 and 0.05 rather than ResNet-style 1.0 and 0.001. The paper's
-Algorithm 1 adapts every variable (`exclude_from_layer_adaptation=[]`): `launch/reproduce_lars.py` runs it
+Algorithm 1 adapts every variable (`exclude_from_layer_adaptation=[]`): `launch/papers/reproduce_lars.py` runs it
 so, with eta = 0.001 and global rates from 5 to 80.
 """
 import math

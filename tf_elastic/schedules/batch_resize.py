@@ -6,7 +6,7 @@ world's global batch, from the step the round resumes at, and commits the histor
 state is one fixed-size variable so that a resize reaches a train step that is already compiled
 (tf.function, `jit_compile`, tf.distribute, and on JAX `keras.distribution.DataParallel`: see `attach`).
 `tests/test_keras_conformance.py` runs Keras 3.15's own schedule tests against it;
-`launch/reproduce_dynamic_sgd.py` compares the transitions on a small task.
+`launch/papers/reproduce_dynamic_sgd.py` compares the transitions on a small task.
 """
 import math
 from typing import List, Optional, Sequence, Tuple, Union

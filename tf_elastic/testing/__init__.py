@@ -7,6 +7,6 @@ helpers (`net`).
 
 It starts each agent as the library's own module (`python -m tf_elastic.elastic.agent.cli`) and the workers
 as the trainer module its caller names (`trainer=`, e.g. "launch.train"): it runs no `launch.*` module of
-its own accord, so the launch tools that import it make no cycle. It runs them from the checkout, with its
-root on `PYTHONPATH`, so it is for a source checkout: `setup.py` leaves it out of the wheel, with the launch
-tools that drive local jobs through it (the main job, the soak, the benchmarks)."""
+its own accord, so the launch tools that import it make no cycle. It runs them with the package's root on
+`PYTHONPATH` (the checkout, or site-packages for an installed wheel): the wheel ships it, as the main job
+(`tf_elastic.launch.main_job`) runs on it; `gcs` and `s3` need the `test` extras' servers."""

@@ -1,4 +1,4 @@
-"""The fault-injection soak behind `launch.chaos`: an elastic job under random faults, then invariants.
+"""The fault-injection soak behind `launch.bench.chaos`: an elastic job under random faults, then invariants.
 
 Faults (each at a random moment, after the group recovered from the previous one): SIGKILL a worker,
 SIGKILL a whole host, SIGSTOP a worker, block a worker's main thread while its heartbeat goes on (the

@@ -225,7 +225,7 @@ def _signals() -> Tuple[int, ...]:
 def main(argv: List[str]) -> int:
     command = argv[1:]
     if not command:
-        raise app.UsageError("give the worker command after '--', e.g. -- python -m launch.train")
+        raise app.UsageError("give the worker command after '--', e.g. -- tf-elastic-train --dataset=digits")
     _validate()
     _check_command(command[0])
     run_dir = _usable_run_dir(FLAGS.run_dir)

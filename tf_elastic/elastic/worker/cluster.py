@@ -32,7 +32,7 @@ def resolve_world_and_export_tf_config(resolver: str = "tf_config", port_base: i
         return World.from_env()
     if any(name in os.environ for name in (Env.WARM, Env.HEARTBEAT_FILE)):
         raise ValueError(f"--cluster_resolver={resolver}: the elastic agent gives this worker its world; "
-                         f"use tf_config under launch.elastic_run.")
+                         f"use tf_config under the agent (tf-elastic-run).")
     if resolver == "slurm":
         # The resolver gives a node only as many tasks as it has GPUs (it asks nvidia-smi). On a CPU node,
         # let every task of the step fit, and leave CUDA_VISIBLE_DEVICES alone.

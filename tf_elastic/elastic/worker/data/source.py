@@ -151,7 +151,7 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
     options = tf.data.Options()
     options.deterministic = True
     # Every stage is parallel and prefetched already; the default rewrites cost ~35 ms a pipeline (grappler
-    # over its functions and the captured index arrays) and measured no faster (launch/bench_input.py).
+    # over its functions and the captured index arrays) and measured no faster (launch/bench/bench_input.py).
     options.experimental_optimization.apply_default_optimizations = False
     options.experimental_distribute.auto_shard_policy = shard
     return dataset.prefetch(AUTOTUNE).with_options(options)

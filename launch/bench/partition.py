@@ -3,7 +3,7 @@
 Must run in a private network namespace (`unshare --net`, which needs CAP_NET_ADMIN), so that the
 routing rules below touch nothing outside it:
 
-    unshare --net python -m launch.partition --root /tmp/partition
+    unshare --net python -m launch.bench.partition --root /tmp/partition
 
 Three agents advertise 127.0.0.1, 127.0.0.2 and 127.0.0.3 and share one etcd; the third reaches etcd
 on 127.0.0.3. Policy-routing rules then drop every packet to or from 127.0.0.3, existing connections
@@ -55,8 +55,8 @@ def run(root: Path, partition_seconds: float, epochs: int) -> Dict[str, float]:
     """Returns the moments of the cut and the heal, and how long the job took to train again after each."""
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
     if [line.split(":")[1].strip() for line in links.splitlines()] != ["lo"]:
-        raise app.UsageError("launch.partition changes routing rules: run it in a network namespace of its own "
-                             "(only a loopback interface), unshare --net python -m launch.partition ...")
+        raise app.UsageError("launch.bench.partition changes routing rules: run it in a network namespace of its own "
+                             "(only a loopback interface), unshare --net python -m launch.bench.partition ...")
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)  # a new namespace's loopback starts down
     root.mkdir(parents=True, exist_ok=True)
     etcd = EtcdServer(hosts=("127.0.0.1", CUT)).start()

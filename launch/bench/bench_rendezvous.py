@@ -8,7 +8,7 @@ one graceful leave; one host joining. Requests are counted at the clients (every
 watch streams included; every file-store operation). It prints a markdown table, then the targets at
 the largest N on etcd.
 
-    python -m launch.bench_rendezvous --agents=8,64,256,1024 --host_ttl=10
+    python -m launch.bench.bench_rendezvous --agents=8,64,256,1024 --host_ttl=10
 """
 import os
 import tempfile

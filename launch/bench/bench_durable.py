@@ -10,7 +10,7 @@ with training, so its CPU is charged to the s3 row (on AWS it is not).
 The training path's cost of a copy is the step time against "none"; the overhead at the runtime's default
 cadence (a commit every 100 steps, a copy every 10th) spreads that cost over 1000 steps.
 
-    python -m launch.bench_durable --model=resnet20 --steps=200 --repeats=3
+    python -m launch.bench.bench_durable --model=resnet20 --steps=200 --repeats=3
 """
 import contextlib
 import os

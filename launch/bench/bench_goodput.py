@@ -1,11 +1,11 @@
 """Goodput on spot capacity: one preemption trace replayed against the elastic runtime and against a
 fixed-size job that checkpoints and is requeued, beside the ideal.
 
-    python -m launch.bench_goodput                   # 4 hosts, seeds 0,1,2: ~50 minutes on 2 cores
-    python -m launch.bench_goodput --quick           # 2 hosts, one short run of each
-    python -m launch.bench_goodput --trace_csv=spot.csv --compression=1   # your own trace (preemption_trace.py)
+    python -m launch.bench.bench_goodput                   # 4 hosts, seeds 0,1,2: ~50 minutes on 2 cores
+    python -m launch.bench.bench_goodput --quick           # 2 hosts, one short run of each
+    python -m launch.bench.bench_goodput --trace_csv=spot.csv --compression=1   # your own trace (preemption_trace.py)
 
-For each trace (`launch/preemption_trace.py`: generated from a seed, or a CSV), the same worker trains the
+For each trace (`launch/bench/preemption_trace.py`: generated from a seed, or a CSV), the same worker trains the
 same samples three ways:
 
 - elastic: an agent per host (`launch.elastic_run`, warm spares, file store, a run dir per host). A notice
@@ -52,8 +52,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from absl import app, flags
 
-from launch import preemption_trace, report
-from launch.preemption_trace import NOTICE, PREEMPT, RETURN, Trace
+from launch import report
+from launch.bench import preemption_trace
+from launch.bench.preemption_trace import NOTICE, PREEMPT, RETURN, Trace
 from tf_elastic.elastic.agent.ports import free_ports
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.flag_checks import require_finite_floats
@@ -139,7 +140,8 @@ def worker() -> None:
 
 
 def worker_command(epochs: int, checkpoint_dir: Path, *extra: str) -> List[str]:
-    return [sys.executable, "-m", "launch.bench_goodput", "--role=worker", f"--device_seconds={FLAGS.device_seconds}",
+    return [sys.executable, "-m", "launch.bench.bench_goodput", "--role=worker",
+            f"--device_seconds={FLAGS.device_seconds}",
             f"--per_worker_batch={FLAGS.per_worker_batch}", f"--epochs={epochs}",
             f"--commit_every_steps={FLAGS.commit_every_steps}", f"--checkpoint_dir={checkpoint_dir}", *extra]
 

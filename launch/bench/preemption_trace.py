@@ -1,5 +1,5 @@
 """A trace of spot capacity: when each host of a fixed pool is preempted (with or without a notice) and
-when it comes back, for `launch.bench_goodput` to replay.
+when it comes back, for `launch.bench.bench_goodput` to replay.
 
 A trace is generated from a seed, in real-world terms compressed by a stated factor (a 2-hour mean time
 between preemptions at 30x is 4 minutes of trace), or read from a CSV. Every host is up at time 0; each

@@ -17,8 +17,8 @@ The phases must be long enough for every ramp to finish: the script checks and s
 (test accuracy, final train loss, loss spikes after the plan's resizes, each with a 95 % interval over
 seeds) and paired comparisons per seed, and writes a plot.
 
-    python -m launch.reproduce_dynamic_sgd               # ~60 min on 2 CPU cores (5 configurations)
-    python -m launch.reproduce_dynamic_sgd --quick       # ~1 min, for the test suite
+    python -m launch.papers.reproduce_dynamic_sgd               # ~60 min on 2 CPU cores (5 configurations)
+    python -m launch.papers.reproduce_dynamic_sgd --quick       # ~1 min, for the test suite
 """
 import json
 import os

@@ -8,7 +8,7 @@ an older commit when the newer ones were lost or corrupted), every example was u
 as the steps consumed them, no graceful leave was counted as a lost host, and no process, temp dir or port
 was left behind.
 
-    python -m launch.chaos --faults=50 --seed=0 [--rdzv=etcd]
+    python -m launch.bench.chaos --faults=50 --seed=0 [--rdzv=etcd]
 """
 import json
 import tempfile

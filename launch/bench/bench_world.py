@@ -12,9 +12,9 @@ timing what a new round costs before its first step, for K = 2, 4, 8, 16:
 - ports: each worker's TF server takes one port per round, fresh, from its host's `--port_range`.
 
 All K workers share this machine's cores, so from K above the cores the times include waiting for a CPU;
-the table says how many cores there were. No agent, no store: `launch.bench_rendezvous` measures those.
+the table says how many cores there were. No agent, no store: `launch.bench.bench_rendezvous` measures those.
 
-    python -m launch.bench_world --workers=2,4,8,16
+    python -m launch.bench.bench_world --workers=2,4,8,16
 """
 import json
 import os
@@ -91,7 +91,7 @@ def measure(size: int, directory: Path) -> List[Dict]:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
                    TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": rank}}))
         processes.append(subprocess.Popen(
-            [sys.executable, "-m", "launch.bench_world", f"--rank={rank}", f"--out={directory / f'{rank}.json'}"],
+            [sys.executable, "-m", "launch.bench.bench_world", f"--rank={rank}", f"--out={directory / f'{rank}.json'}"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(directory / f"{rank}.log", "wb")))
     deadline = time.monotonic() + FLAGS.timeout
     try:

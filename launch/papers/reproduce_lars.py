@@ -9,8 +9,8 @@ linear- and square-root-scaled ones, x warm-up length; LARS: global LR x warm-up
 per point, scored on a validation split held out of the training set. The best point of each is then
 trained with `--seeds` seeds and scored on the test set, with 95 % intervals and paired comparisons.
 
-    python -m launch.reproduce_lars            # ~35 min on 2 CPU cores
-    python -m launch.reproduce_lars --quick    # ~1 min, for the test suite
+    python -m launch.papers.reproduce_lars            # ~35 min on 2 CPU cores
+    python -m launch.papers.reproduce_lars --quick    # ~1 min, for the test suite
 """
 import json
 import os

@@ -10,7 +10,7 @@ the runtime and a plain MultiWorkerMirroredStrategy `model.fit` of the same mode
 step-time ratio; commit events give the commit overhead (the training-path part of a commit: the copy to host
 memory; the files, the state file and durable copies are written on background threads).
 
-    python -m launch.bench_elastic --repeats=5
+    python -m launch.bench.bench_elastic --repeats=5
 """
 import json
 import os

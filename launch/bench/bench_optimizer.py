@@ -4,7 +4,7 @@ Measures `optimizer.apply(grads, variables)` over the trainable variables of
 `keras.applications.ResNet50(weights=None)` (214 variables, 25.6 M parameters), all contenders side by
 side in one process, and prints a markdown table with ratios to SGD(momentum, XLA).
 
-    python -m launch.bench_optimizer --repeats=15
+    python -m launch.bench.bench_optimizer --repeats=15
 """
 import os
 import statistics

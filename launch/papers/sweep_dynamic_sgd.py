@@ -23,8 +23,8 @@ The model is the registry's `mnist_cnn` (two conv layers, no batch normalization
 small model in `models/`, and without batch normalization the learning rate has a sharp stability limit, so
 divergence is a real outcome rather than something normalization hides.
 
-    python -m launch.sweep_dynamic_sgd            # about 23 min on 2 CPU cores (3 seeds)
-    python -m launch.sweep_dynamic_sgd --quick    # well under a minute, for the test suite
+    python -m launch.papers.sweep_dynamic_sgd            # about 23 min on 2 CPU cores (3 seeds)
+    python -m launch.papers.sweep_dynamic_sgd --quick    # well under a minute, for the test suite
 """
 import itertools
 import json

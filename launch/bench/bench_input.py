@@ -1,7 +1,7 @@
 """Input pipeline benchmark: the elastic data sources against plain tf.data, memory, and restart cost.
 
-    python -m launch.bench_input                        # the table below, data generated in a temp dir
-    python -m launch.bench_input --sizes=20000,200000   # worker peak RSS at two folder sizes
+    python -m launch.bench.bench_input                        # the table below, data generated in a temp dir
+    python -m launch.bench.bench_input --sizes=20000,200000   # worker peak RSS at two folder sizes
 
 1. examples/s of `data.pipeline` (plan indices -> read -> decode -> preprocess -> batch -> prefetch) against a
    plain pipeline over the same files with the same decode (list_files / interleave / map / batch / prefetch),
