@@ -43,7 +43,8 @@ setup(
         # The elastic agent (launch/elastic_run.py runs the same entry point from a checkout) and the trainer.
         "console_scripts": ["tf-elastic-run=tf_elastic.elastic.agent.cli:run",
                             "tf-elastic-train=tf_elastic.launch.train:run",
-                            "tf-elastic-status=tf_elastic.launch.status:run"],
+                            "tf-elastic-status=tf_elastic.launch.status:run",
+                            "tf-elastic-report=tf_elastic.launch.report:run"],
     },
     license="Apache-2.0",
 )

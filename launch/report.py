@@ -1,9 +1,8 @@
 """A run's story from `RUN_DIR/events.jsonl`: a summary table and `run.png`.
 
-    python -m launch.report --run_dir=RUN_DIR
-    python -m launch.report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR   # host-local run dirs
+    tf-elastic-report --run_dir=RUN_DIR                                 # python -m launch.report in a checkout
+    tf-elastic-report --run_dir=HOST_A_RUN_DIR,HOST_B_RUN_DIR           # host-local run dirs
 """
-import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -265,15 +264,23 @@ def main(argv: List[str]) -> None:
     print(f"\nplot: {dirs[0] / 'run.png'}")
 
 
-SYNOPSIS = """usage: python -m launch.report --run_dir=DIR[,DIR...] [--dataset_size=N]
+SYNOPSIS = """usage: tf-elastic-report --run_dir=DIR[,DIR...] [--dataset_size=N]
+       (python -m launch.report in a checkout)
 
 Prints a job's rounds and each host's time split by cause with its goodput, from the run dirs' events
 (every host's, comma-separated), and writes run.png into the first run dir.
 """
 
-if __name__ == "__main__":
+
+def run() -> None:
+    """The entry point of `tf-elastic-report` and `python -m launch.report`. Its flags are defined here, not
+    at import, because the main job imports this module beside a `--run_dir` flag of its own."""
     flags.DEFINE_list("run_dir", None, "The run directory (holding events.jsonl), or several, comma-separated "
                       "(hosts with run dirs of their own).", required=True)
     flags.DEFINE_integer("dataset_size", None, "Training examples an epoch, to place commits on the samples axis "
                          "(default: what the workers' events say).", lower_bound=1)
-    run_program(main, "launch.report", SYNOPSIS, sys.argv[0])
+    run_program(main, "tf-elastic-report", SYNOPSIS, __name__)
+
+
+if __name__ == "__main__":
+    run()

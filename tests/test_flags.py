@@ -126,7 +126,7 @@ COMMAND_LINES = [
     ("launch.elastic_run", ["--rdzv=file:///tmp/x", "--job_id=j", "--run_dir=/tmp/r", "--max_workers=0", "--",
                             "true"], 2, "tf-elastic-run: error: flag --max_workers=0"),
     ("launch.status", ["--job_id=j"], 2, "tf-elastic-status: error: flag --rdzv=None"),
-    ("launch.report", ["--run_dir=/tmp/r", "--dataset_size=0"], 2, "launch.report: error: flag --dataset_size=0"),
+    ("launch.report", ["--run_dir=/tmp/r", "--dataset_size=0"], 2, "tf-elastic-report: error: flag --dataset_size=0"),
 ]
 
 

@@ -64,6 +64,12 @@ def test_the_readme_main_job_runs_from_the_wheel(wheel_env):
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (root / "elsewhere" / "main" / "run.png").is_file() and "Where each host's time went" in done.stdout
+    hosts = "main/hosts/host-a,main/hosts/host-b"
+    for command in (["tf-elastic-report", f"--run_dir={hosts}"],
+                    ["tf-elastic-status", f"--rdzv=file://{root / 'elsewhere' / 'main' / 'rdzv'}", "--job_id=main",
+                     f"--run_dir={hosts}"]):
+        shown = subprocess.run(command, cwd=root / "elsewhere", env=env, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and "finished" in shown.stdout, command + [shown.stdout, shown.stderr[-2000:]]
 
 
 def _agent(root: Path, env, name: str, *command: str) -> subprocess.CompletedProcess:
