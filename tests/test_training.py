@@ -195,6 +195,21 @@ def test_fit_takes_what_model_fit_takes_and_returns_its_history(tmp_path):
     assert len(history.history["val_loss"]) == 2 and history.history["loss"][0] > 0, history.history
 
 
+def test_validation_split_steps_and_batch_size_are_honoured_as_model_fit_honours_them(tmp_path):
+    """The last quarter validates (and is not trained on), in batches of 4, two of them: the epoch's val_loss
+    is the loss of examples 48 to 55 under the weights the epoch ended with."""
+    x = np.random.default_rng(1).standard_normal((64, 4)).astype(np.float32)
+    y = (x[:, 1] > 0).astype(np.int32)
+    model, _ = _training_setup()
+    model.compile(optimizer=model.optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = elastic.fit(model, x, y, batch_size=16, epochs=2, validation_split=0.25, validation_steps=2,
+                          validation_batch_size=4, run_dir=str(tmp_path), verbose=0)
+    expected = model.evaluate(x[48:56], y[48:56], batch_size=8, verbose=0)
+    assert history.history["val_loss"][-1] == pytest.approx(expected, rel=1e-5), history.history
+    trained = [e["examples"] for e in read_events(str(tmp_path)) if e.get("examples")]
+    assert trained and set(trained) == {48}, trained
+
+
 def test_fit_refuses_a_training_dataset_and_bad_arguments_naming_them(tmp_path):
     model, _ = _training_setup()
     x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.int64)
@@ -205,7 +220,16 @@ def test_fit_refuses_a_training_dataset_and_bad_arguments_naming_them(tmp_path):
              (dict(epochs=0), "epochs must be a whole number >= 1"), (dict(epochs=2.5), "epochs must be"),
              (dict(batch_size=0), "batch_size must be a whole number >= 1"), (dict(batch_size="8"), "batch_size"),
              (dict(validation_freq=0), "validation_freq must be"), (dict(validation_freq=True), "validation_freq"),
-             (dict(validation_data="val.csv"), "validation_data must be"), (dict(y=None), "y: labels are needed")]
+             (dict(validation_data="val.csv"), "validation_data must be"), (dict(y=None), "y: labels are needed"),
+             (dict(sample_weight=np.ones(64)), "^sample_weight=<ndarray> is not taken by elastic.fit .*class_weight.$"),
+             (dict(shuffle=False), r"shuffle=False .*\(only True\): every epoch is shuffled"),
+             (dict(initial_epoch=2), "initial_epoch=2 .*its last commit"),
+             (dict(steps_per_epoch=3), "steps_per_epoch=3 .*one pass over the data"),
+             (dict(validation_split=1.0), r"validation_split must be a number in \[0, 1\)"),
+             (dict(validation_split=0.99), "leaves no example on one side of 64"),
+             (dict(x=[("a.png", 0)] * 64, y=None, validation_split=0.5), "validation_split takes in-memory arrays"),
+             (dict(validation_steps=0), "validation_steps must be a whole number >= 1"),
+             (dict(validation_batch_size=2.5), "validation_batch_size must be")]
     for given, message in cases:
         arguments = {"x": x, "y": y, "run_dir": str(tmp_path), "verbose": 0, **given}
         with pytest.raises(ConfigurationError, match=message):

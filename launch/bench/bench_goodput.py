@@ -59,6 +59,7 @@ from tf_elastic.elastic.agent.ports import free_ports
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Event
+from tf_elastic.testing.local_job import REPO, repo_env
 
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Trace seeds (with --trace_csv: repeats of that trace).")
 flags.DEFINE_integer("hosts", 4, "Hosts in the pool, one worker each: the trace's full size.", lower_bound=1)
@@ -95,7 +96,6 @@ flags.DEFINE_string("checkpoint_dir", None, "worker: the durable copies (interna
 FLAGS = flags.FLAGS
 require_finite_floats(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
 DATASET_SIZE = 1536  # digits: a multiple of 16 x 1, 2, 3, 4 workers, so no epoch has a remainder at those sizes
 QUICK = {"hosts": 2, "epochs": 2, "seeds": ["0"], "calibration_steps": 30, "commit_every_steps": 5}
 ELASTIC, RESTART, IDEAL = "elastic", "checkpoint-restart", "ideal"
@@ -146,10 +146,6 @@ def worker_command(epochs: int, checkpoint_dir: Path, *extra: str) -> List[str]:
             f"--commit_every_steps={FLAGS.commit_every_steps}", f"--checkpoint_dir={checkpoint_dir}", *extra]
 
 
-def _env(**extra: str) -> Dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **extra)
-
-
 def _wait(predicate: Callable[[], object], timeout: float, what: str, alive: Callable[[], bool]) -> object:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -196,7 +192,7 @@ class ElasticMethod:
                 f"--run_dir={run_dir}", f"--host_id={host_id}", "--min_workers=1", f"--max_workers={self.hosts}",
                 "--last_call=1", "--max_restarts=1000", "--echo_ranks=none", "--", *self.command]
         with open(self.root / f"agent-{host_id}.log", "ab") as log:
-            self.agents[host] = subprocess.Popen(args, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+            self.agents[host] = subprocess.Popen(args, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
         self.started.append(self.agents[host])
 
     def notice(self, host: int) -> None:
@@ -261,7 +257,7 @@ class RestartMethod:
         for rank in range(self.hosts):
             config = json.dumps({"cluster": {"worker": cluster}, "task": {"type": "worker", "index": rank}})
             with open(logs / f"launch-{len(self.segments)}-rank-{rank}.log", "ab") as log:
-                self.procs.append(subprocess.Popen(self.command, cwd=REPO, env=_env(TF_CONFIG=config), stdout=log,
+                self.procs.append(subprocess.Popen(self.command, cwd=REPO, env=repo_env(TF_CONFIG=config), stdout=log,
                                                    stderr=subprocess.STDOUT))
         self.segments.append({"launch": time.time(), "pids": [p.pid for p in self.procs]})
 

@@ -22,6 +22,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
+from tf_elastic.testing.local_job import repo_env  # noqa: E402
+
 flags.DEFINE_integer("examples", 20000, "Images in the throughput folder and TFRecords: a pass of ~1 s here, "
                      "so that start-up (paid once an epoch; in its own column) weighs as in a short epoch, "
                      "not as in a pass of a few hundred ms.", lower_bound=100)
@@ -131,10 +133,9 @@ def peak_rss(root: Path, count: int) -> float:
     folder = root / f"rss{count}"
     write_folder(folder / "train", count, 8)
     write_folder(folder / "validation", 100, 8)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    proc = subprocess.Popen([sys.executable, "-m", f"{__package__}.train", f"--dataset=folder:{folder}",
+    proc = subprocess.Popen([sys.executable, "-m", "launch.train", f"--dataset=folder:{folder}",
                              "--image_size=8", "--train_examples=1600", "--epochs=1", "--optimizer=sgd", "--threads=2",
-                             f"--run_dir={folder / 'run'}"], env=env, stdout=subprocess.DEVNULL,
+                             f"--run_dir={folder / 'run'}"], env=repo_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     if status:

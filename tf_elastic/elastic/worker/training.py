@@ -338,6 +338,9 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
         *, batch_size: Optional[int] = None, per_replica_batch_size: Optional[int] = None, epochs: int = 1,
         verbose="auto", callbacks: Optional[Sequence[keras.callbacks.Callback]] = None, validation_data=None,
         validation_freq: Union[int, Sequence[int]] = 1, class_weight: Optional[Dict[int, float]] = None,
+        validation_split: float = 0.0, validation_steps: Optional[int] = None,
+        validation_batch_size: Optional[int] = None, shuffle: bool = True, sample_weight=None,
+        initial_epoch: int = 0, steps_per_epoch: Optional[int] = None,
         preprocess: Optional[Preprocess] = None, validation_preprocess: Optional[Preprocess] = None,
         config: Optional[FitConfig] = None, schedule: Optional[BatchResizeSchedule] = None,
         world: Optional[World] = None, strategy: Optional[tf.distribute.Strategy] = None,
@@ -347,11 +350,14 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     As in `model.fit`: `epochs`, `verbose`, `callbacks`, `validation_data` (an `(x, y)` tuple of arrays, a
     `Source`, or any batched `tf.data.Dataset` whose batch is the global batch, as `model.fit` takes it
     under a strategy; the workers share it, each example evaluated once, and every worker reports the
-    whole set's metrics), `validation_freq`,
-    `class_weight`, and `batch_size`, the global batch, constant at every world size (which must divide
+    whole set's metrics), `validation_freq`, `validation_split` (the last part of in-memory arrays, as
+    `model.fit` splits it), `validation_steps` (global batches), `validation_batch_size` (default: the global
+    batch), `class_weight`, and `batch_size`, the global batch, constant at every world size (which must divide
     it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default: a global
-    batch of 32. The returned `History` holds the epochs this process trained: after a restart, from the
-    restored epoch on (a partial epoch's logs cover its rest only); `events.jsonl` has the whole run.
+    batch of 32. Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `sample_weight`,
+    `shuffle=False`, `initial_epoch` and `steps_per_epoch`. The returned `History` holds the epochs this
+    process trained: after a restart, from the restored epoch on (a partial epoch's logs cover its rest only);
+    `events.jsonl` has the whole run.
 
     `x`: in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source`
     (`y` None). Each step trains exactly the plan's global batch, split over the replicas of the moment
@@ -368,6 +374,9 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     keras_compat.install_fit_fix()
     world, strategy, run_dir = _context(world, strategy, run_dir)
     config, schedule = config or FitConfig(), schedule_of(model.optimizer, schedule)
+    _refuse_what_fit_cannot_honour(sample_weight=sample_weight, shuffle=shuffle, initial_epoch=initial_epoch,
+                                   steps_per_epoch=steps_per_epoch)
+    x, y, validation_data = _split_off_validation(x, y, validation_data, validation_split)
     source = _training_source(x, y)
     preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
     replicas = strategy.num_replicas_in_sync
@@ -378,8 +387,10 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                                  f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
                                  "Use a smaller batch size (or more data).")
     _require_count("epochs", epochs)
-    validation = _Validation(_validation_dataset(validation_data, global_batch, validation_preprocess),
-                             validation_freq)
+    _require_count("validation_steps", validation_steps, optional=True)
+    _require_count("validation_batch_size", validation_batch_size, optional=True)
+    validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
+                                                 validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
@@ -535,16 +546,54 @@ def _training_source(x, y) -> Source:
     return ArraySource(x, y)
 
 
-def _validation_dataset(validation_data, batch: int, preprocess: Optional[Preprocess]) -> Optional[tf.data.Dataset]:
-    if validation_data is None or isinstance(validation_data, tf.data.Dataset):
-        return validation_data
-    if isinstance(validation_data, Source):
-        return evaluation(validation_data, batch, preprocess)
-    if isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
-        return evaluation(ArraySource(np.asarray(validation_data[0]), np.asarray(validation_data[1])), batch,
-                          preprocess or _unchanged)
-    raise ConfigurationError(f"validation_data must be an (x, y) tuple of arrays, a Source or a batched "
-                             f"tf.data.Dataset; got {type(validation_data).__name__}.")
+def _refuse_what_fit_cannot_honour(**given) -> None:
+    """`model.fit`'s arguments that an elastic fit cannot honour, refused before anything starts."""
+    why = {"sample_weight": (None, "per-example weights are not part of fit's data plan; weigh classes with "
+                                   "class_weight"),
+           "shuffle": (True, "every epoch is shuffled from FitConfig.seed, so that all workers and every restart "
+                             "read one order"),
+           "initial_epoch": (0, "fit starts at the epoch its last commit names"),
+           "steps_per_epoch": (None, "an epoch is one pass over the data, which fit's committed positions count")}
+    for name, value in given.items():
+        default, reason = why[name]
+        if not (value is default or type(default) is int and type(value) is not bool and value == default):
+            shown = repr(value) if isinstance(value, (bool, int, float, np.number)) else f"<{type(value).__name__}>"
+            raise ConfigurationError(f"{name}={shown} is not taken by elastic.fit (only {default!r}): {reason}.")
+
+
+def _split_off_validation(x, y, validation_data, split: float):
+    """`validation_split` as `model.fit` takes it: the last `split` of in-memory arrays validates, unless
+    `validation_data` is given (which wins, as in `model.fit`)."""
+    if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 <= split < 1:
+        raise ConfigurationError(f"validation_split must be a number in [0, 1); got {split!r}.")
+    if not split or validation_data is not None:
+        return x, y, validation_data
+    if y is None or isinstance(x, (Source, tf.data.Dataset)):
+        raise ConfigurationError("validation_split takes in-memory arrays x and y; with another x, pass "
+                                 "validation_data.")
+    x, y = np.asarray(x), np.asarray(y)
+    at = int(np.floor(len(x) * (1 - split)))
+    if at in (0, len(x)):
+        raise ConfigurationError(f"validation_split={split} leaves no example on one side of {len(x)}.")
+    return x[:at], y[:at], (x[at:], y[at:])
+
+
+def _validation_dataset(validation_data, batch: int, preprocess: Optional[Preprocess],
+                        steps: Optional[int] = None) -> Optional[tf.data.Dataset]:
+    """The validation set in global batches (`steps` of them, if given)."""
+    if validation_data is None:
+        return None
+    if isinstance(validation_data, tf.data.Dataset):
+        dataset = validation_data
+    elif isinstance(validation_data, Source):
+        dataset = evaluation(validation_data, batch, preprocess)
+    elif isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
+        dataset = evaluation(ArraySource(np.asarray(validation_data[0]), np.asarray(validation_data[1])), batch,
+                             preprocess or _unchanged)
+    else:
+        raise ConfigurationError(f"validation_data must be an (x, y) tuple of arrays, a Source or a batched "
+                                 f"tf.data.Dataset; got {type(validation_data).__name__}.")
+    return dataset if steps is None else dataset.take(steps)
 
 
 def _build_optimizer(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
