@@ -5,8 +5,10 @@ asynchronous checkpoint of Keras variables.
 `fit`: two failure points in Keras 3.15: `TensorFlowTrainer._maybe_symbolic_build` MEAN-reduces a tuple of
 PerReplica input batches ("Attempt to convert a value (PerReplica...) to a Tensor"), and `reduce_per_replica`
 reduces scalar logs with `axis=0` ("Invalid reduction dimension 0 for input with 0 dimensions"). The fix
-builds from the first local replica's batch and reduces scalars with `axis=None`; losses are then the same
-on every worker. Async checkpoint: TF copies every variable to the
+builds from the dataset's element spec (one local replica's) and reduces scalars with `axis=None`; losses are
+then the same on every worker. Keras's own build also opens an iterator for one batch and drops it at once,
+and TensorFlow crashes (SIGSEGV) when a MultiDeviceIterator is dropped while its prefetch thread runs: the fix
+opens none. Async checkpoint: TF copies every variable to the
 host in a `tf.function` on each write; Keras's `Variable._copy_trackable_to_cpu` creates a new
 `tf.Variable` on every call, which a `tf.function` refuses after its first trace ("only supports singleton
 tf.Variables"). Each patch is installed only when the installed Keras still has the faulty code, detected
@@ -84,9 +86,9 @@ def install_fit_fix() -> Dict[str, bool]:
     """Patches what is broken in the installed Keras; returns {fix name: installed}. Idempotent."""
     if _installed:
         return dict(_installed)
-    import tensorflow as tf
     from keras.src import tree
     from keras.src.backend.tensorflow import trainer as tf_trainer
+    from tensorflow.python.distribute import values as values_lib
 
     trainer_cls = tf_trainer.TensorFlowTrainer
     bugs = bugs_in(inspect.getsource(tf_trainer))  # the module's file: never a function we patched
@@ -99,13 +101,12 @@ def install_fit_fix() -> Dict[str, bool]:
             strategy = self._distribute_strategy
             if strategy is None or iterator is None or not tf_trainer._collective_all_reduce_multi_worker(strategy):
                 return original_build(self, iterator=iterator, data_batch=data_batch)
-            for _, _, it in iterator:
-                data_batch = next(it)
-                break
-            # Shapes are all the build needs: any replica's local value has them.
+            # Shapes are all the build needs, and the dataset's element spec has them (one replica's, under
+            # several local replicas). No iterator is opened to read a batch: Keras drops it at once, and
+            # dropping a MultiDeviceIterator while its prefetch thread runs crashes TensorFlow (SIGSEGV).
+            spec = iterator._distributed_dataset.element_spec
             data_batch = tree.map_structure(
-                lambda x: strategy.experimental_local_results(x)[0]
-                if isinstance(x, tf.distribute.DistributedValues) else x, data_batch)
+                lambda s: s._value_specs[0] if isinstance(s, values_lib.PerReplicaSpec) else s, spec)
             with strategy.scope():
                 self._symbolic_build(data_batch=data_batch)
 
