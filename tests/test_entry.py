@@ -10,7 +10,7 @@ from tf_elastic.elastic.protocol import Event
 from tf_elastic.testing.local_job import REPO, LocalJob, assert_replicas_identical, lose_the_chief_to_a_standby
 
 STARTUP_TIMEOUT = 15.0
-EPOCHS = 20
+EPOCHS = 100  # about 0.35 s an epoch here: the round must outlast STARTUP_TIMEOUT + 5 s, c must start
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1",
          f"--startup_timeout={STARTUP_TIMEOUT}"]
 

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from conftest import REPO, run_python
-from tf_elastic.elastic.events import read_events
 from tf_elastic.testing.local_job import repo_env
 from tf_elastic.testing.net import bindable, free_port
 
@@ -67,46 +66,6 @@ def test_train_mirrored_on_two_logical_cpus(tmp_path):
     commits = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()
                if '"commit"' in line]
     assert commits[-1]["global_batch"] == 32 and commits[-1]["epoch"] == 1  # 2 replicas x 16
-
-
-@pytest.mark.slow
-def test_main_job_runs_end_to_end(tmp_path):
-    """The README's first command, shortened: a host lost, a host joined, each host with a run dir of
-    its own; a summary and a plot that agree with the hosts' events."""
-    proc = run_python(f"import sys; sys.argv = ['m', '--run_dir={tmp_path}', '--epochs=30'];"
-                      "from launch import main_job; from absl import app; "
-                      "app.run(lambda a: sys.exit(main_job.main(a)))",
-                      timeout=600)
-    events = read_events(sorted((tmp_path / "hosts").iterdir()))
-    assert [p.name for p in sorted((tmp_path / "hosts").iterdir())] == ["host-a", "host-b", "host-c"]
-    assert not (tmp_path / "run").exists() and list((tmp_path / "durable").iterdir())
-    rendezvous = [e for e in events if e["event"] == "rendezvous" and e["source"] == "agent:host-a"]
-    sizes = [e["world_size"] for e in rendezvous]
-    # Two hosts, then one after the kill, then two again (a first round alone is possible under load).
-    pair = sizes.index(2)
-    assert 1 in sizes[pair:] and sizes[-1] == 2, sizes
-    table = [line for line in proc.stdout.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip().isdigit()]
-    trained_rounds = {e["round"] for e in events if e["event"] == "restore"}
-    assert len(table) == len(trained_rounds)
-    assert ("examples trained more than once in an epoch (committed work, as the steps consumed them): 0; missed "
-            "beyond an epoch's remainder: 0; steps that trained other than planned: 0") in proc.stdout
-    commits = [e for e in events if e["event"] == "commit"]
-    assert f"final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" in proc.stdout
-    accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]
-    assert f"test accuracy: {accuracy:.4f}" in proc.stdout
-    assert (tmp_path / "run.png").stat().st_size > 10_000
-    # Where each host's time went: the causes tile its wall time; host-b's ends where its loss was noticed.
-    from launch import report
-
-    split = report.time_split(sorted((tmp_path / "hosts").iterdir()))
-    assert sorted(split) == ["host-a", "host-b", "host-c"], split
-    for host, causes in split.items():
-        assert abs(sum(causes[c] for c in report.CAUSES) - causes["wall"]) <= 0.02 * causes["wall"], (host, causes)
-        assert causes["training"] > 0, (host, causes)
-    lost = [e for e in events if e["event"] == "failure" and e["kind"] == "host_lost" and e["host"] == "host-b"]
-    started = [e for e in events if e["event"] == "agent_start" and e["source"] == "agent:host-b"][0]
-    assert lost and abs(split["host-b"]["wall"] - (lost[-1]["time"] - started["time"])) < 1e-6, (lost, split)
-    assert "| host-a |" in proc.stdout and "goodput" in proc.stdout
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from launch import report
+from tf_elastic.elastic.events import read_events
 from tf_elastic.testing.local_job import REPO
 
 pytestmark = pytest.mark.slow
@@ -57,17 +59,45 @@ def test_the_wheel_holds_the_library_and_exactly_the_user_facing_commands(wheel_
     assert str(root / "venv") in where and where.strip().endswith("None None"), where
 
 
-def test_the_readme_main_job_runs_from_the_wheel(wheel_env):
+def test_the_readme_main_job_runs_from_the_wheel_and_its_report_and_status_read_it(wheel_env):
+    """The README's first command from the wheel, shortened, with a relative run dir: a host lost, a host
+    joined, each host with a run dir of its own; a summary and a plot that agree with the hosts' events;
+    then tf-elastic-report and tf-elastic-status read the job."""
     _, root, env = wheel_env
-    done = subprocess.run(["python", "-m", "tf_elastic.launch.main_job", "--faults=false", "--epochs=2",
-                           "--run_dir=main"], cwd=root / "elsewhere", env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (root / "elsewhere" / "main" / "run.png").is_file() and "Where each host's time went" in done.stdout
-    hosts = "main/hosts/host-a,main/hosts/host-b"
-    for command in (["tf-elastic-report", f"--run_dir={hosts}"],
-                    ["tf-elastic-status", f"--rdzv=file://{root / 'elsewhere' / 'main' / 'rdzv'}", "--job_id=main",
-                     f"--run_dir={hosts}"]):
+    proc = subprocess.run(["python", "-m", "tf_elastic.launch.main_job", "--epochs=30", "--run_dir=main"],
+                          cwd=root / "elsewhere", env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    main = root / "elsewhere" / "main"
+    hosts = sorted((main / "hosts").iterdir())
+    events = read_events(hosts)
+    assert [p.name for p in hosts] == ["host-a", "host-b", "host-c"]
+    assert not (main / "run").exists() and list((main / "durable").iterdir())
+    sizes = [e["world_size"] for e in events if e["event"] == "rendezvous" and e["source"] == "agent:host-a"]
+    # Two hosts, then one after the kill, then two again (a first round alone is possible under load).
+    pair = sizes.index(2)
+    assert 1 in sizes[pair:] and sizes[-1] == 2, sizes
+    table = [line for line in proc.stdout.splitlines() if line.split("|")[1:2] and line.split("|")[1].strip().isdigit()]
+    assert len(table) == len({e["round"] for e in events if e["event"] == "restore"})
+    assert ("examples trained more than once in an epoch (committed work, as the steps consumed them): 0; missed "
+            "beyond an epoch's remainder: 0; steps that trained other than planned: 0") in proc.stdout
+    commits = [e for e in events if e["event"] == "commit"]
+    assert f"final commit: epoch {commits[-1]['epoch']}, step {commits[-1]['step']}" in proc.stdout
+    accuracy = [e for e in events if e["event"] == "evaluation"][-1]["test_accuracy"]
+    assert f"test accuracy: {accuracy:.4f}" in proc.stdout
+    assert (main / "run.png").stat().st_size > 10_000
+    # Where each host's time went: the causes tile its wall time; host-b's ends where its loss was noticed.
+    split = report.time_split(hosts)
+    assert sorted(split) == ["host-a", "host-b", "host-c"], split
+    for host, causes in split.items():
+        assert abs(sum(causes[c] for c in report.CAUSES) - causes["wall"]) <= 0.02 * causes["wall"], (host, causes)
+        assert causes["training"] > 0, (host, causes)
+    lost = [e for e in events if e["event"] == "failure" and e["kind"] == "host_lost" and e["host"] == "host-b"]
+    started = [e for e in events if e["event"] == "agent_start" and e["source"] == "agent:host-b"][0]
+    assert lost and abs(split["host-b"]["wall"] - (lost[-1]["time"] - started["time"])) < 1e-6, (lost, split)
+    assert "| host-a |" in proc.stdout and "goodput" in proc.stdout
+    relative = ",".join(f"main/hosts/{p.name}" for p in hosts)
+    for command in (["tf-elastic-report", f"--run_dir={relative}"],
+                    ["tf-elastic-status", f"--rdzv=file://{main / 'rdzv'}", "--job_id=main", f"--run_dir={relative}"]):
         shown = subprocess.run(command, cwd=root / "elsewhere", env=env, capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0 and "finished" in shown.stdout, command + [shown.stdout, shown.stderr[-2000:]]
 

@@ -87,6 +87,7 @@ flags.DEFINE_float("max_seconds", 1800.0, "A run still training this long after 
                    "reported as unfinished.", lower_bound=1.0)
 flags.DEFINE_string("root", None, "Directory for the runs, results.json and goodput.png (default: a temp dir).")
 flags.DEFINE_bool("quick", False, "2 hosts, 2 epochs, one seed, 30 calibration steps, a commit every 5 steps, "
+                  "0.05 s of device time a step, "
                   "traces 4x more compressed (flags given explicitly win): checks the design, measures nothing "
                   "worth quoting.")
 flags.DEFINE_enum("role", "bench", ["bench", "worker"], "worker: one training worker (internal).")
@@ -97,7 +98,8 @@ FLAGS = flags.FLAGS
 require_finite_floats(__name__)
 
 DATASET_SIZE = 1536  # digits: a multiple of 16 x 1, 2, 3, 4 workers, so no epoch has a remainder at those sizes
-QUICK = {"hosts": 2, "epochs": 2, "seeds": ["0"], "calibration_steps": 30, "commit_every_steps": 5}
+QUICK = {"hosts": 2, "epochs": 2, "seeds": ["0"], "calibration_steps": 30, "commit_every_steps": 5,
+         "device_seconds": 0.05}
 ELASTIC, RESTART, IDEAL = "elastic", "checkpoint-restart", "ideal"
 WAITING = "waiting for all hosts"
 CAUSES = report.CAUSES + (WAITING,)
