@@ -61,3 +61,35 @@ def test_the_async_checkpoint_fix_is_installed_only_where_keras_creates_a_variab
         str(tmp_path / "ckpt-2")).assert_existing_objects_matched()
     for a, b in zip(model.weights, fresh.weights):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_the_fit_fix_builds_from_the_element_spec_and_opens_no_iterator(monkeypatch):
+    """Keras's build opened an iterator of the distributed dataset for one batch and dropped it at once; under
+    MWMS that dropped a MultiDeviceIterator mid-prefetch, and a worker died of SIGSEGV now and then. Under the
+    fix, fit and evaluate reach Keras's `reset` with no iterator opened, and the model still builds (its
+    metrics too) from the spec alone. The multi-worker test is forced true so that a one-process
+    MirroredStrategy takes the fix's path."""
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    if not keras_compat.install_fit_fix()["symbolic_build"]:
+        return  # Keras fixed its build: Keras's own path runs, and its iterators are its business
+    monkeypatch.setattr(tf_trainer, "_collective_all_reduce_multi_worker", lambda strategy: True)
+    opened_before_reset = []
+    original_reset = tf_trainer.TFEpochIterator.reset
+
+    def reset(self):
+        opened_before_reset.append(self._current_iterator is not None)
+        original_reset(self)
+
+    monkeypatch.setattr(tf_trainer.TFEpochIterator, "reset", reset)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    x, y = np.ones((32, 4), np.float32), np.zeros(32, np.int64)
+    data = strategy.distribute_datasets_from_function(lambda _: tf.data.Dataset.from_tensor_slices((x, y)).batch(8))
+    model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+    logs = model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), verbose=0, return_dict=True)
+    assert opened_before_reset == [False, False], opened_before_reset
+    assert set(logs) == {"loss", "accuracy"}, logs  # the metrics built from the spec
