@@ -12,8 +12,8 @@ waits (it must notice alone, and carry on from the durable copies: the chief cop
 same with the newest durable copy damaged as the hosts die (the standby falls back to the one before), and
 with etcd, stop and restart the store. Every kind is drawn once before any repeats.
 
-The soak injects every fault it is asked for: faults are paced by the training left (`Soak.hurried`),
-which drops the waits between them when it runs short.
+The soak injects every fault it is asked for: faults are paced by the training left at the measured rate
+(`short_of_training`), which drops the waits between them when it runs short.
 
 The workers, and the fault-free reference run, run the trainer module the caller names (`trainer`, e.g.
 "launch.train"), which takes `launch.train`'s flags (`TRAIN`) and writes its events.
@@ -55,6 +55,14 @@ _LEAVING = ("kill_host", "term_agent", "preempt_agent", "notice_in_round_change"
 _NO_RESTART = ("restart_store", "hang_store")
 TRAINED_ON = "trained on"  # a fault's note when no restart followed
 EPOCHS_PER_FAULT = 20  # the default length: a fault, its recovery and a warm spare again take ~14 epochs
+HURRIED_FAULT_SECONDS = 15.0  # a fault and its recovery with no pause nor wait for spares (start_agent's p95)
+
+
+def short_of_training(epochs_left: int, faults_left: int, epochs_per_second: float) -> bool:
+    """Whether the epochs left would end before the faults left, each taking `HURRIED_FAULT_SECONDS` (and
+    at least 8 epochs) at the rate measured. A count of epochs alone misjudged it once epochs got faster:
+    a 50-fault soak injected 49 before training ended."""
+    return epochs_left < faults_left * max(8.0, epochs_per_second * HURRIED_FAULT_SECONDS)
 
 
 @dataclasses.dataclass
@@ -226,10 +234,12 @@ class Soak:
         """The newest committed epoch."""
         return max([e["epoch"] for e in self.job.events(Event.COMMIT)] or [0])
 
-    def hurried(self, epochs: int, faults: int) -> bool:
-        """Whether the training left is short for the faults left (fewer than 8 epochs each): then the
-        soak drops its pauses and its wait for warm spares, so that every fault asked is injected."""
-        return epochs - self.epoch() < 8 * (faults - len(self.faults))
+    def hurried(self, epochs: int, faults: int, began: float) -> bool:
+        """Whether the training left is short for the faults left (`short_of_training`, at the epochs per
+        second trained since `began`): then the soak drops its pauses and its wait for warm spares, so that
+        every fault asked is injected."""
+        rate = self.epoch() / max(time.time() - began, 1e-3)
+        return short_of_training(epochs - self.epoch(), faults - len(self.faults), rate)
 
     def await_recovery(self, fault: Fault, hurried: bool = False) -> None:
         if fault.kind in _NO_RESTART:
@@ -393,11 +403,11 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     try:
         soak.start_host()
         soak.start_host()
-        soak.job.first_step_after(0, world_size=2, timeout=300)
+        began = soak.job.first_step_after(0, world_size=2, timeout=300)["time"]
         for host in soak.live:
             soak.job.wait_for(lambda: soak.job.events(Event.SPARE_READY, source=f"agent:{host}"), timeout=180)
         while len(soak.faults) < faults and soak.running():
-            hurried = soak.hurried(epochs, faults)
+            hurried = soak.hurried(epochs, faults, began)
             time.sleep(0.0 if hurried else rng.uniform(0.0, soak.max_gap))
             soak.await_recovery(soak.inject(soak.choose()), hurried)
         for host in soak.live:
