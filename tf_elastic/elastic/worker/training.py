@@ -377,6 +377,8 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     _refuse_what_fit_cannot_honour(sample_weight=sample_weight, shuffle=shuffle, initial_epoch=initial_epoch,
                                    steps_per_epoch=steps_per_epoch)
     x, y, validation_data = _split_off_validation(x, y, validation_data, validation_split)
+    _require_count("validation_steps", validation_steps, optional=True)
+    _require_count("validation_batch_size", validation_batch_size, optional=True)
     source = _training_source(x, y)
     preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
     replicas = strategy.num_replicas_in_sync
@@ -387,8 +389,6 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                                  f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
                                  "Use a smaller batch size (or more data).")
     _require_count("epochs", epochs)
-    _require_count("validation_steps", validation_steps, optional=True)
-    _require_count("validation_batch_size", validation_batch_size, optional=True)
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
