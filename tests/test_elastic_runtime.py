@@ -56,8 +56,8 @@ def _first_step(job, round_min, world_size=None):
             and (world_size is None or e["world_size"] == world_size)]
 
 
-# The long jobs run on one store each (the chaos soak and the multi-host tests run theirs on etcd); the
-# store's own behaviour is tested on both in test_rendezvous.py, and the short cases below run on both.
+# The long jobs run on one store each (the eight-worker job, the chaos soak and the multi-host tests on etcd);
+# the store's own behaviour is tested on both in test_rendezvous.py, and the short cases below run on both.
 @pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
 def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     """Host b is SIGKILLed, host c joins, host c leaves (SIGTERM): the job ends with every example of
@@ -106,21 +106,6 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     assert job.events("evaluation")[-1]["test_accuracy"] > 0.8
 
 
-@pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
-def test_worker_kill_restarts_at_same_size(job_factory):
-    job = job_factory(TRAIN + ["--epochs=2"], ["--min_workers=2", "--max_workers=2", "--last_call=1"])
-    job.start_agent("a")
-    job.start_agent("b")
-    job.wait_for(lambda: _first_step(job, 0), what="training")
-    os.kill(job.worker_pid("a"), signal.SIGKILL)
-    restarted = job.wait_for(lambda: _first_step(job, 1), what="the restarted group")[0]
-    assert restarted["world_size"] == 2
-    assert job.wait_agents() == {"a": 0, "b": 0}
-    failures = job.events("failure")
-    assert any(f["counted"] for f in failures)
-    assert job.events("rendezvous", source="agent:a")[-1]["restarts"] == 1
-
-
 @pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
 def test_hung_worker_is_detected_and_killed(job_factory):
     """One worker, so that nothing but the hang detection can notice it (a peer's collective failure
@@ -166,10 +151,11 @@ def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
     assert "while waiting for a round" in job.events("exit")[-1]["reason"]
 
 
-@pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
+@pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
 def test_eight_workers_on_four_hosts_through_a_kill_and_a_join(job_factory):
-    """Three hosts of two workers each, a worker SIGKILLed, then a fourth host: eight workers. Every
-    example once per epoch, and every round's eight ranks start (and end) with the same bits."""
+    """Three hosts of two workers each, a worker SIGKILLed (the group restarts at the same size, one counted
+    restart), then a fourth host: eight workers. Every example once per epoch, and every round's eight ranks
+    start (and end) with the same bits."""
     job = job_factory([*TRAIN, "--train_examples=1536", "--epochs=3"],
                       ["--nproc=2", "--min_workers=2", "--max_workers=8", "--last_call=3", "--warm_start=false",
                        "--index_log"])
@@ -183,5 +169,7 @@ def test_eight_workers_on_four_hosts_through_a_kill_and_a_join(job_factory):
     eight = job.wait_for(lambda: _first_step(job, again["round"] + 1, world_size=8), timeout=300,
                          what="eight workers")[0]
     assert job.wait_agents(timeout=600) == {h: 0 for h in "abcd"}, job.describe()
+    assert any(f["counted"] for f in job.events("failure"))
+    assert job.events("rendezvous", source="agent:a")[-1]["restarts"] == 1, "the join is no restart"
     _assert_exactly_once(job, 1536, 3)
     assert_replicas_identical(job, eight["round"], size=8)
