@@ -35,7 +35,8 @@ def test_a_soak_that_injected_fewer_faults_than_asked_fails():
 
 def test_the_soak_hurries_when_the_training_left_at_its_rate_is_short_for_the_faults_left():
     """A fault takes about HURRIED_FAULT_SECONDS whatever the epochs' speed: at 3 epochs/s, 10 faults need
-    450 epochs of training left; at 0.1 epochs/s the floor of 8 epochs a fault rules."""
-    assert soak.short_of_training(449, 10, 3.0) and not soak.short_of_training(450, 10, 3.0)
+    900 epochs of training left; at 0.1 epochs/s the floor of 8 epochs a fault rules."""
+    assert soak.HURRIED_FAULT_SECONDS == 30.0
+    assert soak.short_of_training(899, 10, 3.0) and not soak.short_of_training(900, 10, 3.0)
     assert soak.short_of_training(79, 10, 0.1) and not soak.short_of_training(80, 10, 0.1)
     assert not soak.short_of_training(0, 0, 3.0)
