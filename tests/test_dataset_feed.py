@@ -1,0 +1,103 @@
+"""Tests `tf_elastic/elastic/worker/data/dataset_feed.py` in one process: a user's tf.data pipeline read through
+resizes (the rows each replica would train, batches pulled ahead of the step, restarts from the saved state
+in a pipeline built anew) trains the global batches of a run without faults, in its order."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+from tf_elastic.elastic.worker.errors import ConfigurationError
+
+EXAMPLES, BATCH = 60, 8
+
+
+def _pipeline(seed=None):
+    """Shuffle (unseeded by default: the job's global seed makes it repeatable), filter, ragged map, batch."""
+    tf.random.set_seed(7)
+    ids = tf.data.Dataset.range(EXAMPLES).shuffle(16, seed=seed).filter(lambda i: i % 5 != 2)
+    features = ids.map(lambda i: ({"id": i, "tokens": tf.range(i % 4)}, tf.cast(i, tf.float32)))
+    return features.ragged_batch(BATCH).prefetch(2)
+
+
+def _train(feed: DatasetFeed, steps: int, replicas: int, ahead: int = 2) -> list:
+    """Trains `steps` global batches over `replicas` replicas, having handed `ahead` more to the strategy."""
+    trained = []
+    share = iter(feed.replica_dataset(replicas, 0, replicas))
+    for _ in range(steps):
+        pieces = []
+        for _ in range(replicas):
+            try:
+                pieces.append(next(share))
+            except StopIteration:
+                return trained
+        ids = np.concatenate([p[0]["id"].numpy() for p in pieces])
+        tokens = [len(t) for p in pieces for t in p[0]["tokens"].to_list()]
+        assert tokens == [i % 4 for i in ids]
+        trained.append(ids.tolist())
+        feed.trained(1)
+    for _ in range(ahead * replicas):  # the prefetch reads on: what it pulled must not be lost
+        next(share, None)
+    return trained
+
+
+def _epochs(epochs: int, plan) -> list:
+    """Per epoch, the global batches trained; `plan`: (steps, replicas) of each round, each round a fresh
+    pipeline restored from the previous round's saved state."""
+    state, epoch, out = b"", 0, [[] for _ in range(epochs)]
+    for steps, replicas in plan:
+        feed = DatasetFeed(_pipeline())
+        feed.start(state, epoch)
+        while steps and epoch < epochs:
+            got = _train(feed, steps, replicas)
+            out[epoch] += got
+            steps -= len(got)
+            if feed.finished() or not got:
+                feed.next_epoch()
+                epoch += 1
+        state = feed.state()
+    return out
+
+
+def test_resizes_and_restarts_train_the_batches_of_a_run_without_faults_in_order():
+    clean = _epochs(3, [(100, 1)])
+    assert [len(e) for e in clean] == [6, 6, 6] and clean[0] != clean[1]
+    assert sorted(sum(clean[0], [])) == [i for i in range(EXAMPLES) if i % 5 != 2]
+    assert _epochs(3, [(2, 2), (3, 1), (1, 4), (5, 3), (100, 2)]) == clean
+    for stop in range(1, 8):  # a commit at every position of the first epoch, its shuffle's end included
+        assert _epochs(3, [(stop, 1), (100, 3)]) == clean, stop
+
+
+def test_a_dataset_of_known_length_says_its_steps_left():
+    ids = tf.data.Dataset.range(20).map(lambda i: ({"id": i, "tokens": tf.range(i % 4)}, i))
+    feed = DatasetFeed(ids.ragged_batch(4))
+    feed.start(b"", 0)
+    assert feed.steps_left() == 5 and feed.first_rows() == 4
+    assert _train(feed, 2, 1, ahead=0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert feed.steps_left() == 3 and feed.examples == 8
+
+
+def test_workers_reading_one_stream_have_one_digest_and_a_seeded_other_order_another():
+    one, two, other = DatasetFeed(_pipeline()), DatasetFeed(_pipeline()), DatasetFeed(_pipeline(seed=3))
+    for feed in (one, two, other):
+        feed.start(b"", 0)
+    assert one.digest_ahead() == two.digest_ahead() != other.digest_ahead()
+
+
+@pytest.mark.parametrize("pipeline", [
+    lambda: tf.data.Dataset.from_generator(lambda: iter(range(8)), output_signature=tf.TensorSpec([], tf.int64)),
+    lambda: tf.data.Dataset.range(8).map(lambda i: tf.py_function(lambda x: x, [i], tf.int64))])
+def test_a_pipeline_tf_data_cannot_save_is_refused_in_one_line_naming_the_fix(pipeline):
+    with pytest.raises(ConfigurationError, match=r"x: tf.data cannot save .*PyFunc.*from_generator") as error:
+        DatasetFeed(pipeline().batch(4)).start(b"", 0)
+    assert "\n" not in str(error.value)
+
+
+def test_a_nondeterministic_pipeline_and_a_position_of_another_pipeline_are_refused():
+    options = tf.data.Options()
+    options.deterministic = False
+    with pytest.raises(ConfigurationError, match="deterministic=False"):
+        DatasetFeed(tf.data.Dataset.range(8).batch(2).with_options(options))
+    feed = DatasetFeed(_pipeline())
+    feed.start(b"", 0)
+    with pytest.raises(ConfigurationError, match="does not fit this tf.data pipeline"):
+        DatasetFeed(tf.data.Dataset.range(8).batch(2)).start(feed.state(), 0)
