@@ -67,13 +67,13 @@ def test_resizes_and_restarts_train_the_batches_of_a_run_without_faults_in_order
         assert _epochs(3, [(stop, 1), (100, 3)]) == clean, stop
 
 
-def test_a_dataset_of_known_length_says_its_steps_left():
+def test_a_dataset_of_known_length_says_its_steps():
     ids = tf.data.Dataset.range(20).map(lambda i: ({"id": i, "tokens": tf.range(i % 4)}, i))
     feed = DatasetFeed(ids.ragged_batch(4))
     feed.start(b"", 0)
-    assert feed.steps_left() == 5 and feed.first_rows() == 4
+    assert feed.steps() == 5 and feed.first_rows() == 4
     assert _train(feed, 2, 1, ahead=0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert feed.steps_left() == 3 and feed.examples == 8
+    assert feed.steps() == 3 and feed.examples == 8
 
 
 def test_workers_reading_one_stream_have_one_digest_and_a_seeded_other_order_another():
@@ -88,7 +88,7 @@ def test_workers_reading_one_stream_have_one_digest_and_a_seeded_other_order_ano
     lambda: tf.data.Dataset.range(8).map(lambda i: tf.py_function(lambda x: x, [i], tf.int64))])
 def test_a_pipeline_tf_data_cannot_save_is_refused_in_one_line_naming_the_fix(pipeline):
     with pytest.raises(ConfigurationError, match=r"x: tf.data cannot save .*PyFunc.*from_generator") as error:
-        DatasetFeed(pipeline().batch(4)).start(b"", 0)
+        DatasetFeed(pipeline().batch(4))
     assert "\n" not in str(error.value)
 
 

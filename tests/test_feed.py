@@ -12,7 +12,8 @@ import pytest
 
 from tf_elastic.elastic import audit
 from tf_elastic.testing import id_trainer
-from tf_elastic.testing.local_job import LocalJob
+from conftest import run_python
+from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,55 @@ def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empt
         sizes = {e["round"]: e["world_size"] for e in job.events("first_step", rank=0)}
         assert {sizes[round_] for round_, _ in evaluated} >= {1, 2, 4}, (sorted(evaluated), sizes)
         assert four["global_batch"] == BATCH
+    finally:
+        job.cleanup()
+
+
+def _committed_steps(job) -> dict:
+    """step -> the ids its global batch trained, over every rank in rank order, for the steps committed work
+    kept (each round's up to the step the next one restored)."""
+    restored = audit.restores(job.run_dirs)
+    kept = {}
+    for (round_, step), ids in id_trainer.by_step(id_trainer.read_records(job.tmp / "records", "train")).items():
+        later = [s for r, s in restored.items() if r > round_]
+        if not later or step <= min(later):
+            kept[step] = ids
+    return kept
+
+
+def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path):
+    """The workers' own tf.data pipeline (an unseeded shuffle, a filter, sample weights, a short last batch):
+    a and b (2 workers), b SIGKILLed (1), c joins with an empty disk (2). Every committed step trained the
+    global batch a single process without faults trained at that step, in its order; replicas agree."""
+    epochs, pipeline = 30, ["--pipeline=dataset"]
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    args = [f"--record_dir={clean / 'records'}", f"--examples={EXAMPLES}", f"--batch_size={BATCH}",
+            f"--epochs={epochs}", *pipeline]
+    run_python(f"import runpy, sys; sys.argv = ['id_trainer', *{args!r}]; "
+               "runpy.run_module('tf_elastic.testing.id_trainer', run_name='__main__')", cwd=clean)
+    expected = {step: ids for (_, step), ids in
+                id_trainer.by_step(id_trainer.read_records(clean / "records", "train")).items()}
+    kept = len([i for i in range(EXAMPLES) if i % 7 != 3])
+    assert len(expected) == epochs * 6 and len(expected[6]) == kept - 5 * BATCH, "a short last batch"
+    job = _job(tmp_path / "job", epochs, ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5"],
+               step_seconds=0.1, pipeline="dataset")
+    (tmp_path / "job").mkdir()
+    try:
+        job.start_agent("a")
+        job.start_agent("b")
+        two = job.first_step_after(0, world_size=2, timeout=240)
+        job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == two["round"]], what="a commit of 2")
+        job.kill_host("b")
+        alone = job.first_step_after(two["time"], world_size=1, timeout=240)
+        job.start_agent("c")
+        again = job.first_step_after(alone["time"], world_size=2, timeout=240)
+        codes = job.wait_agents(timeout=400)
+        assert {host: codes[host] for host in "ac"} == {"a": 0, "c": 0}, job.describe()
+        assert job.events("state_transfer", round=again["round"]), "c joined with an empty disk: it receives the state"
+        for round_ in (two["round"], again["round"]):
+            assert_replicas_identical(job, round_)
+        assert _committed_steps(job) == expected
     finally:
         job.cleanup()
 

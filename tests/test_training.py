@@ -210,12 +210,17 @@ def test_validation_split_steps_and_batch_size_are_honoured_as_model_fit_honours
     assert trained and set(trained) == {48}, trained
 
 
-def test_fit_refuses_a_training_dataset_and_bad_arguments_naming_them(tmp_path):
+def test_fit_refuses_bad_arguments_naming_them_before_anything_is_written(tmp_path):
     model, _ = _training_setup()
     x, y = np.zeros((64, 4), np.float32), np.zeros(64, np.int64)
     from tf_elastic.elastic.worker.errors import ConfigurationError
 
-    cases = [(dict(x=tf.data.Dataset.from_tensor_slices((x, y)), y=None), "x: a tf.data.Dataset.*ImageFiles"),
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    generated = tf.data.Dataset.from_generator(lambda: iter(x), output_signature=tf.TensorSpec([4], tf.float32))
+    cases = [(dict(x=dataset), "^y is not taken with a tf.data.Dataset x"),
+             (dict(x=dataset, y=None, batch_size=8), "^batch_size is not taken with a tf.data.Dataset"),
+             (dict(x=dataset, y=None, class_weight={0: 1.0}), "^class_weight is not taken"),
+             (dict(x=generated.batch(8), y=None), "^x: tf.data cannot save .*PyFunc"),
              (dict(batch_size=16, per_replica_batch_size=8), "batch_size .* or per_replica_batch_size"),
              (dict(epochs=0), "epochs must be a whole number >= 1"), (dict(epochs=2.5), "epochs must be"),
              (dict(batch_size=0), "batch_size must be a whole number >= 1"), (dict(batch_size="8"), "batch_size"),

@@ -29,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps_per_execution", type=int, default=1)
     parser.add_argument("--commit_every_steps", type=int, default=4)
     parser.add_argument("--step_seconds", type=float, default=0.0, help="Sleep after each step (a slower job).")
+    parser.add_argument("--pipeline", choices=("arrays", "dataset"), default="arrays",
+                        help="dataset: a tf.data pipeline of global batches (unseeded shuffle, filter, sample "
+                             "weights) instead of arrays.")
     return parser.parse_args(argv)
 
 
@@ -60,7 +63,11 @@ def main(args: argparse.Namespace) -> None:
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     slow = [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs=None: time.sleep(args.step_seconds))]
     validation = np.arange(args.validation_examples)
-    elastic.fit(model, ids[:, None].astype(np.float32), ids, batch_size=args.batch_size, epochs=args.epochs,
+    x, y, batch_size = ids[:, None].astype(np.float32), ids, args.batch_size
+    if args.pipeline == "dataset":  # every id but those that are 3 modulo 7, reshuffled every epoch
+        x = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(32).filter(lambda _, label: label % 7 != 3)
+        x, y, batch_size = x.map(lambda f, label: (f, label, tf.ones([]))).batch(args.batch_size), None, None
+    elastic.fit(model, x, y, batch_size=batch_size, epochs=args.epochs,
                 verbose=0, callbacks=slow if args.step_seconds else [],
                 validation_data=(validation[:, None].astype(np.float32), validation),
                 config=elastic.FitConfig(commit_every_steps=args.commit_every_steps, durable_every_commits=0))

@@ -51,14 +51,21 @@ class CommittedState:
     def __init__(self, world: World, run_dir: str, model: keras.Model,
                  schedule: Optional[BatchResizeSchedule] = None, max_to_keep: int = 3,
                  durable: Optional[DurableCopies] = None, durable_every_commits: int = 0,
-                 events: Optional[EventLog] = None, background: bool = False):
+                 events: Optional[EventLog] = None, background: bool = False, input_state: bool = False):
         self.world, self.events = world, events
         # epoch, samples, step, global batch, generation, the data's fingerprint and size (`commit`'s `data`),
         # and whether a user's callback ended training early
         with _plain_variables():
             self.progress = tf.Variable(np.zeros(8, np.int64), trainable=False, name="elastic_progress")
+            # A tf.data pipeline's position (`DatasetFeed.state`): bytes whose encoding differs between
+            # workers at one position (prefetch buffers fill as they do), so the group's bitwise check leaves
+            # it out and `_start_from_group` hands the source's on whenever a commit is handed on.
+            self.input_state = tf.Variable(b"", dtype=tf.string, trainable=False,
+                                           name="elastic_input_state") if input_state else None
         self.model, self.schedule = model, schedule
         items = {"model": model, "optimizer": model.optimizer, "progress": self.progress}
+        if self.input_state is not None:
+            items["input_state"] = self.input_state
         if schedule is not None:
             items["batch_history"] = schedule.state
         # What Keras does not make trackable (a SeedGenerator's state: dropout's and augmentation's random

@@ -55,7 +55,8 @@ def current() -> Optional[Context]:
 
 def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None, strategy: str = "auto",
         collective: str = "auto", cluster_resolver: str = "tf_config", port_base: int = 8888,
-        k8s_selector: Optional[str] = None, tpu: Optional[str] = None, run_dir: str = "runs/train") -> None:
+        k8s_selector: Optional[str] = None, tpu: Optional[str] = None, run_dir: str = "runs/train",
+        seed: Optional[int] = 0) -> None:
     """Runs `main()` as one worker of the job, then ends the process with the agent's exit code.
 
     Args:
@@ -72,6 +73,10 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
         k8s_selector: kubernetes: the worker pods' label selector (None).
         tpu: a TPU name or grpc://HOST:PORT for `strategy="tpu"` (None).
         run_dir: where commits go without an agent (default `runs/train`); the agent's otherwise.
+        seed: TensorFlow's global seed, set before `main` (`tf.random.set_seed`), so that an unseeded
+            `Dataset.shuffle` (the default of `image_dataset_from_directory`) reads the same order in every
+            run of the job; default 0, None leaves it unset. (The workers of a round read one order whatever
+            the seed: the chief's pipeline position is handed to all.)
     """
     faulthandler.enable()  # a crash in native code (TensorFlow) still leaves every thread's stack in the log
     code, world = 1, None
@@ -81,6 +86,8 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
         start_heartbeat(world)
         made = make_strategy(world, strategy, collective, tpu)
         _current["context"] = Context(world, made, world.run_dir or run_dir)
+        if seed is not None:
+            tf.random.set_seed(seed)
         with made.scope():
             main(*prepared)
         code = 0

@@ -56,6 +56,7 @@ class Agreement:
     received_bytes: int
     seconds: float
     digest: str
+    handed: bool = False  # the state was handed on (some worker lacked it): the same on every worker
 
 
 def newest_holder(held: Sequence[CommitId]) -> int:
@@ -107,7 +108,9 @@ class GroupState:
     def __init__(self, strategy: tf.distribute.Strategy, world: World, variables: Sequence, names: Sequence[str],
                  sum_fn: SumOverWorkers):
         self.strategy, self.world, self._sum = strategy, world, sum_fn
-        self.variables, self.names = list(variables), list(names)
+        # Strings (a tf.data position) have no bits to sum: `hand_on` moves them, and their readers check them.
+        kept = [(v, n) for v, n in zip(variables, names) if v.dtype != tf.string]
+        self.variables, self.names = [v for v, _ in kept], [n for _, n in kept]
         if len({id(v) for v in self.variables}) != len(self.variables) or len(self.names) != len(self.variables):
             raise ValueError("GroupState needs each TensorFlow variable once, with one name each")
         self.bytes = 4 * sum(words(v) for v in self.variables)
@@ -115,6 +118,8 @@ class GroupState:
         self._pack = tf.function(lambda: tf.concat([to_int32(tf.convert_to_tensor(v)) for v in self.variables], 0))
         self._broadcast = tf.function(self._broadcast_graph)  # one function: one trace at a round's start
         self._fingerprints = tf.function(self._fingerprint_graph)
+        self._hand_on = tf.function(self._hand_on_graph, input_signature=[tf.TensorSpec([None], tf.int32),
+                                                                         tf.TensorSpec([], tf.int32)])
 
     def digest(self) -> str:
         """SHA-256 (hex) of every variable's bits, as this worker holds them."""
@@ -180,7 +185,28 @@ class GroupState:
         self.verify(digest, f"after the transfer of step {newest.step} (generation {newest.generation}) "
                             f"from rank {source}")
         received = ids[rank] != newest or digests[rank] != digests[source]
-        return Agreement(newest, floor, source, self.bytes if received else 0, time.perf_counter() - started, digest)
+        return Agreement(newest, floor, source, self.bytes if received else 0, time.perf_counter() - started, digest,
+                         handed=True)
+
+    def hand_on(self, data: bytes, source: int) -> bytes:
+        """Rank `source`'s `data`, on every worker (every worker calls it): its length in the small sum, then
+        its bytes as int32 words in one all-reduce, zeros from every other replica."""
+        lengths = np.zeros(self.world.size)
+        lengths[self.world.rank] = len(data)
+        length = int(np.rint(self._sum(lengths))[source])
+        words = np.zeros(4 * -(-length // 4), np.uint8)
+        if self.world.rank == source:
+            words[:length] = np.frombuffer(data, np.uint8)
+        total = self._hand_on(tf.constant(words.view(np.int32)), tf.constant(source * self._local_replicas))
+        return total.numpy().view(np.uint8)[:length].tobytes()
+
+    def _hand_on_graph(self, words: tf.Tensor, source_replica: tf.Tensor) -> tf.Tensor:
+        def contribute():
+            context = tf.distribute.get_replica_context()
+            is_source = tf.equal(context.replica_id_in_sync_group, source_replica)
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, tf.where(is_source, words, tf.zeros_like(words)))
+
+        return self.strategy.experimental_local_results(self.strategy.run(contribute))[0]
 
     def verify(self, digest: str, when: str) -> None:
         """Raises `PeerFailure` unless every worker's digest equals this one. (The vector has the length

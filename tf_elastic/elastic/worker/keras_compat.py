@@ -17,7 +17,7 @@ in its source, so the fix turns itself off once Keras is fixed.
 import contextlib
 import inspect
 import re
-from typing import Dict, Iterator
+from typing import Callable, Dict, Iterator
 
 import keras
 from absl import logging
@@ -74,6 +74,19 @@ def steps_per_execution_that_runs(model: "keras.Model", strategy) -> Iterator[No
         yield
     finally:
         model.steps_per_execution = compiled
+
+
+@contextlib.contextmanager
+def iterations_that_count_steps(optimizer: "keras.optimizers.Optimizer", steps: Callable[[], int]) -> Iterator[None]:
+    """Keras 3 counts one optimizer iteration more than it trains at the end of every epoch of unknown length:
+    the call that finds the data ended still adds 1 (measured with plain `model.fit` on a filtered dataset:
+    6 iterations per epoch of 5 batches, the weights as after 5 steps). Learning-rate schedules read that
+    counter, so it is set back to the steps trained (`steps()`: the trainer's count) once the call ends."""
+    start, trained = int(optimizer.iterations.numpy()), steps()
+    try:
+        yield
+    finally:
+        optimizer.iterations.assign(start + steps() - trained)
 
 
 def bugs_in(trainer_source: str) -> Dict[str, bool]:

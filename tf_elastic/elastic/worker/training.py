@@ -6,11 +6,11 @@ committed), `PeerFailure` when a collective fails, `ConfigurationError` for bad 
 """
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import time
-from typing import Dict, List, Optional, Sequence, TextIO, Tuple, Union
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import keras
 import numpy as np
@@ -22,10 +22,9 @@ from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir, error_line
 from tf_elastic.elastic.worker import consumed, entry, keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
-from tf_elastic.elastic.worker.data import (ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation,
-                                           feed, pipeline)
-from tf_elastic.elastic.worker.data.source import fingerprint_number
-from tf_elastic.elastic.worker.data_plan import DataPlan
+from tf_elastic.elastic.worker.data import ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation
+from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+from tf_elastic.elastic.worker.data.planned_feed import PlannedFeed
 from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
@@ -116,59 +115,65 @@ class _EpochEndCommit(keras.callbacks.Callback):
         self.trainer.commit_epoch(epoch)
 
 
+Feed = Union[PlannedFeed, DatasetFeed]  # what a worker's steps read: one small interface, see planned_feed.py
+
+
 class _ElasticTrainer:
     """Exact data positions, commits on cadence, and stops at the same step on every worker."""
 
-    def __init__(self, *, model: keras.Model, source: Source, preprocess: Optional[Preprocess], world: World,
-                 strategy: tf.distribute.Strategy, state: CommittedState, config: FitConfig, worker_batch: int,
-                 events: EventLog, sum_fn: SumOverWorkers, group: Optional[GroupState],
-                 schedule: Optional[BatchResizeSchedule], class_weight: Optional[Dict[int, float]] = None):
-        self.model, self.source, self.preprocess, self.class_weight = model, source, preprocess, class_weight
-        self.group, self.schedule = group, schedule
+    def __init__(self, *, model: keras.Model, feed: Feed, world: World, strategy: tf.distribute.Strategy,
+                 state: CommittedState, config: FitConfig, events: EventLog, sum_fn: SumOverWorkers,
+                 group: Optional[GroupState], schedule: Optional[BatchResizeSchedule]):
+        self.model, self.feed, self.group, self.schedule = model, feed, group, schedule
         self.average_statistics = StatisticsAverage(strategy, statistics(model.variables))
         self.validation = _Validation(None, 1)
         self.world, self.strategy = world, strategy
         self.state, self.config, self.events = state, config, events
         self.sum_over_workers = sum_fn
-        self.plan = DataPlan(source.num_examples, config.seed, lambda epoch: source.epoch_order(config.seed, epoch))
-        self.data_fingerprint = fingerprint_number(source)
-        self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
-        self.global_batch = worker_batch * world.size
-        self.step = self.epoch = self.epoch_start = 0  # from the agreed commit, at `restored`
-        self.batches: List[np.ndarray] = []
-        self.batch_in_epoch = 0  # batches of `self.batches` trained so far
+        self.step = 0  # from the agreed commit, at `restored`
         self.last_commit = time.time()
         self.epoch_began = time.time()
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
         self.last_loss = None
-        self._index_log: Optional[TextIO] = None
-        if world.index_log and world.run_dir:
-            path = RunDir(world.run_dir).index_log(world.round, world.rank)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._index_log = open(path, "a", encoding="utf-8")
+
+    @property
+    def epoch(self) -> int:
+        return self.feed.epoch
+
+    @property
+    def global_batch(self) -> int:
+        return self.feed.global_batch
 
     def check_same_data(self) -> None:
         """Every worker sees the data this one sees (one sum over the workers, a slot each)."""
         slots = [0.0] * (2 * self.world.size)
-        slots[2 * self.world.rank: 2 * self.world.rank + 2] = [self.data_fingerprint, self.source.num_examples]
+        slots[2 * self.world.rank: 2 * self.world.rank + 2] = self.feed.identity()
         seen = np.asarray(self.sum_over_workers(slots)).reshape(-1, 2)
         other = next((rank for rank, row in enumerate(seen) if tuple(row) != tuple(seen[0])), None)
         if other is not None:
             raise ConfigurationError(
                 f"the workers see different training data: rank 0 {_data_text(*seen[0])}, rank {other} "
-                f"{_data_text(*seen[other])}: give every host the same files.")
+                f"{_data_text(*seen[other])}: give every host the same files (and a tf.data pipeline whose order "
+                "is repeatable: seeded, no deterministic=False).")
 
     def restored(self) -> None:
         """The group agreed on its starting commit: positions and the schedule's batch history follow it."""
-        committed = self.state.data
-        if self.state.held != NO_COMMIT and committed != (self.data_fingerprint, self.source.num_examples):
+        committed, data = self.state.data, self.feed.committed_data()
+        if self.state.held != NO_COMMIT and committed != data:
             raise ConfigurationError(
                 f"the training data differs from the data of the commit of step {self.state.step}: it has "
-                f"{_data_text(self.data_fingerprint, self.source.num_examples)}, the commit {_data_text(*committed)}: "
+                f"{_data_text(*data)}, the commit {_data_text(*committed)}: "
                 "restart on the same data, or start a new run (another run dir) for new data.")
-        self.step, self.epoch, self.epoch_start = self.state.step, self.state.epoch, self.state.samples
-        self.set_batches(self.epoch, self.epoch_start)
+        self.step = self.state.step
+        saved = self.state.input_state.numpy() if self.state.input_state is not None else b""
+        if self.state.input_state is not None and not saved and self.group is not None and self.world.size > 1:
+            # Nothing committed: the chief's fresh pipeline (its shuffles' seeds) for all, seeded or not.
+            self.feed.restore(self.state.epoch, self.state.samples, b"")
+            saved = self.group.hand_on(self.feed.state() if self.world.is_chief else b"", 0)
+        self.feed.restore(self.state.epoch, self.state.samples, saved)
+        if self.state.input_state is not None:
+            self.check_same_data()  # a pipeline's stream, now that it is positioned
         if self.schedule is not None:
             self.schedule.resize(self.state.step, self.global_batch)
         # Traced here, not at the first commit (seconds for a ResNet under MWMS, which the progress watchdog
@@ -177,25 +182,10 @@ class _ElasticTrainer:
         if self.group is not None:
             self.group.check("at the round's start")
 
-    def set_batches(self, epoch: int, start: int) -> None:
-        self.epoch, self.epoch_start, self.batch_in_epoch = epoch, start, 0
-        self.batches = self.plan.replica_batches(epoch, start, self.world.size, self.world.rank, self.worker_batch)
-
-    def dataset(self) -> tf.distribute.DistributedDataset:
-        """This worker's planned batches of the current epoch, read by the source in the tf.data graph and
-        split over its local replicas as the plan splits them (see `data.feed`)."""
-        indices = np.concatenate(self.batches) if self.batches else np.zeros([0], np.int64)
-        return feed.to_replicas(self.strategy, self.world.size, self.worker_batch,
-                                lambda per_replica: self._pipeline(indices, per_replica))
-
-    def _pipeline(self, indices: np.ndarray, batch: int) -> tf.data.Dataset:
-        return pipeline(self.source, indices, batch, preprocess=self.preprocess, seed=self.config.seed,
-                        epoch=self.epoch, class_weight=self.class_weight, with_indices=self._index_log is not None)
-
     def record_consumption(self) -> None:
         """Test mode (`--index_log`): every replica writes the indices its steps train (`consumed`)."""
-        if self._index_log is not None:
-            spec = self._pipeline(np.zeros([0], np.int64), 1).element_spec
+        if getattr(self.feed, "index_log", None) is not None:
+            spec = self.feed.pipeline(np.zeros([0], np.int64), 1).element_spec
             with self.strategy.scope():
                 consumed.record_steps(self.model, RunDir(self.world.run_dir).consumed_log(
                     self.world.round, self.world.rank), spec)
@@ -203,57 +193,47 @@ class _ElasticTrainer:
     # Callback hooks ------------------------------------------------------------------------------
     def begin_epoch(self, epoch: int) -> None:
         self.epoch_began = time.time()
-        self.batch_in_epoch = 0
+        self.steps_in_call = 0
 
     def end_step(self, batch: int, logs: Dict) -> None:
-        """Keras ended the epoch's step `batch` (0-based): with `compile(steps_per_execution=k)` it calls once
+        """Keras ended the call's step `batch` (0-based): with `compile(steps_per_execution=k)` it calls once
         for k steps, so every step up to `batch` is counted here."""
         self.last_loss = logs.get("loss")
         before = self.step
-        # Keras names the last step an execution could reach; the last one of an epoch stops where the data does.
-        for _ in range(min(batch + 1, len(self.batches)) - self.batch_in_epoch):
-            self._count_step()
+        counted = self.feed.trained(batch + 1 - self.steps_in_call, self.step + 1)
+        self.steps_in_call += counted
+        self.step += counted
         report_progress(self.step)
         if not self.first_step_logged:
             self.first_step_logged = True
             self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
-                              world_size=self.world.size, examples=self.source.num_examples,
+                              world_size=self.world.size, examples=self.feed.examples,
                               global_batch=self.global_batch)
         commit = _crossed(before, self.step, self.config.commit_every_steps)
         if _crossed(before, self.step, self.config.sync_every_steps):
             stop, due = self._agree(self.stop_requested, self._commit_due())
             commit, self.stopped = commit or due or stop, stop
         # The epoch's last step commits at the epoch's end (a stop too): its validation and end come first.
-        if commit and self.batch_in_epoch < len(self.batches):
-            self.commit(self.epoch, self.epoch_start + self.batch_in_epoch * self.global_batch)
+        if commit and not self.feed.finished():
+            self.commit(self.epoch, self.feed.position())
         if self.stopped:
             self.model.stop_training = True
-
-    def _count_step(self) -> None:
-        if self._index_log is not None:
-            self._index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank, "epoch": self.epoch,
-                                              "step": self.step + 1,
-                                              "indices": self.batches[self.batch_in_epoch].tolist()}) + "\n")
-            self._index_log.flush()
-        self.batch_in_epoch += 1
-        self.step += 1
 
     def end_epoch(self, epoch: int, logs: Dict) -> None:
         """Keras ended the epoch (first of the callbacks): its event, and validation, whose logs the user's
         callbacks then see. The epoch-end commit comes after them (`commit_epoch`)."""
-        start = self.epoch_start + self.batch_in_epoch * self.global_batch
-        if self.batch_in_epoch < len(self.batches):
+        if not self.feed.finished():
             if not self.stopped:  # a callback of the user's stopped training mid-epoch (an agreed stop committed)
-                self.commit(epoch, start, early_stop=True)
+                self.commit(epoch, self.feed.position(), early_stop=True)
             return
         if self.world.is_chief:
             seconds = time.time() - self.epoch_began
-            self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.batch_in_epoch,
+            self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.steps_in_call,
                               seconds=round(seconds, 4), world_size=self.world.size)
             logging.info("epoch %d done: world size %d, global batch %d, learning rate %.4g, loss %.4f, %.1fs",
                          epoch + 1, self.world.size, self.global_batch, _learning_rate(self.model),
                          float(self.last_loss or 0.0), seconds)
-        skipped = self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
+        skipped = self.feed.skipped()
         if skipped:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=epoch, samples=skipped, rank=self.world.rank)
         if self.validation.due(epoch):
@@ -263,10 +243,10 @@ class _ElasticTrainer:
     def commit_epoch(self, epoch: int) -> None:
         """After every callback of the epoch's end: the commit holds what they decided too (a user's early
         stop, a learning rate ReduceLROnPlateau lowered)."""
-        if self.batch_in_epoch < len(self.batches):
+        if not self.feed.finished():
             return  # stopped mid-epoch: committed at the step already
+        self.feed.next_epoch()
         self.commit(epoch + 1, 0, early_stop=self.model.stop_training and not self.stopped)
-        self.set_batches(epoch + 1, 0)
 
     # Commit and agreement ------------------------------------------------------------------------
     def commit(self, epoch: int, samples: int, early_stop: bool = False) -> None:
@@ -285,8 +265,10 @@ class _ElasticTrainer:
                           loss=None if self.last_loss is None else float(self.last_loss),
                           learning_rate=_learning_rate(self.model), world_size=self.world.size,
                           global_batch=self.global_batch, check_seconds=round(time.perf_counter() - started, 4))
+        if self.state.input_state is not None:
+            self.state.input_state.assign(self.feed.state())
         self.state.commit(epoch, samples, self.step, self.global_batch, announce=fields, started=started,
-                          data=(self.data_fingerprint, self.source.num_examples), early_stop=early_stop)
+                          data=self.feed.committed_data(), early_stop=early_stop)
         report_activity()
         self.last_commit = time.time()
 
@@ -315,10 +297,10 @@ class _ElasticTrainer:
         """The epochs still to train, from the restored one. If less than one global batch of a restored
         partial epoch is left at this world size (a commit at the epoch's last step restored into a larger
         world, or the epoch-end commit lost), that is the remainder every epoch skips: go on with the next."""
-        if self.epoch_start > 0 and not self.batches:
+        if self.feed.nothing_left():
             self.events.write(Event.REMAINDER_SKIPPED, epoch=self.epoch, rank=self.world.rank,
-                              samples=self.plan.remainder(self.epoch_start, self.global_batch))
-            self.set_batches(self.epoch + 1, 0)
+                              samples=self.feed.skipped())
+            self.feed.next_epoch()
         if self.state.early_stopped or self.epoch >= epochs:
             if self.world.is_chief:  # a second run of a finished script must say so
                 logging.warning("training is already complete: the commit in %s is at epoch %d of %d (step %d%s); "
@@ -330,8 +312,8 @@ class _ElasticTrainer:
         return list(range(self.epoch, epochs))
 
     def close(self) -> None:
-        if self._index_log is not None:
-            self._index_log.close()
+        if getattr(self.feed, "index_log", None) is not None:
+            self.feed.index_log.close()
 
 
 def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int]]], y: Optional[np.ndarray] = None,
@@ -374,21 +356,22 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     keras_compat.install_fit_fix()
     world, strategy, run_dir = _context(world, strategy, run_dir)
     config, schedule = config or FitConfig(), schedule_of(model.optimizer, schedule)
-    _refuse_what_fit_cannot_honour(sample_weight=sample_weight, shuffle=shuffle, initial_epoch=initial_epoch,
-                                   steps_per_epoch=steps_per_epoch)
+    is_dataset = isinstance(x, tf.data.Dataset)
+    _refuse_what_fit_cannot_honour(sample_weight=sample_weight, shuffle=True if is_dataset else shuffle,
+                                   initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch)
     x, y, validation_data = _split_off_validation(x, y, validation_data, validation_split)
     _require_count("validation_steps", validation_steps, optional=True)
     _require_count("validation_batch_size", validation_batch_size, optional=True)
-    source = _training_source(x, y)
-    preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
-    replicas = strategy.num_replicas_in_sync
-    # Data positions are per worker; a worker with several local replicas feeds them one larger batch.
-    global_batch = global_batch_size(replicas, batch_size, per_replica_batch_size)
-    if source.num_examples < global_batch:
-        raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
-                                 f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. "
-                                 "Use a smaller batch size (or more data).")
     _require_count("epochs", epochs)
+    if is_dataset:
+        _refuse_with_a_dataset(y=y, batch_size=batch_size, per_replica_batch_size=per_replica_batch_size,
+                               class_weight=class_weight, preprocess=preprocess)
+        feed = DatasetFeed(x, world.size, world.rank)
+        global_batch = _static_batch(x)
+    else:
+        global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
+        feed = _planned_feed(_training_source(x, y), preprocess, world, global_batch, strategy.num_replicas_in_sync,
+                             config.seed, class_weight)
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
@@ -396,13 +379,14 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
         else None
     events = EventLog(run_dir, source=f"worker:{world.rank}")
     state = CommittedState(world, run_dir, model, schedule, durable=durable,
-                           durable_every_commits=config.durable_every_commits, events=events, background=True)
+                           durable_every_commits=config.durable_every_commits, events=events, background=True,
+                           input_state=is_dataset)
     sum_fn = sum_over_workers(strategy, world)
-    group = GroupState(strategy, world, state.variables, state.names, sum_fn) if replicas > 1 else None
+    group = GroupState(strategy, world, state.variables, state.names, sum_fn) \
+        if strategy.num_replicas_in_sync > 1 else None
     history = _History()
-    trainer = _ElasticTrainer(model=model, source=source, preprocess=preprocess, world=world, strategy=strategy,
-                              state=state, config=config, worker_batch=global_batch // world.size, events=events,
-                              sum_fn=sum_fn, group=group, schedule=schedule, class_weight=class_weight)
+    trainer = _ElasticTrainer(model=model, feed=feed, world=world, strategy=strategy, state=state, config=config,
+                              events=events, sum_fn=sum_fn, group=group, schedule=schedule)
     trainer.validation = validation
     everyone = _CallbacksOfOneFit([_ElasticCallback(trainer), *(callbacks or ()), history, _EpochEndCommit(trainer)],
                                   verbose=verbose,
@@ -431,11 +415,15 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
                 break
             # One `model.fit` an epoch: each epoch's planned order (and augmentation seeds) is a dataset of its
             # own, and a restored partial epoch is as long as what is left of it.
-            callbacks.set_params({"verbose": fit_args["verbose"], "epochs": epochs, "steps": len(trainer.batches)})
-            with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs), \
-                    keras_compat.steps_per_execution_that_runs(model, trainer.strategy):
-                model.fit(trainer.dataset(), epochs=epoch + 1, initial_epoch=epoch, shuffle=False,
-                          steps_per_epoch=len(trainer.batches), callbacks=callbacks, **fit_args)
+            steps = trainer.feed.steps()
+            callbacks.set_params({"verbose": fit_args["verbose"], "epochs": epochs, "steps": steps})
+            with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs), warnings.catch_warnings(), \
+                    keras_compat.steps_per_execution_that_runs(model, trainer.strategy), \
+                    keras_compat.iterations_that_count_steps(model.optimizer, lambda: trainer.step):
+                # A pipeline of unknown length ends its epoch by running out, as `model.fit` expects it to.
+                warnings.filterwarnings("ignore", message="Your input ran out of data")
+                model.fit(trainer.feed.distributed(trainer.strategy), epochs=epoch + 1, initial_epoch=epoch,
+                          shuffle=False, steps_per_epoch=steps, callbacks=callbacks, **fit_args)
         callbacks.end()
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
@@ -528,13 +516,42 @@ def _context(world: Optional[World], strategy: Optional[tf.distribute.Strategy],
     return world, strategy, run_dir
 
 
+def _planned_feed(source: Source, preprocess: Optional[Preprocess], world: World, global_batch: int, replicas: int,
+                  seed: int, class_weight: Optional[Dict[int, float]]) -> PlannedFeed:
+    """Arrays, files and sources: each worker reads its share of the plan (an index log in test mode)."""
+    if source.num_examples < global_batch:
+        raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
+                                 f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. Use a "
+                                 "smaller batch size (or more data).")
+    index_log = None
+    if world.index_log and world.run_dir:
+        path = RunDir(world.run_dir).index_log(world.round, world.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        index_log = open(path, "a", encoding="utf-8")
+    preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
+    return PlannedFeed(source, preprocess, world, global_batch // world.size, seed, class_weight, index_log)
+
+
+def _refuse_with_a_dataset(**given) -> None:
+    """What `model.fit` refuses beside a dataset (its batches, labels and weights are the pipeline's), and
+    what a pipeline does itself."""
+    for name, value in given.items():
+        if value is not None:
+            raise ConfigurationError(f"{name} is not taken with a tf.data.Dataset x: the pipeline yields (x, y) or "
+                                     "(x, y, sample_weight) in global batches (map preprocessing and weights into "
+                                     "it).")
+
+
+def _static_batch(dataset: tf.data.Dataset) -> int:
+    """The dataset's batch where its spec says it (`batch(n, drop_remainder=True)`), else 32: validation's
+    default batch, as `model.fit`'s."""
+    first = tf.nest.flatten(dataset.element_spec)[0]
+    return int(first.shape[0]) if first.shape.rank and first.shape[0] is not None else 32
+
+
 def _training_source(x, y) -> Source:
     if isinstance(x, Source):
         return x
-    if isinstance(x, tf.data.Dataset):
-        raise ConfigurationError("x: a tf.data.Dataset cannot be resumed at an exact example; pass arrays (x, y), "
-                                 "a list of (path, label) pairs, or a source of tf_elastic.elastic.worker.data: "
-                                 "ArraySource, ImageFiles, ImageFolder, TFRecordSource, TFDSSource.")
     if y is None and isinstance(x, (list, tuple)) and x and all(isinstance(p, (list, tuple)) for p in x):
         return ImageFiles([p for p, _ in x], [label for _, label in x])
     if y is None:
@@ -553,7 +570,9 @@ def _refuse_what_fit_cannot_honour(**given) -> None:
            "shuffle": (True, "every epoch is shuffled from FitConfig.seed, so that all workers and every restart "
                              "read one order"),
            "initial_epoch": (0, "fit starts at the epoch its last commit names"),
-           "steps_per_epoch": (None, "an epoch is one pass over the data, which fit's committed positions count")}
+           "steps_per_epoch": (None, "an epoch is one pass over the data, which fit's committed positions count (a "
+                                     "repeated tf.data shuffle cannot be restored exactly at every position: "
+                                     "drop .repeat() and give epochs)")}
     for name, value in given.items():
         default, reason = why[name]
         if not (value is default or type(default) is int and type(value) is not bool and value == default):
@@ -702,6 +721,8 @@ def _start_from_group(state: CommittedState, group: Optional[GroupState], world:
         except PeerFailure:
             events.write(Event.RESTORE_MISMATCH, round=world.round, rank=world.rank, step=state.step)
             raise
+        if agreement.handed and state.input_state is not None:  # the tf.data position travels with its commit
+            state.input_state.assign(group.hand_on(state.input_state.numpy(), agreement.source))
         if agreement.received_bytes:
             events.write(Event.STATE_TRANSFER, round=world.round, rank=world.rank, source_rank=agreement.source,
                          step=agreement.id.step, generation=agreement.id.generation, bytes=agreement.received_bytes,

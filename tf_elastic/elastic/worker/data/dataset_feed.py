@@ -21,32 +21,54 @@ pipeline with `deterministic=False`) is refused before the first step (`Configur
 import collections
 import hashlib
 import threading
-from typing import Any, Deque, Iterator, Optional
+from typing import Any, Deque, Iterator, Optional, Tuple
 
 import tensorflow as tf
+from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.ops import gen_dataset_ops
 
+from tf_elastic.elastic.worker.data.feed import local_replicas
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
-_FAIL_ON_EXTERNAL_STATE = 2  # tf.data's ExternalStatePolicy.FAIL
+_FAIL_ON_EXTERNAL_STATE = options_lib.ExternalStatePolicy.FAIL.value
 
 
 class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
-    def __init__(self, dataset: tf.data.Dataset):
+    def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
         if dataset.options().deterministic is False:
             raise ConfigurationError("x: the tf.data pipeline sets deterministic=False, so that each worker (and "
                                      "each restart) could read another order; leave it deterministic.")
-        self.dataset = dataset
+        _check_saveable(dataset)
+        self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self._flat_specs = tf.nest.flatten(dataset.element_spec, expand_composites=True)
         self._lock = threading.Lock()
         self._iterator: Optional[Iterator] = None
         self._epoch_start = b""  # the epoch's iterator as it was made: its reshuffle seeds
         self._exhausted = False
         self._queue: Deque[Any] = collections.deque()  # pulled (or restored) global batches not yet trained
-        self._handed = 0  # of the queue, those already handed to the replicas
+        self._handed = 0  # of the queue, those the newest reader handed to the replicas
+        self._readers = self._popped = 0  # readers opened; batches trained (and dropped from the queue) in all
         self.batches = self.examples = 0  # trained in this epoch
+        self.epoch = 0
+        self.global_batch = 0  # the rows of the first batch fit trains: what events and the schedule report
+
+    def identity(self) -> Tuple[float, float]:
+        """What every worker must see alike: a digest of the next global batch (see `digest_ahead`), once
+        the feed is positioned (nothing before)."""
+        return (self.digest_ahead() if self._iterator is not None else 0.0), 0.0
+
+    def committed_data(self) -> Tuple[int, int]:
+        """A commit's position is the iterator's own: no fingerprint of a source (nor an array's) matches it."""
+        return 0, 0
+
+    def restore(self, epoch: int, samples: int, saved: bytes) -> None:
+        """Where the agreed commit left the feed (`saved`: its `state`)."""
+        del samples  # counted in `saved`
+        self.epoch = epoch
+        self.start(saved, epoch)
+        self.global_batch = self.first_rows()
 
     # Position -------------------------------------------------------------------------------------
     def start(self, state: bytes, epoch: int) -> None:
@@ -56,14 +78,7 @@ class DatasetFeed:
             iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
         self._queue.clear()
         self._handed = self.batches = self.examples = 0
-        try:
-            self._restore(state) if state else self._new_iterator()
-        except tf.errors.FailedPreconditionError as error:  # serialize_iterator: state outside TensorFlow
-            cause = str(error).split("}}")[-1].split("[Op:")[0].strip()
-            raise ConfigurationError(f"x: tf.data cannot save this pipeline's position ({cause}): a Python "
-                                     "generator, Dataset.from_generator or tf.py_function has state outside "
-                                     "TensorFlow. Build it from tf.data ops (from_tensor_slices, TFRecordDataset, "
-                                     "map with TensorFlow ops) or pass arrays.") from None
+        self._restore(state) if state else self._new_iterator()
 
     def _new_iterator(self) -> None:
         self._iterator, self._exhausted = iter(self.dataset), False
@@ -97,14 +112,30 @@ class DatasetFeed:
             self._queue.append(tf.nest.pack_sequence_as(self.dataset.element_spec, flat, expand_composites=True))
 
     # Feeding --------------------------------------------------------------------------------------
-    def steps_left(self) -> Optional[int]:
+    def steps(self) -> Optional[int]:
         """Steps left in this epoch, where the dataset's length is known before it is read."""
         known = int(self.dataset.cardinality())
         return known - self.batches if known >= 0 and not self._exhausted else None
 
     def finished(self) -> bool:
-        """Whether this epoch is trained to its end."""
-        return self._exhausted and not self._queue
+        """Whether this epoch is trained to its end (read one batch ahead to know)."""
+        return self._peek() is None
+
+    nothing_left = finished  # a restored position at the end of a pass: the next epoch begins
+
+    def skipped(self) -> int:
+        """Nothing: a partial last batch is trained, split over the replicas as evenly as it goes."""
+        return 0
+
+    def position(self) -> int:
+        """Examples of the epoch trained."""
+        return self.examples
+
+    def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
+        """This worker's replicas' rows of each global batch, dealt to its replicas in order."""
+        local = local_replicas(strategy, self.world_size)
+        return strategy.distribute_datasets_from_function(
+            lambda context: self.replica_dataset(local * self.world_size, self.rank * local, local))
 
     def replica_dataset(self, replicas: int, first: int, count: int) -> tf.data.Dataset:
         """Per-replica batches for this worker's replicas `first`..`first+count-1` of `replicas`, `count` for
@@ -118,15 +149,20 @@ class DatasetFeed:
         return tf.data.Dataset.from_generator(split, output_signature=_any_rows(self.dataset.element_spec))
 
     def _global_batches(self):
-        limit = self.steps_left()
-        handed = 0
-        while limit is None or handed < limit:
+        """The untrained batches in order, then new ones. Each reader starts at the first untrained batch:
+        one Keras opens to read a batch for its model build and drops must not cost a batch."""
+        with self._lock:
+            self._readers += 1
+            me, at, self._handed = self._readers, self._popped, 0  # `at`: absolute index of the next batch
+        limit = self.steps()
+        while limit is None or at - self._popped < limit:
             with self._lock:
-                if self._handed == len(self._queue) and not self._pull():
+                if at - self._popped == len(self._queue) and not self._pull():
                     return
-                batch = self._queue[self._handed]
-                self._handed += 1
-            handed += 1
+                batch = self._queue[at - self._popped]
+                at += 1
+                if me == self._readers:
+                    self._handed = at - self._popped
             yield batch
 
     def _pull(self) -> bool:
@@ -139,36 +175,56 @@ class DatasetFeed:
             self._exhausted = True
             return False
 
-    def trained(self, steps: int) -> None:
-        """`steps` more global batches were trained."""
+    def trained(self, steps: int, first_step: int = 0) -> int:
+        """`steps` more global batches were trained (at most those handed out); returns how many."""
+        del first_step
         with self._lock:
-            for _ in range(min(steps, len(self._queue))):
+            steps = min(steps, self._handed)
+            for _ in range(steps):
                 self.examples += _rows(self._queue.popleft())
                 self.batches += 1
-            self._handed = max(0, self._handed - steps)
+            self._handed -= steps
+            self._popped += steps
+        return steps
 
     def next_epoch(self) -> None:
         """The epoch is trained: the next one is a new pass, with a fresh iterator."""
         with self._lock:
             self._new_iterator()
             self.batches = self.examples = 0
+            self.epoch += 1
 
     def digest_ahead(self) -> float:
-        """48 bits of the SHA-256 of the next global batch (0: none left), read now and trained later: every
+        """48 bits of the SHA-256 of the next global batch to train (0: none left): every
         worker must read the same stream (an order that is not repeatable would differ here)."""
-        with self._lock:
-            if self._handed == len(self._queue) and not self._pull():
-                return 0.0
-            flat = tf.nest.flatten(self._queue[self._handed], expand_composites=True)
+        batch = self._peek()
+        if batch is None:
+            return 0.0
+        flat = tf.nest.flatten(batch, expand_composites=True)
         digest = hashlib.sha256(b"".join(tf.io.serialize_tensor(t).numpy() for t in flat)).hexdigest()
         return float(int(digest[:12], 16))
 
     def first_rows(self) -> int:
-        """Rows of the next global batch (0: none left): the global batch fit reports."""
+        """Rows of the next global batch (0: none left this epoch)."""
+        batch = self._peek()
+        return 0 if batch is None else _rows(batch)
+
+    def _peek(self) -> Any:
+        """The next batch to train (read now if none is waiting), or None at the end of the pass."""
         with self._lock:
-            if self._handed == len(self._queue) and not self._pull():
-                return 0
-            return _rows(self._queue[self._handed])
+            return self._queue[0] if self._queue or self._pull() else None
+
+
+def _check_saveable(dataset: tf.data.Dataset) -> None:
+    """Refuses what tf.data cannot checkpoint (found in the pipeline's graph, before any iterator)."""
+    try:
+        dataset._as_serialized_graph(external_state_policy=options_lib.ExternalStatePolicy.FAIL)
+    except tf.errors.FailedPreconditionError as error:
+        cause = str(error).split("graph: ")[-1].split("[Op:")[0].strip().rstrip(".")
+        raise ConfigurationError(f"x: tf.data cannot save this pipeline's position ({cause}): a Python "
+                                 "generator, Dataset.from_generator or tf.py_function keeps state outside "
+                                 "TensorFlow. Build it from tf.data ops (from_tensor_slices, TFRecordDataset, map "
+                                 "with TensorFlow ops) or pass arrays.") from None
 
 
 def _save(iterator) -> bytes:

@@ -1,0 +1,96 @@
+"""A `Source` fed by plan: each worker reads only its own share of every global batch, by index.
+
+The plan (`DataPlan`) deals the rest of each epoch's seeded permutation into global batches at the world
+size of the moment; committed progress is the number of samples of the epoch consumed. `fit` drives it
+through the same small interface as `DatasetFeed` (`begin`, `steps`, `distributed`, `trained`, `position`,
+`finished`, `skipped`, `next_epoch`, `identity`, `committed_data`).
+"""
+import json
+from typing import Dict, List, Optional, TextIO, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_elastic.elastic.worker.data import feed
+from tf_elastic.elastic.worker.data.source import Preprocess, Source, fingerprint_number, pipeline
+from tf_elastic.elastic.worker.data_plan import DataPlan
+from tf_elastic.elastic.worker.world import World
+
+
+class PlannedFeed:
+    def __init__(self, source: Source, preprocess: Optional[Preprocess], world: World, worker_batch: int, seed: int,
+                 class_weight: Optional[Dict[int, float]] = None, index_log: Optional[TextIO] = None):
+        """`index_log` (test mode): every step's indices are written to it as the step is counted."""
+        self.source, self.preprocess, self.world, self.seed = source, preprocess, world, seed
+        self.class_weight, self.index_log = class_weight, index_log
+        self.plan = DataPlan(source.num_examples, seed, lambda epoch: source.epoch_order(seed, epoch))
+        self.worker_batch = worker_batch  # this worker's share of a global batch (all its local replicas)
+        self.global_batch = worker_batch * world.size
+        self.examples = source.num_examples
+        self.fingerprint = fingerprint_number(source)
+        self.epoch = self.epoch_start = self.batch_in_epoch = 0
+        self.batches: List[np.ndarray] = []
+
+    def identity(self) -> Tuple[float, float]:
+        """What every worker must see alike: the data's fingerprint and size."""
+        return float(self.fingerprint), float(self.examples)
+
+    def committed_data(self) -> Tuple[int, int]:
+        """What a commit records of the data its positions index."""
+        return self.fingerprint, self.examples
+
+    def restore(self, epoch: int, samples: int, saved: bytes = b"") -> None:
+        """Where the agreed commit left the plan: its epoch and samples (`saved`: nothing of ours)."""
+        del saved
+        self.begin(epoch, samples)
+
+    def begin(self, epoch: int, start: int) -> None:
+        """The rest of `epoch` from its sample `start`, at this world size."""
+        self.epoch, self.epoch_start, self.batch_in_epoch = epoch, start, 0
+        self.batches = self.plan.replica_batches(epoch, start, self.world.size, self.world.rank, self.worker_batch)
+
+    def steps(self) -> Optional[int]:
+        return len(self.batches)
+
+    def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
+        """This worker's planned batches, read by the source in the tf.data graph and split over its local
+        replicas as the plan splits them (see `data.feed`)."""
+        indices = np.concatenate(self.batches) if self.batches else np.zeros([0], np.int64)
+        return feed.to_replicas(strategy, self.world.size, self.worker_batch,
+                                lambda per_replica: self.pipeline(indices, per_replica))
+
+    def pipeline(self, indices: np.ndarray, batch: int) -> tf.data.Dataset:
+        return pipeline(self.source, indices, batch, preprocess=self.preprocess, seed=self.seed, epoch=self.epoch,
+                        class_weight=self.class_weight, with_indices=self.index_log is not None)
+
+    def trained(self, steps: int, first_step: int) -> int:
+        """`steps` more steps trained (from global step `first_step`); returns how many the plan held (Keras
+        names the last step an execution could reach: the epoch's last stops where the data does)."""
+        steps = min(steps, len(self.batches) - self.batch_in_epoch)
+        for step in range(first_step, first_step + steps):
+            if self.index_log is not None:
+                self.index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank,
+                                                 "epoch": self.epoch, "step": step,
+                                                 "indices": self.batches[self.batch_in_epoch].tolist()}) + "\n")
+                self.index_log.flush()
+            self.batch_in_epoch += 1
+        return steps
+
+    def position(self) -> int:
+        """Samples of the epoch consumed."""
+        return self.epoch_start + self.batch_in_epoch * self.global_batch
+
+    def finished(self) -> bool:
+        return self.batch_in_epoch >= len(self.batches)
+
+    def nothing_left(self) -> bool:
+        """A restored partial epoch with less than a global batch left at this world size."""
+        return self.epoch_start > 0 and not self.batches
+
+    def skipped(self) -> int:
+        """Samples of the epoch left unused because they do not fill a global batch."""
+        start = self.position()
+        return self.plan.remainder(start, self.global_batch) if start < self.plan.num_examples else 0
+
+    def next_epoch(self) -> None:
+        self.begin(self.epoch + 1, 0)
