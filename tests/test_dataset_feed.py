@@ -1,11 +1,13 @@
 """Tests `tf_elastic/elastic/worker/data/dataset_feed.py` in one process: a user's tf.data pipeline read through
 resizes (the rows each replica would train, batches pulled ahead of the step, restarts from the saved state
 in a pipeline built anew) trains the global batches of a run without faults, in its order."""
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 EXAMPLES, BATCH = 60, 8
@@ -73,7 +75,7 @@ def test_a_dataset_of_known_length_says_its_steps():
     feed.start(b"", 0)
     assert feed.steps() == 5 and feed.first_rows() == 4
     assert _train(feed, 2, 1, ahead=0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert feed.steps() == 3 and feed.examples == 8
+    assert feed.steps() == 3 and feed.position() == 8
 
 
 def test_workers_reading_one_stream_have_one_digest_and_a_seeded_other_order_another():
@@ -101,3 +103,47 @@ def test_a_nondeterministic_pipeline_and_a_position_of_another_pipeline_are_refu
     feed.start(b"", 0)
     with pytest.raises(ConfigurationError, match="does not fit this tf.data pipeline"):
         DatasetFeed(tf.data.Dataset.range(8).batch(2)).start(feed.state(), 0)
+
+
+class _Shuffled(keras.utils.PyDataset):
+    """Ids in batches of 8 (the last of 4), reshuffled by a seeded generator at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.order, self.rng = np.arange(EXAMPLES), np.random.default_rng(5)
+
+    @property
+    def num_batches(self):
+        return -(-EXAMPLES // BATCH)
+
+    def __getitem__(self, index):
+        ids = self.order[index * BATCH:(index + 1) * BATCH]
+        return ids[:, None].astype(np.float32), ids
+
+    def on_epoch_end(self):
+        self.rng.shuffle(self.order)
+
+
+def _py_epochs(epochs: int, plan) -> list:
+    """As `_epochs`, for a PyDataset: each round a fresh one, at (steps, replicas)."""
+    state, epoch, out = b"", 0, [[] for _ in range(epochs)]
+    for steps, replicas in plan:
+        feed = PyDatasetFeed(_Shuffled())
+        feed.restore(epoch, 0, state)
+        while steps and epoch < epochs:
+            pieces = list(feed._replica_dataset(replicas, 0, replicas).take(replicas * min(steps, feed.steps())))
+            got = [np.concatenate([p[1].numpy() for p in pieces[k:k + replicas]]).tolist()
+                   for k in range(0, len(pieces), replicas)]
+            out[epoch] += got
+            steps -= feed.trained(len(got))
+            if feed.finished():
+                feed.next_epoch()
+                epoch += 1
+        state = feed.state()
+    return out
+
+
+def test_a_pydataset_resumes_at_its_batch_and_replays_its_seeded_reshuffles():
+    clean = _py_epochs(3, [(100, 1)])
+    assert [len(e) for e in clean] == [8, 8, 8] and clean[0] != clean[1] and len(clean[0][-1]) == 4
+    assert _py_epochs(3, [(3, 2), (6, 1), (1, 4), (100, 3)]) == clean

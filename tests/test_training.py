@@ -217,7 +217,7 @@ def test_fit_refuses_bad_arguments_naming_them_before_anything_is_written(tmp_pa
 
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
     generated = tf.data.Dataset.from_generator(lambda: iter(x), output_signature=tf.TensorSpec([4], tf.float32))
-    cases = [(dict(x=dataset), "^y is not taken with a tf.data.Dataset x"),
+    cases = [(dict(x=dataset), "^y is not taken with a tf.data.Dataset or PyDataset x"),
              (dict(x=dataset, y=None, batch_size=8), "^batch_size is not taken with a tf.data.Dataset"),
              (dict(x=dataset, y=None, class_weight={0: 1.0}), "^class_weight is not taken"),
              (dict(x=generated.batch(8), y=None), "^x: tf.data cannot save .*PyFunc"),
@@ -409,3 +409,77 @@ def test_the_end_of_fit_is_in_the_commit_ema_weights_and_a_users_early_stop(tmp_
         np.testing.assert_array_equal(finished.numpy(), restarted.numpy())
     stopped, after = run("stop", [StopAfterFirstEpoch()]), run("stop", [StopAfterFirstEpoch()])
     assert int(stopped.optimizer.iterations.numpy()) == int(after.optimizer.iterations.numpy()) == 8
+
+
+class _TwoOutputs(keras.utils.PyDataset):
+    """The same batches as `_two_output_dataset`'s, unshuffled: a PyDataset of dict features and targets."""
+
+    def __init__(self, arrays):
+        super().__init__()
+        self.arrays = arrays
+
+    @property
+    def num_batches(self):
+        return -(-len(self.arrays[0]["a"]) // 8)
+
+    def __getitem__(self, index):
+        return tf.nest.map_structure(lambda a: a[index * 8:(index + 1) * 8], self.arrays)
+
+
+def _two_output_data():
+    rng = np.random.default_rng(1)
+    features = {"a": rng.standard_normal((60, 3)).astype(np.float32), "b": rng.standard_normal((60, 2)).astype(
+        np.float32)}
+    targets = {"kind": rng.integers(0, 4, 60), "size": rng.standard_normal((60, 1)).astype(np.float32)}
+    weights = {"kind": rng.random(60).astype(np.float32), "size": rng.random(60).astype(np.float32)}
+    return features, targets, weights
+
+
+def _two_output_model():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    hidden = keras.layers.Dense(8, activation="relu")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b}, {"kind": keras.layers.Dense(4, name="kind")(hidden),
+                                           "size": keras.layers.Dense(1, name="size")(hidden)})
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+                  loss={"kind": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "size": "mse"})
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dataset", "pydataset"])
+def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit_exact(tmp_path, kind):
+    """A tf.data pipeline (shuffled, a short last batch) or a PyDataset of dict features, two targets and
+    their sample weights: preempted mid-epoch, then resumed, training ends with the bits of a run never
+    stopped (the global batches of each step and the optimizer's counter included)."""
+    import os
+    import signal
+
+    from tf_elastic import elastic
+
+    def data():
+        arrays = _two_output_data()
+        if kind == "pydataset":
+            return _TwoOutputs(arrays)
+        tf.random.set_seed(3)  # what elastic.run does: the unseeded shuffle repeats
+        return tf.data.Dataset.from_tensor_slices(arrays).shuffle(60).batch(8)
+
+    def run(run_dir, preempt_at=None):
+        model, seen = _two_output_model(), [0]
+
+        def count(batch, logs=None):
+            seen[0] += 1
+            if seen[0] == preempt_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        elastic.fit(model, data(), world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
+                    epochs=3, verbose=0, callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=count)],
+                    config=elastic.FitConfig(commit_every_steps=0, sync_every_steps=2, durable_every_commits=0))
+        return model
+
+    never_stopped = run(tmp_path / "whole")
+    with pytest.raises(elastic.StopRequested, match="after committing step 12"):
+        run(tmp_path / "stopped", preempt_at=11)  # epoch 1 (8 steps an epoch), agreed at step 12
+    resumed = run(tmp_path / "stopped")
+    assert int(resumed.optimizer.iterations.numpy()) == int(never_stopped.optimizer.iterations.numpy()) == 24
+    for mine, theirs in zip(resumed.weights, never_stopped.weights):
+        np.testing.assert_array_equal(mine.numpy(), theirs.numpy())

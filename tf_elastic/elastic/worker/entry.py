@@ -2,7 +2,7 @@
 
     def main():
         ...                                  # a plain Keras script: build, compile, then
-        elastic.fit(model, x, y, epochs=5, validation_data=(x_val, y_val))
+        elastic.fit(model, dataset, epochs=5, validation_data=(x_val, y_val))
 
     if __name__ == "__main__":
         elastic.run(main)                    # was: main()

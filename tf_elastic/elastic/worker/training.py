@@ -25,6 +25,7 @@ from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
 from tf_elastic.elastic.worker.data import ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation
 from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 from tf_elastic.elastic.worker.data.planned_feed import PlannedFeed
+from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
 from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
@@ -115,7 +116,8 @@ class _EpochEndCommit(keras.callbacks.Callback):
         self.trainer.commit_epoch(epoch)
 
 
-Feed = Union[PlannedFeed, DatasetFeed]  # what a worker's steps read: one small interface, see planned_feed.py
+# What a worker's steps read: one small interface (see planned_feed.py).
+Feed = Union[PlannedFeed, DatasetFeed, PyDatasetFeed]
 
 
 class _ElasticTrainer:
@@ -336,17 +338,20 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     `model.fit` splits it), `validation_steps` (global batches), `validation_batch_size` (default: the global
     batch), `class_weight`, and `batch_size`, the global batch, constant at every world size (which must divide
     it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default: a global
-    batch of 32. Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `sample_weight`,
-    `shuffle=False`, `initial_epoch` and `steps_per_epoch`. The returned `History` holds the epochs this
+    batch of 32. Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `sample_weight` (a
+    dataset carries weights), `shuffle=False` (ignored with a dataset, as by `model.fit`), `initial_epoch`
+    and `steps_per_epoch`. The returned `History` holds the epochs this
     process trained: after a restart, from the restored epoch on (a partial epoch's logs cover its rest only);
     `events.jsonl` has the whole run.
 
-    `x`: in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source`
-    (`y` None). Each step trains exactly the plan's global batch, split over the replicas of the moment
-    (`data.feed`); `compile(steps_per_execution=k)` is taken. A `tf.data.Dataset` is refused for
-    training: fit must know which examples each worker read to resume exactly. `preprocess(features,
-    label, seed)` runs per example before batching (default: none for arrays, integer images to float in
-    [0, 1] for sources); `validation_preprocess` likewise.
+    `x`: a `tf.data.Dataset` of global batches (`(x, y)` or `(x, y, sample_weight)`, any structure; `y`,
+    `batch_size` and `class_weight` None), read whole by every worker, each keeping its replicas' rows
+    (`DatasetFeed`: the global batches of a run without faults, in its order, through any resize); or
+    in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source` (`y`
+    None), of which each worker reads its share by plan (`PlannedFeed`). Each step trains exactly one global
+    batch, split over the replicas of the moment; `compile(steps_per_execution=k)` is taken.
+    `preprocess(features, label, seed)` runs per example of a source before batching (default: none for
+    arrays, integer images to float in [0, 1] for sources); `validation_preprocess` likewise.
 
     The world, strategy and run dir are `elastic.run`'s (pass them to run without it); the schedule is the
     optimizer's learning rate when it is a `BatchResizeSchedule`. The optimizer is built here, before the
@@ -356,7 +361,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     keras_compat.install_fit_fix()
     world, strategy, run_dir = _context(world, strategy, run_dir)
     config, schedule = config or FitConfig(), schedule_of(model.optimizer, schedule)
-    is_dataset = isinstance(x, tf.data.Dataset)
+    is_dataset = isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
     _refuse_what_fit_cannot_honour(sample_weight=sample_weight, shuffle=True if is_dataset else shuffle,
                                    initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch)
     x, y, validation_data = _split_off_validation(x, y, validation_data, validation_split)
@@ -366,8 +371,11 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     if is_dataset:
         _refuse_with_a_dataset(y=y, batch_size=batch_size, per_replica_batch_size=per_replica_batch_size,
                                class_weight=class_weight, preprocess=preprocess)
-        feed = DatasetFeed(x, world.size, world.rank)
-        global_batch = _static_batch(x)
+        if isinstance(x, tf.data.Dataset):
+            feed, global_batch = DatasetFeed(x, world.size, world.rank), _static_batch(x)
+        else:
+            feed = PyDatasetFeed(x, world.size, world.rank)
+            global_batch = feed.global_batch
     else:
         global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
         feed = _planned_feed(_training_source(x, y), preprocess, world, global_batch, strategy.num_replicas_in_sync,
@@ -537,9 +545,9 @@ def _refuse_with_a_dataset(**given) -> None:
     what a pipeline does itself."""
     for name, value in given.items():
         if value is not None:
-            raise ConfigurationError(f"{name} is not taken with a tf.data.Dataset x: the pipeline yields (x, y) or "
-                                     "(x, y, sample_weight) in global batches (map preprocessing and weights into "
-                                     "it).")
+            raise ConfigurationError(f"{name} is not taken with a tf.data.Dataset or PyDataset x: it yields (x, y) "
+                                     "or (x, y, sample_weight) in global batches (put preprocessing and weights "
+                                     "into it).")
 
 
 def _static_batch(dataset: tf.data.Dataset) -> int:

@@ -50,7 +50,8 @@ class DatasetFeed:
         self._queue: Deque[Any] = collections.deque()  # pulled (or restored) global batches not yet trained
         self._handed = 0  # of the queue, those the newest reader handed to the replicas
         self._readers = self._popped = 0  # readers opened; batches trained (and dropped from the queue) in all
-        self.batches = self.examples = 0  # trained in this epoch
+        self.batches = self.trained_examples = 0  # trained in this epoch
+        self.examples = None  # in an epoch: not known before it is read
         self.epoch = 0
         self.global_batch = 0  # the rows of the first batch fit trains: what events and the schedule report
 
@@ -77,7 +78,7 @@ class DatasetFeed:
         for _ in range(0 if state else epoch):
             iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
         self._queue.clear()
-        self._handed = self.batches = self.examples = 0
+        self._handed = self.batches = self.trained_examples = 0
         self._restore(state) if state else self._new_iterator()
 
     def _new_iterator(self) -> None:
@@ -89,7 +90,7 @@ class DatasetFeed:
         epoch's counts, in one string."""
         with self._lock:
             parts = [_save(self._iterator), self._epoch_start,
-                     f"{self.batches} {self.examples} {int(self._exhausted)}".encode()]
+                     f"{self.batches} {self.trained_examples} {int(self._exhausted)}".encode()]
             for batch in self._queue:
                 parts += [tf.io.serialize_tensor(t).numpy() for t in tf.nest.flatten(batch, expand_composites=True)]
         return tf.io.serialize_tensor(tf.constant(parts, tf.string)).numpy()
@@ -105,7 +106,7 @@ class DatasetFeed:
                                      "began with, or start a new run (another run dir).") from None
         self._epoch_start = parts[1]
         batches, examples, exhausted = (int(n) for n in parts[2].split())
-        self.batches, self.examples, self._exhausted = batches, examples, bool(exhausted)
+        self.batches, self.trained_examples, self._exhausted = batches, examples, bool(exhausted)
         width = len(self._flat_specs)
         for at in range(3, len(parts), width):
             flat = [tf.io.parse_tensor(blob, spec.dtype) for blob, spec in zip(parts[at:at + width], self._flat_specs)]
@@ -129,7 +130,7 @@ class DatasetFeed:
 
     def position(self) -> int:
         """Examples of the epoch trained."""
-        return self.examples
+        return self.trained_examples
 
     def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
         """This worker's replicas' rows of each global batch, dealt to its replicas in order."""
@@ -142,11 +143,10 @@ class DatasetFeed:
         each global batch in turn, up to the epoch's end."""
         def split():
             for batch in self._global_batches():
-                rows = _rows(batch)
                 for q in range(first, first + count):
-                    yield tf.nest.map_structure(lambda t: t[q * rows // replicas:(q + 1) * rows // replicas], batch)
+                    yield replica_share(batch, q, replicas)
 
-        return tf.data.Dataset.from_generator(split, output_signature=_any_rows(self.dataset.element_spec))
+        return tf.data.Dataset.from_generator(split, output_signature=any_rows(self.dataset.element_spec))
 
     def _global_batches(self):
         """The untrained batches in order, then new ones. Each reader starts at the first untrained batch:
@@ -181,7 +181,7 @@ class DatasetFeed:
         with self._lock:
             steps = min(steps, self._handed)
             for _ in range(steps):
-                self.examples += _rows(self._queue.popleft())
+                self.trained_examples += rows_of(self._queue.popleft())
                 self.batches += 1
             self._handed -= steps
             self._popped += steps
@@ -191,7 +191,7 @@ class DatasetFeed:
         """The epoch is trained: the next one is a new pass, with a fresh iterator."""
         with self._lock:
             self._new_iterator()
-            self.batches = self.examples = 0
+            self.batches = self.trained_examples = 0
             self.epoch += 1
 
     def digest_ahead(self) -> float:
@@ -207,7 +207,7 @@ class DatasetFeed:
     def first_rows(self) -> int:
         """Rows of the next global batch (0: none left this epoch)."""
         batch = self._peek()
-        return 0 if batch is None else _rows(batch)
+        return 0 if batch is None else rows_of(batch)
 
     def _peek(self) -> Any:
         """The next batch to train (read now if none is waiting), or None at the end of the pass."""
@@ -239,12 +239,21 @@ def _load(iterator, saved: bytes):
     return iterator
 
 
-def _rows(batch: Any) -> int:
+def replica_share(batch: Any, q, replicas: int) -> Any:
+    """Replica `q`'s rows of a global batch: [q*n//R, (q+1)*n//R) of its n rows (eager or in a graph)."""
+    first = tf.nest.flatten(batch)[0]
+    rows = first.nrows() if isinstance(first, tf.RaggedTensor) else tf.shape(first, out_type=tf.int64)[0]
+    q = tf.cast(q, tf.int64)
+    begin, end = q * rows // replicas, (q + 1) * rows // replicas
+    return tf.nest.map_structure(lambda t: t[begin:end], batch)
+
+
+def rows_of(batch: Any) -> int:
     first = tf.nest.flatten(batch)[0]
     return int(first.nrows()) if isinstance(first, tf.RaggedTensor) else int(first.shape[0])
 
 
-def _any_rows(spec: Any) -> Any:
+def any_rows(spec: Any) -> Any:
     """`spec` with an unknown batch dimension: replicas' shares differ when the replicas do not divide it."""
     def relax(s):
         if isinstance(s, tf.RaggedTensorSpec):

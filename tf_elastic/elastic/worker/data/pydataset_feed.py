@@ -1,0 +1,110 @@
+"""A `keras.utils.PyDataset` of global batches, trained exactly across every resize.
+
+A PyDataset is addressed by batch index (`dataset[i]`, `num_batches`), so its position is a number: the
+batches of the epoch trained. Every worker reads each global batch (in parallel, in order) and trains its
+replicas' rows of it, as with a tf.data pipeline (`DatasetFeed`); nothing is pulled ahead that a commit
+could lose. `on_epoch_end()` is called after each epoch, and a restart at epoch e calls it e times first:
+whatever it reshuffles must be seeded (a reshuffle that is not would differ between workers, which the
+group's check of the next batch refuses, and between runs, which nothing can see).
+"""
+import hashlib
+from typing import Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+from tf_elastic.elastic.worker.data.dataset_feed import any_rows, replica_share
+from tf_elastic.elastic.worker.data.feed import local_replicas
+from tf_elastic.elastic.worker.errors import ConfigurationError
+
+
+class PyDatasetFeed:
+    """Feeds this worker's replicas their rows of each batch of a `keras.utils.PyDataset`."""
+
+    def __init__(self, dataset, world_size: int = 1, rank: int = 0):
+        self.dataset, self.world_size, self.rank = dataset, world_size, rank
+        self.num_batches = dataset.num_batches
+        if not self.num_batches:
+            raise ConfigurationError(f"x: the PyDataset has num_batches={self.num_batches!r}; fit needs a finite "
+                                     "number of batches an epoch (an epoch is one pass).")
+        first = dataset[0]
+        self._structure = first if isinstance(first, tuple) else (first,)
+        self._flat = [np.asarray(a) for a in tf.nest.flatten(self._structure)]
+        self._spec = any_rows(tf.nest.pack_sequence_as(
+            self._structure, [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in self._flat]))
+        self.epoch = self.batches = 0
+        self.examples = None  # an epoch's: a PyDataset says its batches, not its examples
+        self._epochs_ended = 0
+        self.global_batch = len(self._flat[0])
+
+    # The feed's interface (see planned_feed.py) ---------------------------------------------------
+    def identity(self) -> Tuple[float, float]:
+        """A digest of the next batch to train, and the epoch's length: every worker must read alike."""
+        if self.batches >= self.num_batches:
+            return 0.0, float(self.num_batches)
+        digest = hashlib.sha256(b"".join(np.ascontiguousarray(a).tobytes() for a in self._read(self.batches)))
+        return float(int(digest.hexdigest()[:12], 16)), float(self.num_batches)
+
+    def committed_data(self) -> Tuple[int, int]:
+        return 0, self.num_batches
+
+    def restore(self, epoch: int, samples: int, saved: bytes) -> None:
+        """The epoch's `on_epoch_end` calls replayed, then the batches the commit trained (`saved`)."""
+        del samples
+        while self._epochs_ended < epoch:
+            self.dataset.on_epoch_end()
+            self._epochs_ended += 1
+        self.epoch = epoch
+        self.batches = int(saved) if saved else 0
+
+    def state(self) -> bytes:
+        return str(self.batches).encode()
+
+    def steps(self) -> Optional[int]:
+        return self.num_batches - self.batches
+
+    def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
+        local = local_replicas(strategy, self.world_size)
+        return strategy.distribute_datasets_from_function(
+            lambda context: self._replica_dataset(local * self.world_size, self.rank * local, local))
+
+    def _replica_dataset(self, replicas: int, first: int, count: int) -> tf.data.Dataset:
+        dtypes = [tf.as_dtype(a.dtype) for a in self._flat]
+
+        def read(index):
+            flat = tf.numpy_function(lambda i: self._read(int(i)), [index], dtypes)
+            for tensor, spec in zip(flat, tf.nest.flatten(self._spec)):
+                tensor.set_shape(spec.shape)
+            return tf.nest.pack_sequence_as(self._structure, flat)
+
+        batches = tf.data.Dataset.range(self.batches, self.num_batches).map(
+            read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        return batches.flat_map(lambda *batch: tf.data.Dataset.range(first, first + count).map(
+            lambda q: replica_share(batch if len(batch) > 1 else batch[0], q, replicas)))
+
+    def _read(self, index: int):
+        return [np.asarray(a) for a in tf.nest.flatten(self.dataset[index])]
+
+    def trained(self, steps: int, first_step: int = 0) -> int:
+        del first_step
+        steps = min(steps, self.num_batches - self.batches)
+        self.batches += steps
+        return steps
+
+    def position(self) -> int:
+        """The epoch's batches trained times the batch (what commits show as samples; `state` holds batches)."""
+        return self.batches * self.global_batch
+
+    def finished(self) -> bool:
+        return self.batches >= self.num_batches
+
+    nothing_left = finished
+
+    def skipped(self) -> int:
+        return 0
+
+    def next_epoch(self) -> None:
+        self.dataset.on_epoch_end()
+        self._epochs_ended += 1
+        self.epoch += 1
+        self.batches = 0
