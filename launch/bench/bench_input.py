@@ -8,7 +8,12 @@
    from making the pipeline and from its first batch on (start-up is a fixed cost: tracing, the first run);
 2. peak resident memory of a `launch.train` worker on generated image folders of two sizes (same steps);
 3. time from a restart to the first batch at a mid-epoch position, for each source kind (TFRecords with
-   and without the index cache of an earlier start).
+   and without the index cache of an earlier start);
+4. a user's own tf.data pipeline (TFRecord + parse + shuffle + batch): steps/s under `elastic.fit` (every
+   worker reads the whole pipeline) against plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA
+   and by FILE, at 1, 2 and 4 workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed
+   position (`DatasetFeed.state`) with shuffle buffers of 1k and 10k images: its bytes against the
+   buffer's, the time to make it, and a restart's time from the state to its first batch.
 """
 import os
 import subprocess
@@ -31,6 +36,9 @@ flags.DEFINE_integer("image_size", 32, "Side of the generated JPEG images.", low
 flags.DEFINE_integer("batch_size", 64, "Batch size of both pipelines.", lower_bound=1)
 flags.DEFINE_integer("repeats", 3, "Passes per pipeline; the best counts.", lower_bound=1)
 flags.DEFINE_list("sizes", ["20000", "200000"], "Folder sizes for the worker's peak memory (none: skip it).")
+flags.DEFINE_list("pipeline_workers", ["1", "2", "4"], "World sizes of the tf.data comparison (none: skip).")
+flags.DEFINE_integer("pipeline_examples", 6000, "Images of the tf.data comparison's TFRecords.", lower_bound=640)
+flags.DEFINE_list("shuffle_buffers", ["1000", "10000"], "Shuffle buffers whose committed state is measured.")
 flags.DEFINE_string("work_dir", None, "Where to generate data (default: a temp dir, removed after).")
 FLAGS = flags.FLAGS
 
@@ -174,6 +182,98 @@ def restart_to_first_batch(root: Path, files: dict) -> List[tuple]:
     return rows
 
 
+def user_pipeline(records: str, batch: int, shuffle: int, size: int, auto_shard: str = ""):
+    """A user's own pipeline: TFRecord shards interleaved, parsed and decoded, shuffled, batched, prefetched."""
+    import tensorflow as tf
+
+    from tf_elastic.elastic.worker import data
+
+    files = tf.data.Dataset.list_files(records, shuffle=False)
+    examples = files.interleave(tf.data.TFRecordDataset, cycle_length=4, num_parallel_calls=tf.data.AUTOTUNE,
+                                deterministic=True)
+
+    def parse(record):
+        encoded, label = data.default_parse(record)
+        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        image.set_shape([size, size, 3])
+        return tf.cast(image, tf.float32) / 255.0, label - 1
+
+    dataset = examples.map(parse, num_parallel_calls=tf.data.AUTOTUNE).shuffle(shuffle, seed=1)
+    dataset = dataset.batch(batch).prefetch(tf.data.AUTOTUNE)
+    if auto_shard:
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = getattr(tf.data.experimental.AutoShardPolicy,
+                                                                    auto_shard)
+        dataset = dataset.with_options(options)
+    return dataset
+
+
+def pipeline_rates(root: Path, world: int, mode: str) -> float:
+    """The chief's steps/s in the second epoch of `pipeline_worker` at `world` workers."""
+    import json
+    import socket
+
+    ports = []
+    for _ in range(world):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
+    run_dir = root / f"run-{mode}-{world}"
+    procs = [subprocess.Popen([sys.executable, "-m", "launch.bench.pipeline_worker", f"--mode={mode}",
+                               f"--records={root / 'pipeline' / 'train-*'}", f"--run_dir={run_dir}"],
+                              env={**repo_env(), "TF_CONFIG": json.dumps({"cluster": cluster, "task": {
+                                  "type": "worker", "index": index}})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for index in range(world)]
+    outputs = [proc.communicate(timeout=1200) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        if proc.returncode:
+            raise RuntimeError(f"{mode} at {world} workers failed: {err[-2000:]}")
+    return float(outputs[0][0].split("steps_per_second ")[-1].split()[0])
+
+
+def pipeline_state(root: Path, buffer: int) -> tuple:
+    """(state MB, buffer MB, seconds to make the state, seconds from it to a restarted feed's first batch)."""
+    import tensorflow as tf
+
+    from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+
+    make = lambda: user_pipeline(str(root / "pipeline" / "train-*"), FLAGS.batch_size, buffer,  # noqa: E731
+                                 FLAGS.image_size)
+    feed = DatasetFeed(make())
+    feed.start(b"", 0)
+    for _ in range(3):
+        feed.trained(len(list(feed.replica_dataset(1, 0, 1).take(1))))  # the buffer is full from the first batch
+    started = time.perf_counter()
+    state = feed.state()
+    made = time.perf_counter() - started
+    started = time.perf_counter()
+    restarted = DatasetFeed(make())
+    restarted.start(state, 0)
+    restarted.first_rows()
+    image = FLAGS.image_size * FLAGS.image_size * 3 * tf.float32.size
+    return len(state) / 2**20, buffer * image / 2**20, made, time.perf_counter() - started
+
+
+def print_pipeline_tables(root: Path) -> None:
+    write_tfrecords(root / "pipeline", FLAGS.pipeline_examples, FLAGS.image_size)
+    if FLAGS.pipeline_workers:
+        print(f"\nA tf.data pipeline (TFRecord + parse + shuffle 1000 + batch {FLAGS.batch_size}, "
+              f"{FLAGS.pipeline_examples} images), steps/s of the second epoch, side by side")
+        print("| workers | elastic.fit | plain DATA | plain FILE | elastic / DATA | elastic / FILE |\n"
+              "|---|---|---|---|---|---|")
+        for world in [int(w) for w in FLAGS.pipeline_workers]:
+            rates = {mode: pipeline_rates(root, world, mode) for mode in ("elastic", "data", "file")}
+            print(f"| {world} | {rates['elastic']:.2f} | {rates['data']:.2f} | {rates['file']:.2f} | "
+                  f"{rates['elastic'] / rates['data']:.2f}x | {rates['elastic'] / rates['file']:.2f}x |", flush=True)
+    print("\nThe committed position of that pipeline (DatasetFeed.state, float32 images)")
+    print("| shuffle buffer | state MB | buffer MB | state - buffer MB | make s | restart to first batch s |\n"
+          "|---|---|---|---|---|---|")
+    for buffer in [int(b) for b in FLAGS.shuffle_buffers]:
+        state, held, made, restart = pipeline_state(root, buffer)
+        print(f"| {buffer} | {state:.1f} | {held:.1f} | {state - held:.2f} | {made:.3f} | {restart:.3f} |", flush=True)
+
+
 def main(argv):
     del argv
     from tf_elastic.testing import data_files
@@ -183,6 +283,8 @@ def main(argv):
         write_folder(root / "folder", FLAGS.examples, FLAGS.image_size)
         write_tfrecords(root / "tfrecord", FLAGS.examples, FLAGS.image_size)
         files = data_files.write_all(root / "digits")
+        if FLAGS.pipeline_workers or FLAGS.shuffle_buffers:
+            print_pipeline_tables(root)
         print(f"\nThroughput ({FLAGS.examples} JPEGs {FLAGS.image_size}x{FLAGS.image_size}, batch {FLAGS.batch_size}, "
               f"best of {FLAGS.repeats})")
         print("| source | elastic examples/s | plain tf.data examples/s | ratio | ratio from the first batch on "

@@ -1,0 +1,75 @@
+"""One worker of `bench_input`'s tf.data comparison: a TFRecord + parse + shuffle + batch pipeline trained for
+two epochs under `elastic.fit`, or under plain MultiWorkerMirroredStrategy `model.fit` with
+`AutoShardPolicy.DATA` or `FILE`; the world comes from `TF_CONFIG`. The chief prints `steps_per_second S`
+for the second epoch (the first traces and fills buffers).
+
+    TF_CONFIG=... python -m launch.bench.pipeline_worker --mode=elastic --records='DIR/train-*'
+"""
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app, flags  # noqa: E402
+
+from launch.bench.bench_input import user_pipeline  # noqa: E402  (its flags: --batch_size, --image_size)
+
+flags.DEFINE_enum("mode", "elastic", ["elastic", "data", "file"], "elastic.fit, or plain model.fit sharded by "
+                  "DATA or by FILE.")
+flags.DEFINE_string("records", None, "The TFRecord shards (a glob).", required=True)
+flags.DEFINE_integer("shuffle", 1000, "Shuffle buffer (examples).", lower_bound=1)
+flags.DEFINE_string("run_dir", None, "elastic: where commits go.")
+FLAGS = flags.FLAGS
+
+
+def _pipeline(auto_shard: str = ""):
+    return user_pipeline(FLAGS.records, FLAGS.batch_size, FLAGS.shuffle, FLAGS.image_size, auto_shard)
+
+
+def model():
+    import keras
+
+    net = keras.Sequential([keras.Input((FLAGS.image_size, FLAGS.image_size, 3)),
+                            keras.layers.Conv2D(16, 3, activation="relu"), keras.layers.GlobalAveragePooling2D(),
+                            keras.layers.Dense(10)])
+    net.compile(keras.optimizers.SGD(0.01), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return net
+
+
+def main(argv):
+    del argv
+    import json
+
+    import keras
+
+    epoch_began = []
+    timing = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs=None: epoch_began.append(
+        time.perf_counter()), on_train_batch_end=lambda batch, logs=None: steps.__setitem__(0, batch + 1))
+    steps, chief = [0], json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+
+    def report():
+        if chief:
+            print(f"steps_per_second {steps[0] / (time.perf_counter() - epoch_began[-1]):.3f}", flush=True)
+
+    if FLAGS.mode == "elastic":
+        from tf_elastic import elastic
+
+        def train():
+            elastic.fit(model(), _pipeline(), epochs=2, verbose=0, callbacks=[timing],
+                        config=elastic.FitConfig(commit_every_steps=50, durable_every_commits=0))
+            report()
+
+        elastic.run(train, run_dir=FLAGS.run_dir)
+    else:
+        import tensorflow as tf
+
+        from tf_elastic.elastic.worker import keras_compat
+
+        keras_compat.install_fit_fix()  # Keras 3.15's model.fit fails under MWMS without it (keras#20585)
+        with tf.distribute.MultiWorkerMirroredStrategy().scope():
+            model().fit(_pipeline(FLAGS.mode.upper()), epochs=2, verbose=0, callbacks=[timing])
+        report()
+
+
+if __name__ == "__main__":
+    app.run(main)
