@@ -147,3 +147,72 @@ def test_a_pydataset_resumes_at_its_batch_and_replays_its_seeded_reshuffles():
     clean = _py_epochs(3, [(100, 1)])
     assert [len(e) for e in clean] == [8, 8, 8] and clean[0] != clean[1] and len(clean[0][-1]) == 4
     assert _py_epochs(3, [(3, 2), (6, 1), (1, 4), (100, 3)]) == clean
+
+
+def _shapes(root):
+    """Pipelines as users build them, each made anew for every round (a restarted worker builds its own)."""
+    from tf_elastic.testing import data_files
+
+    files = data_files.write_all(root)
+    records = str(files["tfrecord"] / "train-*")
+
+    def tfrecords():
+        from tf_elastic.elastic.worker.data import default_parse
+
+        parsed = tf.data.TFRecordDataset(tf.io.gfile.glob(records)).map(default_parse).shuffle(64)
+        return parsed.filter(lambda image, label: label % 3 != 0).batch(BATCH)
+
+    (x, y), test = data_files.digits()
+    data_files.write_tfds(root / "tfds_records", "digits_records", (x[:400], y[:400]), test, file_format="tfrecord")
+
+    def tfds_load():
+        import tensorflow_datasets as tfds
+
+        examples = tfds.load("digits_records", split="train", data_dir=str(root / "tfds_records"))
+        return examples.map(lambda e: (e["image"], e["label"])).shuffle(100).batch(BATCH)
+
+    def mixed():
+        odd = tf.data.Dataset.range(1, 400, 2).shuffle(20)
+        even = tf.data.Dataset.range(0, 200, 2).map(lambda i: i * 10)
+        return tf.data.Dataset.sample_from_datasets([odd, even], weights=[0.7, 0.3]).batch(BATCH)
+
+    return {"image_dataset_from_directory": lambda: keras.utils.image_dataset_from_directory(
+                str(files["folder"] / "train"), image_size=(16, 16), batch_size=BATCH),  # shuffled, unseeded
+            "TFRecordDataset, map, shuffle, filter, batch": tfrecords,
+            "tfds.load": tfds_load,
+            "sample_from_datasets": mixed}
+
+
+def _batches(make, epochs: int, plan) -> list:
+    """`_epochs` for any pipeline: each global batch trained, as the bytes of its components."""
+    state, epoch, out = b"", 0, []
+    for steps, replicas in plan:
+        keras.utils.set_random_seed(0)  # what elastic.run does before the script builds its pipeline
+        feed = DatasetFeed(make())
+        feed.start(state, epoch)
+        while steps and epoch < epochs:
+            share = iter(feed.replica_dataset(replicas, 0, replicas))
+            for _ in range(steps):
+                pieces = [next(share, None) for _ in range(replicas)]
+                if pieces[0] is None:
+                    break
+                flat = [tf.nest.flatten(p) for p in pieces]
+                out.append(b"".join(tf.io.serialize_tensor(tf.concat([f[k] for f in flat], 0)).numpy()
+                                    for k in range(len(flat[0]))))
+                feed.trained(1)
+                steps -= 1
+            next(share, None)  # one more pulled ahead, as a strategy's prefetch would
+            if feed.finished():
+                feed.next_epoch()
+                epoch += 1
+        state = feed.state()
+    return out
+
+
+@pytest.mark.parametrize("shape", ["image_dataset_from_directory", "TFRecordDataset, map, shuffle, filter, batch",
+                                   "tfds.load", "sample_from_datasets"])
+def test_pipelines_as_users_build_them_resume_exactly_through_resizes(tmp_path, shape):
+    make = _shapes(tmp_path)[shape]
+    clean = _batches(make, 2, [(10_000, 1)])
+    assert len(clean) > 8 and len(set(clean)) > len(clean) // 2  # epochs differ (a reshuffle)
+    assert _batches(make, 2, [(3, 2), (2, 1), (5, 4), (10_000, 2)]) == clean

@@ -71,8 +71,9 @@ def write_tfrecords(directory: Path, prefix: str, images: np.ndarray, labels: Se
                 writer.write(example(png(images[n]), labels[n] + label_offset))
 
 
-def write_tfds(data_dir: Path, name: str, train, test) -> None:
-    """A TFDS dataset `name` with `image` and `label`, in ArrayRecord (what tfds.data_source reads)."""
+def write_tfds(data_dir: Path, name: str, train, test, file_format: str = "array_record") -> None:
+    """A TFDS dataset `name` with `image` and `label`, in ArrayRecord (what tfds.data_source reads) or
+    `file_format="tfrecord"` (what `tfds.load` reads as a tf.data pipeline)."""
     import tensorflow_datasets as tfds
 
     features = tfds.features.FeaturesDict({"image": tfds.features.Image(shape=train[0].shape[1:], dtype=np.uint8),
@@ -80,7 +81,7 @@ def write_tfds(data_dir: Path, name: str, train, test) -> None:
     splits = {split: tf.data.Dataset.from_tensor_slices({"image": x, "label": y})
               for split, (x, y) in (("train", train), ("test", test))}
     tfds.dataset_builders.store_as_tfds_dataset(name=name, version="1.0.0", features=features, split_datasets=splits,
-                                                data_dir=data_dir, file_format="array_record", disable_shuffling=True)
+                                                data_dir=data_dir, file_format=file_format, disable_shuffling=True)
 
 
 def write_all(root: Path, size: int = 16) -> dict:

@@ -24,6 +24,7 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+import keras
 import tensorflow as tf
 
 from tf_elastic.elastic.protocol import Env, error_line
@@ -73,10 +74,11 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
         k8s_selector: kubernetes: the worker pods' label selector (None).
         tpu: a TPU name or grpc://HOST:PORT for `strategy="tpu"` (None).
         run_dir: where commits go without an agent (default `runs/train`); the agent's otherwise.
-        seed: TensorFlow's global seed, set before `main` (`tf.random.set_seed`), so that an unseeded
-            `Dataset.shuffle` (the default of `image_dataset_from_directory`) reads the same order in every
-            run of the job; default 0, None leaves it unset. (The workers of a round read one order whatever
-            the seed: the chief's pipeline position is handed to all.)
+        seed: the seed of Python's, NumPy's and TensorFlow's generators, set before `main`
+            (`keras.utils.set_random_seed`), so that an unseeded `Dataset.shuffle` and the file order of
+            `image_dataset_from_directory` (NumPy-drawn) are the same on every worker and in every run of
+            the job; default 0, None leaves them unset (the group's check of the next batch then refuses
+            workers that read different streams).
     """
     faulthandler.enable()  # a crash in native code (TensorFlow) still leaves every thread's stack in the log
     code, world = 1, None
@@ -87,7 +89,7 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
         made = make_strategy(world, strategy, collective, tpu)
         _current["context"] = Context(world, made, world.run_dir or run_dir)
         if seed is not None:
-            tf.random.set_seed(seed)
+            keras.utils.set_random_seed(seed)
         with made.scope():
             main(*prepared)
         code = 0
