@@ -97,8 +97,16 @@ def test_a_pipeline_tf_data_cannot_save_is_refused_in_one_line_naming_the_fix(pi
 def test_a_nondeterministic_pipeline_and_a_position_of_another_pipeline_are_refused():
     options = tf.data.Options()
     options.deterministic = False
-    with pytest.raises(ConfigurationError, match="deterministic=False"):
-        DatasetFeed(tf.data.Dataset.range(8).batch(2).with_options(options))
+    ids = tf.data.Dataset.range(8)
+    for unordered in (ids.batch(2).with_options(options),
+                      ids.map(lambda i: i + 1, num_parallel_calls=2, deterministic=False).batch(2),
+                      ids.interleave(lambda i: tf.data.Dataset.range(i), num_parallel_calls=2,
+                                     deterministic=False).batch(2)):
+        with pytest.raises(ConfigurationError, match=r"^x: .*no fixed order \(deterministic=False in [^)]+\)"):
+            DatasetFeed(unordered)
+    for repeated in (ids.batch(2).repeat(), ids.shuffle(8).repeat(2).batch(2)):
+        with pytest.raises(ConfigurationError, match=r"^x: the tf.data pipeline repeats"):
+            DatasetFeed(repeated)
     feed = DatasetFeed(_pipeline())
     feed.start(b"", 0)
     with pytest.raises(ConfigurationError, match="does not fit this tf.data pipeline"):

@@ -194,6 +194,8 @@ class GroupState:
         lengths = np.zeros(self.world.size)
         lengths[self.world.rank] = len(data)
         length = int(np.rint(self._sum(lengths))[source])
+        if not length:
+            return b""
         words = np.zeros(4 * -(-length // 4), np.uint8)
         if self.world.rank == source:
             words[:length] = np.frombuffer(data, np.uint8)

@@ -77,16 +77,23 @@ def steps_per_execution_that_runs(model: "keras.Model", strategy) -> Iterator[No
 
 
 @contextlib.contextmanager
-def iterations_that_count_steps(optimizer: "keras.optimizers.Optimizer", steps: Callable[[], int]) -> Iterator[None]:
+def iterations_that_count_steps(optimizer: "keras.optimizers.Optimizer", steps: Callable[[], int],
+                                unknown_length: bool) -> Iterator[None]:
     """Keras 3 counts one optimizer iteration more than it trains at the end of every epoch of unknown length:
     the call that finds the data ended still adds 1 (measured with plain `model.fit` on a filtered dataset:
     6 iterations per epoch of 5 batches, the weights as after 5 steps). Learning-rate schedules read that
-    counter, so it is set back to the steps trained (`steps()`: the trainer's count) once the call ends."""
-    start, trained = int(optimizer.iterations.numpy()), steps()
+    counter, so that one is taken back (`steps()`: the trainer's count of steps trained); a counter that is not
+    a variable (gradient accumulation) or that moved otherwise (a loss-scale skip) is left as it is."""
+    counter = optimizer.iterations
+    if not unknown_length or not hasattr(counter, "assign_sub"):
+        yield
+        return
+    start, trained = int(counter.numpy()), steps()
     try:
         yield
     finally:
-        optimizer.iterations.assign(start + steps() - trained)
+        if int(counter.numpy()) - start == steps() - trained + 1:
+            counter.assign_sub(1)
 
 
 def bugs_in(trainer_source: str) -> Dict[str, bool]:

@@ -427,7 +427,7 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
             callbacks.set_params({"verbose": fit_args["verbose"], "epochs": epochs, "steps": steps})
             with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs), warnings.catch_warnings(), \
                     keras_compat.steps_per_execution_that_runs(model, trainer.strategy), \
-                    keras_compat.iterations_that_count_steps(model.optimizer, lambda: trainer.step):
+                    keras_compat.iterations_that_count_steps(model.optimizer, lambda: trainer.step, steps is None):
                 # A pipeline of unknown length ends its epoch by running out, as `model.fit` expects it to.
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
                 model.fit(trainer.feed.distributed(trainer.strategy), epochs=epoch + 1, initial_epoch=epoch,
@@ -573,8 +573,8 @@ def _training_source(x, y) -> Source:
 
 def _refuse_what_fit_cannot_honour(**given) -> None:
     """`model.fit`'s arguments that an elastic fit cannot honour, refused before anything starts."""
-    why = {"sample_weight": (None, "per-example weights are not part of fit's data plan; weigh classes with "
-                                   "class_weight"),
+    why = {"sample_weight": (None, "per-example weights go in the data: (x, y, weight) batches of a tf.data.Dataset "
+                                   "or PyDataset (with arrays, weigh classes with class_weight)"),
            "shuffle": (True, "every epoch is shuffled from FitConfig.seed, so that all workers and every restart "
                              "read one order"),
            "initial_epoch": (0, "fit starts at the epoch its last commit names"),

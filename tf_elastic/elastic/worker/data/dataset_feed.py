@@ -37,13 +37,11 @@ class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
-        if dataset.options().deterministic is False:
-            raise ConfigurationError("x: the tf.data pipeline sets deterministic=False, so that each worker (and "
-                                     "each restart) could read another order; leave it deterministic.")
-        _check_saveable(dataset)
+        _check_pipeline(dataset)
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self._flat_specs = tf.nest.flatten(dataset.element_spec, expand_composites=True)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the queue and counts: held briefly (a step's callback takes it)
+        self._pulling = threading.Lock()  # the iterator: held while the user's pipeline makes a batch
         self._iterator: Optional[Iterator] = None
         self._epoch_start = b""  # the epoch's iterator as it was made: its reshuffle seeds
         self._exhausted = False
@@ -53,7 +51,7 @@ class DatasetFeed:
         self.batches = self.trained_examples = 0  # trained in this epoch
         self.examples = None  # in an epoch: not known before it is read
         self.epoch = 0
-        self.global_batch = 0  # the rows of the first batch fit trains: what events and the schedule report
+        self.global_batch = 0  # the rows of the run's first batch (committed): what events and schedules report
 
     def identity(self) -> Tuple[float, float]:
         """What every worker must see alike: a digest of the next global batch (see `digest_ahead`), once
@@ -69,7 +67,10 @@ class DatasetFeed:
         del samples  # counted in `saved`
         self.epoch = epoch
         self.start(saved, epoch)
-        self.global_batch = self.first_rows()
+        if not self.global_batch:
+            self.global_batch = self.first_rows()
+            if not self.global_batch:
+                raise ConfigurationError("x: the tf.data pipeline yields no batch: an epoch would have no step.")
 
     # Position -------------------------------------------------------------------------------------
     def start(self, state: bytes, epoch: int) -> None:
@@ -88,9 +89,9 @@ class DatasetFeed:
     def state(self) -> bytes:
         """The iterator's checkpoint, the epoch's fresh one, the batches pulled but not trained and the
         epoch's counts, in one string."""
-        with self._lock:
+        with self._pulling, self._lock:
             parts = [_save(self._iterator), self._epoch_start,
-                     f"{self.batches} {self.trained_examples} {int(self._exhausted)}".encode()]
+                     f"{self.batches} {self.trained_examples} {int(self._exhausted)} {self.global_batch}".encode()]
             for batch in self._queue:
                 parts += [tf.io.serialize_tensor(t).numpy() for t in tf.nest.flatten(batch, expand_composites=True)]
         return tf.io.serialize_tensor(tf.constant(parts, tf.string)).numpy()
@@ -105,7 +106,7 @@ class DatasetFeed:
                                      f"{str(error).splitlines()[0][:200]}); restart with the pipeline the run "
                                      "began with, or start a new run (another run dir).") from None
         self._epoch_start = parts[1]
-        batches, examples, exhausted = (int(n) for n in parts[2].split())
+        batches, examples, exhausted, self.global_batch = (int(n) for n in parts[2].split())
         self.batches, self.trained_examples, self._exhausted = batches, examples, bool(exhausted)
         width = len(self._flat_specs)
         for at in range(3, len(parts), width):
@@ -156,24 +157,43 @@ class DatasetFeed:
             me, at, self._handed = self._readers, self._popped, 0  # `at`: absolute index of the next batch
         limit = self.steps()
         while limit is None or at - self._popped < limit:
+            batch = self._batch(at)
+            if batch is None:
+                return
+            at += 1
             with self._lock:
-                if at - self._popped == len(self._queue) and not self._pull():
-                    return
-                batch = self._queue[at - self._popped]
-                at += 1
                 if me == self._readers:
                     self._handed = at - self._popped
             yield batch
 
-    def _pull(self) -> bool:
-        if self._exhausted:
-            return False
-        try:
-            self._queue.append(next(self._iterator))
-            return True
-        except StopIteration:
-            self._exhausted = True
-            return False
+    def _batch(self, at: int) -> Any:
+        """The batch of absolute index `at` (read from the pipeline if it is next), or None: the pass ended,
+        or a reader that lags behind the trained batches (one Keras dropped) asks for one already gone."""
+        while True:
+            with self._lock:
+                if at < self._popped:
+                    return None
+                if at - self._popped < len(self._queue):
+                    return self._queue[at - self._popped]
+                if self._exhausted:
+                    return None
+            self._pull()
+
+    def _pull(self) -> None:
+        """One more batch from the pipeline into the queue (unless another reader just did)."""
+        with self._pulling:
+            with self._lock:
+                if self._exhausted:
+                    return
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                batch = None
+            with self._lock:
+                if batch is None:
+                    self._exhausted = True
+                else:
+                    self._queue.append(batch)
 
     def trained(self, steps: int, first_step: int = 0) -> int:
         """`steps` more global batches were trained (at most those handed out); returns how many."""
@@ -189,7 +209,7 @@ class DatasetFeed:
 
     def next_epoch(self) -> None:
         """The epoch is trained: the next one is a new pass, with a fresh iterator."""
-        with self._lock:
+        with self._pulling, self._lock:
             self._new_iterator()
             self.batches = self.trained_examples = 0
             self.epoch += 1
@@ -212,19 +232,33 @@ class DatasetFeed:
     def _peek(self) -> Any:
         """The next batch to train (read now if none is waiting), or None at the end of the pass."""
         with self._lock:
-            return self._queue[0] if self._queue or self._pull() else None
+            at = self._popped
+        return self._batch(at)
 
 
-def _check_saveable(dataset: tf.data.Dataset) -> None:
-    """Refuses what tf.data cannot checkpoint (found in the pipeline's graph, before any iterator)."""
+def _check_pipeline(dataset: tf.data.Dataset) -> None:
+    """Refuses, in one line, what cannot be resumed exactly: state tf.data cannot checkpoint, an order that
+    is not repeatable, and repeats (found in the pipeline's graph, before any iterator is made)."""
     try:
-        dataset._as_serialized_graph(external_state_policy=options_lib.ExternalStatePolicy.FAIL)
+        serialized = dataset._as_serialized_graph(external_state_policy=options_lib.ExternalStatePolicy.FAIL)
     except tf.errors.FailedPreconditionError as error:
         cause = str(error).split("graph: ")[-1].split("[Op:")[0].strip().rstrip(".")
         raise ConfigurationError(f"x: tf.data cannot save this pipeline's position ({cause}): a Python "
-                                 "generator, Dataset.from_generator or tf.py_function keeps state outside "
-                                 "TensorFlow. Build it from tf.data ops (from_tensor_slices, TFRecordDataset, map "
-                                 "with TensorFlow ops) or pass arrays.") from None
+                                 "generator, Dataset.from_generator, tf.py_function or a stateful random op keeps "
+                                 "state outside TensorFlow's checkpoint. Build it from tf.data ops and stateless "
+                                 "random ops (tf.random.stateless_*), or pass arrays.") from None
+    graph = tf.compat.v1.GraphDef.FromString(serialized.numpy())
+    nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
+    unordered = sorted({node.op for node in nodes if node.attr["deterministic"].s == b"false"
+                        or node.attr["sloppy"].b} | ({"options"} if dataset.options().deterministic is False
+                                                      else set()))
+    if unordered:
+        raise ConfigurationError(f"x: the tf.data pipeline reads in no fixed order (deterministic=False in "
+                                 f"{', '.join(unordered)}): each worker and each restart could read another "
+                                 "order; leave it deterministic.")
+    if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY or any(node.op == "RepeatDataset" for node in nodes):
+        raise ConfigurationError("x: the tf.data pipeline repeats (.repeat()): an epoch is one pass over it (give "
+                                 "epochs), and TensorFlow restores a repeated reshuffle wrongly at some positions.")
 
 
 def _save(iterator) -> bytes:

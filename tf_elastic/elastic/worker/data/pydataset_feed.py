@@ -1,11 +1,12 @@
 """A `keras.utils.PyDataset` of global batches, trained exactly across every resize.
 
 A PyDataset is addressed by batch index (`dataset[i]`, `num_batches`), so its position is a number: the
-batches of the epoch trained. Every worker reads each global batch (in parallel, in order) and trains its
+batches of the epoch trained. Every worker reads each global batch (one at a time, in order) and trains its
 replicas' rows of it, as with a tf.data pipeline (`DatasetFeed`); nothing is pulled ahead that a commit
-could lose. `on_epoch_end()` is called after each epoch, and a restart at epoch e calls it e times first:
-whatever it reshuffles must be seeded (a reshuffle that is not would differ between workers, which the
-group's check of the next batch refuses, and between runs, which nothing can see).
+could lose. `on_epoch_begin()` and `on_epoch_end()` bracket each epoch, and a restart at epoch e replays
+the calls of the epochs before it: whatever they reshuffle must be seeded (a reshuffle that is not would
+differ between workers, which the group's check of the next batch refuses, and between runs, which
+nothing can see).
 """
 import hashlib
 from typing import Optional, Tuple
@@ -23,7 +24,10 @@ class PyDatasetFeed:
 
     def __init__(self, dataset, world_size: int = 1, rank: int = 0):
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
-        self.num_batches = dataset.num_batches
+        try:
+            self.num_batches = dataset.num_batches
+        except NotImplementedError:
+            self.num_batches = None
         if not self.num_batches:
             raise ConfigurationError(f"x: the PyDataset has num_batches={self.num_batches!r}; fit needs a finite "
                                      "number of batches an epoch (an epoch is one pass).")
@@ -34,7 +38,7 @@ class PyDatasetFeed:
             self._structure, [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in self._flat]))
         self.epoch = self.batches = 0
         self.examples = None  # an epoch's: a PyDataset says its batches, not its examples
-        self._epochs_ended = 0
+        self._epochs_begun = self._epochs_ended = 0  # calls of on_epoch_begin and on_epoch_end made
         self.global_batch = len(self._flat[0])
 
     # The feed's interface (see planned_feed.py) ---------------------------------------------------
@@ -49,11 +53,15 @@ class PyDatasetFeed:
         return 0, self.num_batches
 
     def restore(self, epoch: int, samples: int, saved: bytes) -> None:
-        """The epoch's `on_epoch_end` calls replayed, then the batches the commit trained (`saved`)."""
+        """The calls of `on_epoch_begin` / `on_epoch_end` up to `epoch`'s begin replayed (those not made yet),
+        then the batches the commit trained (`saved`)."""
         del samples
-        while self._epochs_ended < epoch:
-            self.dataset.on_epoch_end()
-            self._epochs_ended += 1
+        while self._epochs_begun <= epoch:
+            if self._epochs_begun > self._epochs_ended:
+                self.dataset.on_epoch_end()
+                self._epochs_ended += 1
+            self.dataset.on_epoch_begin()
+            self._epochs_begun += 1
         self.epoch = epoch
         self.batches = int(saved) if saved else 0
 
@@ -77,8 +85,9 @@ class PyDatasetFeed:
                 tensor.set_shape(spec.shape)
             return tf.nest.pack_sequence_as(self._structure, flat)
 
-        batches = tf.data.Dataset.range(self.batches, self.num_batches).map(
-            read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        # One batch at a time, in order: a `__getitem__` drawing from a shared seeded generator then draws the
+        # same on every worker (a user's reads may run in parallel inside `__getitem__`).
+        batches = tf.data.Dataset.range(self.batches, self.num_batches).map(read).prefetch(1)
         return batches.flat_map(lambda *batch: tf.data.Dataset.range(first, first + count).map(
             lambda q: replica_share(batch if len(batch) > 1 else batch[0], q, replicas)))
 
@@ -104,7 +113,5 @@ class PyDatasetFeed:
         return 0
 
     def next_epoch(self) -> None:
-        self.dataset.on_epoch_end()
-        self._epochs_ended += 1
         self.epoch += 1
-        self.batches = 0
+        self.restore(self.epoch, 0, b"")
