@@ -33,17 +33,27 @@ def _assert_every_id_once_per_epoch_at_the_global_batch(job, epochs):
     restored) trained every id once per epoch; the index log's own audit of what steps consumed agrees."""
     steps = id_trainer.by_step(id_trainer.read_records(job.tmp / "records", "train"))
     assert steps and {len(ids) for ids in steps.values()} == {BATCH}, collections.Counter(map(len, steps.values()))
-    restored = audit.restores(job.run_dirs)
     uses = collections.defaultdict(collections.Counter)
-    for (round_, step), ids in steps.items():
-        later = [s for r, s in restored.items() if r > round_]
-        if not later or step <= min(later):
-            uses[(step - 1) // STEPS_PER_EPOCH].update(ids)
+    for step, ids in _committed_steps(job).items():
+        uses[(step - 1) // STEPS_PER_EPOCH].update(ids)
     assert sorted(uses) == list(range(epochs))
     for epoch, counts in uses.items():
         assert sorted(counts) == list(range(EXAMPLES)) and set(counts.values()) == {1}, (epoch, counts)
     assert audit.exactly_once(job.run_dirs, EXAMPLES, BATCH) == {"epochs": epochs, "repeated": 0, "skipped": 0,
                                                                  "off_plan": 0}
+
+
+def _two_then_one_then_two(job):
+    """a and b train as 2 workers, b is SIGKILLed (a alone: 1), c joins with an empty disk (2); returns the
+    first steps of the three rounds."""
+    job.start_agent("a")
+    job.start_agent("b")
+    two = job.first_step_after(0, world_size=2, timeout=240)
+    job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == two["round"]], what="a commit of 2")
+    job.kill_host("b")
+    alone = job.first_step_after(two["time"], world_size=1, timeout=240)
+    job.start_agent("c")
+    return two, alone, job.first_step_after(alone["time"], world_size=2, timeout=240)
 
 
 def _complete_evaluations(job):
@@ -61,14 +71,7 @@ def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empt
     epochs = 40
     job = _job(tmp_path, epochs, ["--min_workers=1", "--max_workers=4", "--heartbeat_timeout=5"], step_seconds=0.1)
     try:
-        job.start_agent("a")
-        job.start_agent("b")
-        two = job.first_step_after(0, world_size=2, timeout=240)
-        job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == two["round"]], what="a commit of 2")
-        job.kill_host("b")
-        alone = job.first_step_after(two["time"], world_size=1, timeout=240)
-        job.start_agent("c")
-        again = job.first_step_after(alone["time"], world_size=2, timeout=240)
+        _, _, again = _two_then_one_then_two(job)
         job.start_agent("d", nproc=2)
         four = job.first_step_after(again["time"], world_size=4, timeout=240)
         codes = job.wait_agents(timeout=400)
@@ -114,14 +117,7 @@ def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_e
                step_seconds=0.1, pipeline="dataset")
     (tmp_path / "job").mkdir()
     try:
-        job.start_agent("a")
-        job.start_agent("b")
-        two = job.first_step_after(0, world_size=2, timeout=240)
-        job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == two["round"]], what="a commit of 2")
-        job.kill_host("b")
-        alone = job.first_step_after(two["time"], world_size=1, timeout=240)
-        job.start_agent("c")
-        again = job.first_step_after(alone["time"], world_size=2, timeout=240)
+        two, _, again = _two_then_one_then_two(job)
         codes = job.wait_agents(timeout=400)
         assert {host: codes[host] for host in "ac"} == {"a": 0, "c": 0}, job.describe()
         assert job.events("state_transfer", round=again["round"]), "c joined with an empty disk: it receives the state"
