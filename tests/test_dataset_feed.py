@@ -21,36 +21,45 @@ def _pipeline(seed=None):
     return features.ragged_batch(BATCH).prefetch(2)
 
 
-def _train(feed: DatasetFeed, steps: int, replicas: int, ahead: int = 2) -> list:
-    """Trains `steps` global batches over `replicas` replicas, having handed `ahead` more to the strategy."""
-    trained = []
-    share = iter(feed.replica_dataset(replicas, 0, replicas))
+def _ids(pieces) -> list:
+    """A global batch of `_pipeline`'s, read back from its replicas' pieces: its ids (each row's ragged tokens
+    checked against its id)."""
+    ids = np.concatenate([p[0]["id"].numpy() for p in pieces])
+    assert [len(t) for p in pieces for t in p[0]["tokens"].to_list()] == [i % 4 for i in ids]
+    return ids.tolist()
+
+
+def _bytes(pieces) -> bytes:
+    """Any global batch, read back from its replicas' pieces: the bytes of each component."""
+    flat = [tf.nest.flatten(p) for p in pieces]
+    return b"".join(tf.io.serialize_tensor(tf.concat([f[k] for f in flat], 0)).numpy() for k in range(len(flat[0])))
+
+
+def _train(feed, steps: int, replicas: int, read, ahead: int = 2) -> list:
+    """Trains up to `steps` global batches over `replicas` replicas (`read` each back from its pieces), then
+    lets a strategy's prefetch pull `ahead` more: what it pulled must not be lost."""
+    trained, share = [], iter(feed.replica_dataset(replicas, 0, replicas))
     for _ in range(steps):
-        pieces = []
-        for _ in range(replicas):
-            try:
-                pieces.append(next(share))
-            except StopIteration:
-                return trained
-        ids = np.concatenate([p[0]["id"].numpy() for p in pieces])
-        tokens = [len(t) for p in pieces for t in p[0]["tokens"].to_list()]
-        assert tokens == [i % 4 for i in ids]
-        trained.append(ids.tolist())
+        pieces = [next(share, None) for _ in range(replicas)]
+        if pieces[0] is None:
+            break
+        trained.append(read(pieces))
         feed.trained(1)
-    for _ in range(ahead * replicas):  # the prefetch reads on: what it pulled must not be lost
+    for _ in range(ahead * replicas):
         next(share, None)
     return trained
 
 
-def _epochs(epochs: int, plan) -> list:
-    """Per epoch, the global batches trained; `plan`: (steps, replicas) of each round, each round a fresh
-    pipeline restored from the previous round's saved state."""
+def _epochs(make_feed, epochs: int, plan, read=_ids) -> list:
+    """Per epoch, the global batches trained; `plan`: (steps, replicas) of each round, each round a fresh feed
+    (`make_feed()`: its pipeline built anew, as a restarted worker builds it) restored from the previous
+    round's state."""
     state, epoch, out = b"", 0, [[] for _ in range(epochs)]
     for steps, replicas in plan:
-        feed = DatasetFeed(_pipeline())
-        feed.start(state, epoch)
+        feed = make_feed()
+        feed.restore(epoch, 0, state)
         while steps and epoch < epochs:
-            got = _train(feed, steps, replicas)
+            got = _train(feed, steps, replicas, read)
             out[epoch] += got
             steps -= len(got)
             if feed.finished() or not got:
@@ -60,13 +69,17 @@ def _epochs(epochs: int, plan) -> list:
     return out
 
 
+def _feed():
+    return DatasetFeed(_pipeline())
+
+
 def test_resizes_and_restarts_train_the_batches_of_a_run_without_faults_in_order():
-    clean = _epochs(3, [(100, 1)])
+    clean = _epochs(_feed, 3, [(100, 1)])
     assert [len(e) for e in clean] == [6, 6, 6] and clean[0] != clean[1]
     assert sorted(sum(clean[0], [])) == [i for i in range(EXAMPLES) if i % 5 != 2]
-    assert _epochs(3, [(2, 2), (3, 1), (1, 4), (5, 3), (100, 2)]) == clean
+    assert _epochs(_feed, 3, [(2, 2), (3, 1), (1, 4), (5, 3), (100, 2)]) == clean
     for stop in range(1, 8):  # a commit at every position of the first epoch, its shuffle's end included
-        assert _epochs(3, [(stop, 1), (100, 3)]) == clean, stop
+        assert _epochs(_feed, 3, [(stop, 1), (100, 3)]) == clean, stop
 
 
 def test_a_dataset_of_known_length_says_its_steps():
@@ -74,7 +87,7 @@ def test_a_dataset_of_known_length_says_its_steps():
     feed = DatasetFeed(ids.ragged_batch(4))
     feed.start(b"", 0)
     assert feed.steps() == 5 and feed.first_rows() == 4
-    assert _train(feed, 2, 1, ahead=0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _train(feed, 2, 1, _ids, ahead=0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert feed.steps() == 3 and feed.position() == 8
 
 
@@ -132,29 +145,11 @@ class _Shuffled(keras.utils.PyDataset):
         self.rng.shuffle(self.order)
 
 
-def _py_epochs(epochs: int, plan) -> list:
-    """As `_epochs`, for a PyDataset: each round a fresh one, at (steps, replicas)."""
-    state, epoch, out = b"", 0, [[] for _ in range(epochs)]
-    for steps, replicas in plan:
-        feed = PyDatasetFeed(_Shuffled())
-        feed.restore(epoch, 0, state)
-        while steps and epoch < epochs:
-            pieces = list(feed._replica_dataset(replicas, 0, replicas).take(replicas * min(steps, feed.steps())))
-            got = [np.concatenate([p[1].numpy() for p in pieces[k:k + replicas]]).tolist()
-                   for k in range(0, len(pieces), replicas)]
-            out[epoch] += got
-            steps -= feed.trained(len(got))
-            if feed.finished():
-                feed.next_epoch()
-                epoch += 1
-        state = feed.state()
-    return out
-
-
 def test_a_pydataset_resumes_at_its_batch_and_replays_its_seeded_reshuffles():
-    clean = _py_epochs(3, [(100, 1)])
+    make, ids = lambda: PyDatasetFeed(_Shuffled()), lambda pieces: np.concatenate([p[1] for p in pieces]).tolist()
+    clean = _epochs(make, 3, [(100, 1)], ids)
     assert [len(e) for e in clean] == [8, 8, 8] and clean[0] != clean[1] and len(clean[0][-1]) == 4
-    assert _py_epochs(3, [(3, 2), (6, 1), (1, 4), (100, 3)]) == clean
+    assert _epochs(make, 3, [(3, 2), (6, 1), (1, 4), (100, 3)], ids) == clean
 
 
 def _shapes(root):
@@ -191,36 +186,15 @@ def _shapes(root):
             "sample_from_datasets": mixed}
 
 
-def _batches(make, epochs: int, plan) -> list:
-    """`_epochs` for any pipeline: each global batch trained, as the bytes of its components."""
-    state, epoch, out = b"", 0, []
-    for steps, replicas in plan:
-        keras.utils.set_random_seed(0)  # what elastic.run does before the script builds its pipeline
-        feed = DatasetFeed(make())
-        feed.start(state, epoch)
-        while steps and epoch < epochs:
-            share = iter(feed.replica_dataset(replicas, 0, replicas))
-            for _ in range(steps):
-                pieces = [next(share, None) for _ in range(replicas)]
-                if pieces[0] is None:
-                    break
-                flat = [tf.nest.flatten(p) for p in pieces]
-                out.append(b"".join(tf.io.serialize_tensor(tf.concat([f[k] for f in flat], 0)).numpy()
-                                    for k in range(len(flat[0]))))
-                feed.trained(1)
-                steps -= 1
-            next(share, None)  # one more pulled ahead, as a strategy's prefetch would
-            if feed.finished():
-                feed.next_epoch()
-                epoch += 1
-        state = feed.state()
-    return out
-
-
 @pytest.mark.parametrize("shape", ["image_dataset_from_directory", "TFRecordDataset, map, shuffle, filter, batch",
                                    "tfds.load", "sample_from_datasets"])
 def test_pipelines_as_users_build_them_resume_exactly_through_resizes(tmp_path, shape):
-    make = _shapes(tmp_path)[shape]
-    clean = _batches(make, 2, [(10_000, 1)])
-    assert len(clean) > 8 and len(set(clean)) > len(clean) // 2  # epochs differ (a reshuffle)
-    assert _batches(make, 2, [(3, 2), (2, 1), (5, 4), (10_000, 2)]) == clean
+    pipeline = _shapes(tmp_path)[shape]
+
+    def make():
+        keras.utils.set_random_seed(0)  # what elastic.run does before the script builds its pipeline
+        return DatasetFeed(pipeline())
+
+    clean = _epochs(make, 2, [(10_000, 1)], _bytes)
+    assert len(clean[0]) > 4 and clean[0] != clean[1]  # a reshuffle
+    assert _epochs(make, 2, [(3, 2), (2, 1), (5, 4), (10_000, 2)], _bytes) == clean

@@ -74,9 +74,11 @@ class PyDatasetFeed:
     def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
         local = local_replicas(strategy, self.world_size)
         return strategy.distribute_datasets_from_function(
-            lambda context: self._replica_dataset(local * self.world_size, self.rank * local, local))
+            lambda context: self.replica_dataset(local * self.world_size, self.rank * local, local))
 
-    def _replica_dataset(self, replicas: int, first: int, count: int) -> tf.data.Dataset:
+    def replica_dataset(self, replicas: int, first: int, count: int) -> tf.data.Dataset:
+        """Per-replica batches for this worker's replicas `first`..`first+count-1` of `replicas`, `count` for
+        each global batch from the next untrained one to the epoch's end."""
         dtypes = [tf.as_dtype(a.dtype) for a in self._flat]
 
         def read(index):
