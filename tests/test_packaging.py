@@ -124,3 +124,14 @@ def test_a_typo_in_the_worker_module_ends_the_job_on_its_second_try_naming_the_e
     assert "before its first step on 2 tries in a row" in last, last
     assert "ModuleNotFoundError: No module named 'tf_elastic.lanch'" in last, last
     assert "blacklisted" not in failed.stderr, failed.stderr[-3000:]
+
+
+def test_the_readme_own_script_on_tf_data_trains_from_the_wheel_under_the_agent(wheel_env):
+    """The README's own-script example (a tf.data pipeline), with 2 epochs, from another directory."""
+    from test_entry import readme_script
+
+    _, root, env = wheel_env
+    (root / "elsewhere" / "train_digits.py").write_text(readme_script(epochs=2))
+    done = _agent(root, env, "own", "python", "train_digits.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "history {" in done.stdout + done.stderr and "val_accuracy" in done.stdout + done.stderr
