@@ -30,8 +30,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--commit_every_steps", type=int, default=4)
     parser.add_argument("--step_seconds", type=float, default=0.0, help="Sleep after each step (a slower job).")
     parser.add_argument("--pipeline", choices=("arrays", "dataset"), default="arrays",
-                        help="dataset: a tf.data pipeline of global batches (unseeded shuffle, filter, sample "
-                             "weights) instead of arrays.")
+                        help="dataset: a tf.data pipeline of global batches (dict features, two streams mixed by "
+                             "sample_from_datasets, an unseeded shuffle, a filter, sample weights) instead of arrays.")
     return parser.parse_args(argv)
 
 
@@ -57,20 +57,39 @@ def main(args: argparse.Namespace) -> None:
             return super().test_step(data)
 
     ids = np.arange(args.train_examples or args.examples)
-    inputs = keras.Input((1,))
-    model = Recording(inputs, keras.layers.Dense(args.examples)(inputs))
+    inputs = keras.Input((1,), name="id")
+    dataset = args.pipeline == "dataset"
+    model = Recording({"id": inputs} if dataset else inputs, keras.layers.Dense(args.examples)(inputs))
     model.compile(optimizer=keras.optimizers.SGD(0.01), steps_per_execution=args.steps_per_execution,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
     slow = [keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs=None: time.sleep(args.step_seconds))]
     validation = np.arange(args.validation_examples)
     x, y, batch_size = ids[:, None].astype(np.float32), ids, args.batch_size
-    if args.pipeline == "dataset":  # every id but those that are 3 modulo 7, reshuffled every epoch
-        x = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(32).filter(lambda _, label: label % 7 != 3)
-        x, y, batch_size = x.map(lambda f, label: (f, label, tf.ones([]))).batch(args.batch_size), None, None
+    validation_data = (validation[:, None].astype(np.float32), validation)
+    if dataset:
+        x, y, batch_size = _pipeline(x, y, args.batch_size), None, None
+        validation_data = tf.data.Dataset.from_tensor_slices(({"id": validation_data[0]}, validation))
+        validation_data = validation_data.batch(args.batch_size)
     elastic.fit(model, x, y, batch_size=batch_size, epochs=args.epochs,
-                verbose=0, callbacks=slow if args.step_seconds else [],
-                validation_data=(validation[:, None].astype(np.float32), validation),
+                verbose=0, callbacks=slow if args.step_seconds else [], validation_data=validation_data,
                 config=elastic.FitConfig(commit_every_steps=args.commit_every_steps, durable_every_commits=0))
+
+
+def _pipeline(x, y, batch: int):
+    """Dict features and sample weights from two streams mixed at random (unseeded: the job's seed): the even
+    ids reshuffled every epoch, the odd ones less those that are 3 modulo 7 (`in_pipeline`)."""
+    import tensorflow as tf
+
+    ids = tf.data.Dataset.from_tensor_slices(({"id": x}, y))
+    evens = ids.filter(lambda _, label: label % 2 == 0).shuffle(32)
+    odds = ids.filter(lambda _, label: tf.logical_and(label % 2 == 1, label % 7 != 3))
+    mixed = tf.data.Dataset.sample_from_datasets([evens, odds], weights=[0.6, 0.4])
+    return mixed.map(lambda features, label: (features, label, tf.ones([]))).batch(batch)
+
+
+def in_pipeline(example_id: int) -> bool:
+    """Whether `--pipeline=dataset` trains this id."""
+    return example_id % 2 == 0 or example_id % 7 != 3
 
 
 def read_records(record_dir: Path, kind: str) -> List[Tuple[int, int, int, List[int]]]:
