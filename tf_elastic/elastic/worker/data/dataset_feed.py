@@ -19,10 +19,10 @@ What tf.data cannot save (a Python generator, `from_generator`, `py_function`) o
 pipeline with `deterministic=False`) is refused before the first step (`ConfigurationError`).
 """
 import collections
-import hashlib
 import threading
 from typing import Any, Deque, Iterator, Optional, Tuple
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from google.protobuf.message import DecodeError
@@ -30,6 +30,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.ops import gen_dataset_ops
 
 from tf_elastic.elastic.worker.data.feed import local_replicas
+from tf_elastic.elastic.worker.data.source import digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 _FAIL_ON_EXTERNAL_STATE = options_lib.ExternalStatePolicy.FAIL.value
@@ -217,14 +218,10 @@ class DatasetFeed:
             self.epoch += 1
 
     def digest_ahead(self) -> float:
-        """48 bits of the SHA-256 of the next global batch to train (0: none left): every
-        worker must read the same stream (an order that is not repeatable would differ here)."""
+        """`batch_number` of the next global batch to train (0: none left): every worker must read the same
+        stream (an order that is not repeatable would differ here)."""
         batch = self._peek()
-        if batch is None:
-            return 0.0
-        flat = tf.nest.flatten(batch, expand_composites=True)
-        digest = hashlib.sha256(b"".join(tf.io.serialize_tensor(t).numpy() for t in flat)).hexdigest()
-        return float(int(digest[:12], 16))
+        return 0.0 if batch is None else batch_number(batch)
 
     def first_rows(self) -> int:
         """Rows of the next global batch (0: none left this epoch)."""
@@ -289,6 +286,12 @@ def replica_share(batch: Any, q, replicas: int) -> Any:
     q = tf.cast(q, tf.int64)
     begin, end = q * rows // replicas, (q + 1) * rows // replicas
     return tf.nest.map_structure(lambda t: t[begin:end], batch)
+
+
+def batch_number(batch: Any) -> float:
+    """48 bits of a digest of a batch's bytes, exact in the workers' float64 sums (as `fingerprint_number`)."""
+    flat = tf.nest.flatten(batch, expand_composites=True)
+    return float(int(digest(*(np.frombuffer(tf.io.serialize_tensor(t).numpy(), np.uint8) for t in flat))[:12], 16))
 
 
 def rows_of(batch: Any) -> int:
