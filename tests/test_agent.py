@@ -274,7 +274,7 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
     server = http.server.HTTPServer(("127.0.0.1", 0), _Notices)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/latest/meta-data/spot/instance-action"
-    train = ["--dataset=digits", "--epochs=40", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd",
+    train = ["--dataset=digits", "--epochs=20", "--per_replica_batch_size=16", "--threads=1", "--optimizer=sgd",
              "--learning_rate=0.02", "--commit_every_steps=10"]
     job = LocalJob(tmp_path, train, ["--min_workers=1", "--max_workers=3", "--index_log", "--last_call=1",
                                      "--preemption_signals=SIGTERM,SIGUSR1", "--nowarm_start"], trainer="launch.train")

@@ -31,7 +31,7 @@ def test_a_partitioned_host_is_left_behind_and_rejoins_when_healed(tmp_path):
         # Our CI machines allow it: there a refusal is a broken machine or test, never a quiet skip.
         (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
     proc = subprocess.run(["unshare", "--net", sys.executable, "-m", "launch.bench.partition", f"--root={tmp_path}",
-                           "--partition_seconds=8", "--epochs=20"], cwd=REPO, capture_output=True, text=True,
+                           "--partition_seconds=8", "--epochs=12"], cwd=REPO, capture_output=True, text=True,
                           timeout=1200)
     logs = "".join(p.read_text(errors="replace")[-2000:] for p in tmp_path.glob("agent-*.log"))
     assert proc.returncode == 0, proc.stderr[-3000:] + logs
