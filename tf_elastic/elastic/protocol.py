@@ -35,6 +35,8 @@ class Env:
     # until the agent writes the round's variables to its stdin as one JSON line.
     WARM = "TF_ELASTIC_WARM"
     WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it is ready to be handed a world
+    # The straggler probe's cadence and rules (`worker.probe.ProbeSettings.to_text`).
+    PROBE = "TF_ELASTIC_PROBE"
     # Secrets the agent reads and never passes on.
     JOB_TOKEN = "TF_ELASTIC_JOB_TOKEN"
     RDZV_PASSWORD = "TF_ELASTIC_RDZV_PASSWORD"
@@ -90,6 +92,9 @@ class Event(str, enum.Enum):
     LEAVE = "leave"
     PREEMPTION_NOTICE = "preemption_notice"
     EXIT = "exit"
+    STRAGGLER = "straggler"  # a worker of this host is a straggler: its probe runs `slowness` times the median's
+    STRAGGLER_RECOVERED = "straggler_recovered"
+    EVICTED = "evicted"  # this host left as a straggler (`--evict_stragglers`) and sits out a hold-off
     # Worker.
     RESTORE = "restore"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -227,20 +232,28 @@ def error_record_line(record: Dict[str, Any]) -> str:
 class Heartbeat:
     """What a worker's heartbeat file says. `beat` changes every write (the process is alive); `progress`
     changes with every training step, evaluation batch and commit (its main thread is not stuck);
-    `step` is the training step (0 until the first)."""
+    `step` is the training step (0 until the first). `slow`: how many times slower than its group's median
+    this worker's probe runs while it is a straggler (0: it is not one); `evict`: the straggler rules say
+    the group would train more without this host (`stragglers.worth_evicting`)."""
     step: int
     progress: int
     beat: int
+    slow: float = 0.0
+    evict: bool = False
 
     def to_text(self) -> str:
-        return f"{self.step} {self.progress} {self.beat}"
+        return f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)}"
 
     @classmethod
     def from_text(cls, text: str) -> Optional["Heartbeat"]:
         parts = text.split()
-        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        if len(parts) not in (3, 5) or not all(p.isdigit() for p in parts[:3] + parts[4:]):
             return None  # torn or foreign content: no news
-        return cls(*map(int, parts))
+        try:
+            slow = float(parts[3]) if len(parts) == 5 else 0.0
+        except ValueError:
+            return None
+        return cls(*map(int, parts[:3]), slow=slow, evict=parts[4:] == ["1"])
 
 
 def write_heartbeat(path: Path, heartbeat: Heartbeat) -> None:

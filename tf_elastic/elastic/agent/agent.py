@@ -16,6 +16,7 @@ from typing import Callable, Collection, Dict, List, Optional, Tuple
 
 from absl import logging
 
+from tf_elastic.elastic import stragglers
 from tf_elastic.elastic.agent import decisions, preemption, workers
 from tf_elastic.elastic.agent.blacklist import Blacklist
 from tf_elastic.elastic.agent.decisions import GroupChange, WorkersState, WorkersVerdict
@@ -28,6 +29,7 @@ from tf_elastic.elastic.agent.workers import Worker
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import AgentExit, Env, Event, Failure, JobStatus, error_record_line, read_error_file
 from tf_elastic.elastic.store import Store, StoreError
+from tf_elastic.elastic.stragglers import ProbeSettings
 
 
 class RoundResult(enum.Enum):
@@ -35,6 +37,7 @@ class RoundResult(enum.Enum):
     SUCCEEDED = "succeeded"  # every local worker finished training
     RESTART = "restart"  # the group changed or failed: rejoin at the next round
     LEFT = "left"  # this host left gracefully
+    EVICTED = "evicted"  # this host left as a straggler: it sits out a hold-off, then rejoins
     FAILED = "failed"  # the job failed (max_restarts, rendezvous timeout)
 
 
@@ -70,6 +73,9 @@ class AgentConfig:
     world_size_divides: Optional[int] = None  # form only worlds whose size divides this (a global batch)
     devices: Optional[List[str]] = None  # CUDA_VISIBLE_DEVICES of each local worker slot (None: leave it alone)
     echo_ranks: str = "all"  # whose output the agent echoes, prefixed: all, chief, none (error lines always)
+    probe: ProbeSettings = ProbeSettings()  # the workers' straggler probe and its rules
+    evict_stragglers: bool = False  # leave while this host is a straggler the group is better off without...
+    straggler_hold_off: float = 30.0  # ...and sit out this long before rejoining, doubled at each eviction
 
 
 class ElasticAgent:
@@ -92,6 +98,8 @@ class ElasticAgent:
         self._trained = False  # a worker of this host reached a training step in this job
         self._training_round = -1  # the last round whose first training step was logged
         self._effects: Optional[Callable[[], RoundResult]] = None  # a verdict's, until the store let them through
+        self._slow: Dict[int, float] = {}  # rank -> slowness, of this host's workers the probe names stragglers
+        self.evictions = 0
 
     def run(self) -> int:
         """Runs until the job ends; returns the process exit code (`AgentExit`)."""
@@ -130,6 +138,8 @@ class ElasticAgent:
                     return self._exit(AgentExit.OK, "training finished")
                 if result is RoundResult.LEFT:
                     return self._exit(AgentExit.OK, "left the job gracefully")
+                if result is RoundResult.EVICTED:
+                    self._sit_out(stragglers.hold_off(self.evictions, self.config.straggler_hold_off))
                 if result is RoundResult.FAILED:
                     outcome = self.job.outcome()
                     return self._exit(AgentExit.FAILED, outcome.reason if outcome else "job failed")
@@ -176,6 +186,25 @@ class ElasticAgent:
         self._training_round = round_.number
         logging.info("round %d: rank %d trains from about step %d (its first step seen: %d)", round_.number,
                      first.rank, first.last.step - 1, first.last.step)
+
+    def _report_stragglers(self, round_: Round, running: List[Worker]) -> bool:
+        """Logs each of this host's workers that the group's probes name a straggler, once, and once more when
+        it recovers; returns whether the rules say the group would train more without this host."""
+        for worker in running:
+            slow = worker.last.slow if worker.last else 0.0
+            if slow and worker.rank not in self._slow:
+                self.events.write(Event.STRAGGLER, round=round_.number, host=self.host_id, rank=worker.rank,
+                                  slowness=slow, cause="compute")
+                logging.warning("round %d: rank %d on %s is a straggler: its probe takes %.2fx the group's median "
+                                "(compute)", round_.number, worker.rank, self.host_id, slow)
+            elif not slow and worker.rank in self._slow:
+                self.events.write(Event.STRAGGLER_RECOVERED, round=round_.number, host=self.host_id, rank=worker.rank)
+                logging.info("round %d: rank %d on %s is no longer a straggler", round_.number, worker.rank,
+                             self.host_id)
+            self._slow.pop(worker.rank, None)
+            if slow:
+                self._slow[worker.rank] = slow
+        return any(worker.last and worker.last.evict for worker in running)
 
     def _report_standby(self, round_: Round) -> None:
         self.events.write(Event.STANDBY, round=round_.number, host=self.host_id, world_size=round_.world_size)
@@ -232,6 +261,7 @@ class ElasticAgent:
         env = {k: v for k, v in os.environ.items() if k not in Env.SECRETS}  # workers never need them
         env.update(self.config.extra_env or {})
         env.update({Env.AGENT_PID: str(os.getpid()), Env.LOCAL_RANK: str(slot),
+                    Env.PROBE: self.config.probe.to_text(),
                     Env.STOP_SIGNALS: ",".join(signal.Signals(s).name for s in self.config.preemption_signals)})
         if self.config.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
@@ -284,6 +314,8 @@ class ElasticAgent:
         for worker in running:
             worker.observe()
         self._report_training(round_, running)
+        if self._report_stragglers(round_, running) and self.config.evict_stragglers:
+            return self._evict(round_, running)
         self.spares.tend(round_.number, len(running),
                          round_trains=self.config.warm_start and all(w.training for w in running))
         silent = {w.rank for w in running if self._silent(w)}
@@ -457,6 +489,30 @@ class ElasticAgent:
         logging.info("round %d: %s left the job (%s); its workers committed and stopped", round_.number,
                      self.host_id, self.notices.what or "asked to leave")
         return RoundResult.LEFT
+
+    def _evict(self, round_: Round, running: List[Worker]) -> RoundResult:
+        """`--evict_stragglers`: this host is the straggler the group is better off without. It leaves as on a
+        notice (the others stop at an agreed step and commit; nothing is lost) and then sits out a hold-off."""
+        self.evictions += 1
+        seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
+        try:
+            self.rendezvous.open_after(round_.number, reason=f"evict {self.host_id}", failure=False, leaving=True)
+        except StoreError as error:
+            logging.warning("evicting %s while the rendezvous store is unreachable (%s)", self.host_id, error)
+        self._stop(running)
+        self._release_lease()
+        self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds,
+                          slowness=round(max(self._slow.values(), default=0.0), 3), evictions=self.evictions)
+        logging.warning("round %d: %s leaves as a straggler (eviction %d); it may rejoin in %.0fs", round_.number,
+                        self.host_id, self.evictions, seconds)
+        self._slow.clear()
+        return RoundResult.EVICTED
+
+    def _sit_out(self, seconds: float) -> None:
+        """Waits `seconds` out of the job (no lease: no round waits for this host), or until a notice."""
+        deadline = time.time() + seconds
+        while time.time() < deadline and not self.notices.received:
+            time.sleep(min(self.config.monitor_interval, max(0.0, deadline - time.time())))
 
     def _release_lease(self) -> None:
         try:

@@ -19,6 +19,7 @@ from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.elastic.agent.worker_output import ECHO_CHOICES
 from tf_elastic.elastic.flag_checks import require_finite_floats, run_program
 from tf_elastic.elastic.protocol import PATTERN_CHARACTERS, Env
+from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
 flags.DEFINE_string("nproc", "1", "Workers on this host: a number, or 'gpu' for one per visible GPU. The visible "
@@ -82,6 +83,16 @@ flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indice
 flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent echoes, each line prefixed "
                   "[round R rank N]: every local worker's, rank 0's only, or none; error lines (tracebacks, E/F "
                   "log lines) always. Every worker's output also goes to RUN_DIR/logs/HOST/round-R/rank-N.log.")
+flags.DEFINE_float("probe_every_seconds", 10.0, "Seconds between the workers' straggler probes, each a timed "
+                   "local forward and backward pass at a step the group agrees on (0: no probes).", lower_bound=0.0)
+flags.DEFINE_float("probe_seconds", 0.05, "How long each probe runs its passes.", lower_bound=0.001)
+flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this many times the group's median, "
+                   "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")
+flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clear) a straggler.", lower_bound=1)
+flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
+                  "faster without (never below --min_workers), and rejoin after --straggler_hold_off.")
+flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before rejoining; doubled at each "
+                   "eviction of the same host.", lower_bound=0.0)
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -261,10 +272,19 @@ def main(argv: List[str]) -> int:
         progress_timeout=FLAGS.progress_timeout, progress_floor=FLAGS.progress_floor,
         preemption_signals=_signals(), preemption_notice_url=FLAGS.preemption_notice_url,
         preemption_poll_interval=FLAGS.preemption_poll_interval, world_size_divides=FLAGS.world_size_divides,
-        echo_ranks=FLAGS.echo_ranks)
+        echo_ranks=FLAGS.echo_ranks, probe=_probe_settings(), evict_stragglers=FLAGS.evict_stragglers,
+        straggler_hold_off=FLAGS.straggler_hold_off)
     code = ElasticAgent(config, store).run()
     store.close()
     return code
+
+
+def _probe_settings() -> ProbeSettings:
+    try:
+        rules = StragglerRules(FLAGS.straggler_factor, FLAGS.straggler_window)
+    except ValueError as error:
+        raise app.UsageError(str(error))
+    return ProbeSettings(FLAGS.probe_every_seconds, FLAGS.probe_seconds, rules, FLAGS.min_workers)
 
 
 SYNOPSIS = """usage: tf-elastic-run [FLAGS] -- COMMAND [ARGS...]

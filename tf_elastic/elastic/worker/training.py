@@ -29,6 +29,8 @@ from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
 from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
+from tf_elastic.elastic.stragglers import ProbeSettings
+from tf_elastic.elastic.worker.probe import GroupProbe
 from tf_elastic.elastic.worker.replicas import StatisticsAverage, statistics
 from tf_elastic.elastic.worker.world import World, report_activity, report_progress
 from tf_elastic.schedules import BatchResizeSchedule
@@ -138,6 +140,7 @@ class _ElasticTrainer:
         self.stop_requested = self.stopped = False
         self.first_step_logged = False
         self.last_loss = None
+        self.probe = GroupProbe(model, strategy, world, ProbeSettings.from_text(world.probe))
 
     @property
     def epoch(self) -> int:
@@ -208,6 +211,7 @@ class _ElasticTrainer:
         report_progress(self.step)
         if not self.first_step_logged:
             self.first_step_logged = True
+            self.probe.first_step(self.global_batch // self.strategy.num_replicas_in_sync)
             self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
                               world_size=self.world.size, examples=self.feed.examples,
                               global_batch=self.global_batch)
@@ -280,8 +284,11 @@ class _ElasticTrainer:
 
     def _agree(self, stop: bool, commit: bool) -> Tuple[bool, bool]:
         """If any worker wants to stop or commit, all do, at this same step. The same sum carries each worker's
-        newest commit in force (a slot per rank), so the chief can announce the commits every host holds."""
-        stops, commits = self._sum_with_in_force([float(stop), float(commit)])
+        newest commit in force (a slot per rank), so the chief can announce the commits every host holds,
+        and the straggler probe: whether one is due, and the times of the last one (`probe.GroupProbe`)."""
+        probe = self.probe.slots()
+        stops, commits, due, *probed = self._sum_with_in_force([float(stop), float(commit), self.probe.due()] + probe)
+        self.probe.after_agreement(due > 0, probed)
         return stops > 0, commits > 0
 
     def announce_commits(self) -> None:

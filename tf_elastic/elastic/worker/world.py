@@ -41,6 +41,7 @@ class World:
     local_rank: int = 0
     host_id: Optional[str] = None
     stop_signals: Tuple[int, ...] = (signal.SIGTERM,)  # each asks for a commit and a stop
+    probe: Optional[str] = None  # the straggler probe's settings (`probe.ProbeSettings.from_text`)
 
     @property
     def keeps_commits(self) -> bool:
@@ -90,6 +91,7 @@ class World:
             local_rank=int(env.get(Env.LOCAL_RANK, 0)),
             host_id=env.get(Env.HOST_ID) or None,
             stop_signals=_signals(env.get(Env.STOP_SIGNALS)),
+            probe=env.get(Env.PROBE),
         )
 
 
@@ -106,6 +108,7 @@ class Pulse:
 
     def __init__(self):
         self.step, self.progress, self.beats = 0, 0, 0
+        self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
         self._failing = False
         self._lock = threading.Lock()
@@ -116,7 +119,7 @@ class Pulse:
                 return
             self.beats += 1
             try:
-                write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats))
+                write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats, self.slow, self.evict))
                 self._failing = False
             except OSError as error:
                 # A full or vanished host-local disk: the agent hears silence and restarts this worker.

@@ -1,0 +1,104 @@
+"""`tf_elastic/elastic/stragglers.py`: the rules that name a straggler and weigh its eviction, without processes;
+and a real job whose throttled host is reported, evicted and readmitted."""
+import os
+
+import pytest
+
+from tf_elastic.elastic import audit
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.elastic.stragglers import StragglerRules, StragglerWatch, hold_off, slowness, worth_evicting
+from tf_elastic.testing import soak
+from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
+from tf_elastic.testing.throttle import Throttle
+
+EPOCHS = 25  # about 8 are trained before c is back
+AGENT = ["--min_workers=2", "--max_workers=3", "--index_log", "--last_call=1", "--probe_every_seconds=1",
+         "--probe_seconds=0.2", "--straggler_window=3", "--evict_stragglers", "--straggler_hold_off=5"]
+
+
+def test_slowness_is_against_the_median_and_ranks_that_did_not_probe_do_not_move_it():
+    assert slowness([1.0, 1.0, 3.0, 1.0]) == [1.0, 1.0, 3.0, 1.0]
+    assert slowness([2.0, 2.0, 2.0, 2.0]) == [1.0] * 4  # a slowdown every rank shares is no straggler
+    assert slowness([0.0, 1.0, 1.0, 2.0]) == [1.0, 1.0, 1.0, 2.0]
+    assert slowness([0.0, 0.0]) == [1.0, 1.0]
+
+
+def test_a_rank_is_a_straggler_after_a_window_of_slow_probes_and_clears_after_a_window_of_good_ones():
+    watch = StragglerWatch(StragglerRules(factor=1.5, window=3))
+    slow, fine = [1.0, 1.0, 2.0, 1.0], [1.0, 1.0, 1.1, 1.0]
+    assert watch.observe(slow) == ([], []) and watch.observe(slow) == ([], [])
+    assert watch.observe(slow) == ([2], []) and watch.stragglers == {2: 2.0}
+    # One good probe in the window starts it again (hysteresis both ways).
+    assert watch.observe(fine) == ([], []) and watch.observe(slow) == ([], []) and 2 in watch.stragglers
+    assert watch.observe(fine) == ([], []) and watch.observe(fine) == ([], [])
+    assert watch.observe(fine) == ([], [2]) and watch.stragglers == {}
+
+
+def test_a_blip_shorter_than_the_window_and_a_shared_slowdown_name_no_one():
+    watch = StragglerWatch(StragglerRules(factor=1.5, window=2))
+    for probe in ([1.0, 3.0, 1.0], [1.0, 1.0, 1.0], [1.0, 3.0, 1.0], [3.0, 3.0, 3.1], [5.0, 5.0, 5.0]):
+        assert watch.observe(probe) == ([], [])
+    assert watch.stragglers == {}
+
+
+def test_eviction_pays_only_when_the_rest_outrun_the_group_over_the_window_after_the_round_change():
+    third = [1.0, 1.0, 1.0, 3.0]  # a worker at a third of its speed: 4/3 with it, 3/1 without
+    assert worth_evicting(third, {3}, window_seconds=60.0, round_seconds=10.0, min_workers=1)
+    mild = [1.0, 1.0, 1.0, 1.25]  # 4/1.25 = 3.2 > 3: keep it
+    assert not worth_evicting(mild, {3}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
+    # A round that costs most of the window is not worth it.
+    assert not worth_evicting(third, {3}, window_seconds=60.0, round_seconds=50.0, min_workers=1)
+    # Never below min_workers; never every rank; not before every rank probed.
+    assert not worth_evicting(third, {3}, window_seconds=60.0, round_seconds=0.0, min_workers=4)
+    assert worth_evicting(third, {3}, window_seconds=60.0, round_seconds=0.0, min_workers=3)
+    assert not worth_evicting([3.0], {0}, window_seconds=60.0, round_seconds=0.0, min_workers=0)
+    assert not worth_evicting([1.0, 0.0, 3.0], {2}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
+    # A host of two ranks leaves whole: both count.
+    assert not worth_evicting([1.0, 1.0, 1.0, 1.8], {2, 3}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
+
+
+def test_the_hold_off_doubles_with_each_eviction_up_to_a_cap():
+    assert [hold_off(n, first=30.0, longest=200.0) for n in (1, 2, 3, 4)] == [30.0, 60.0, 120.0, 200.0]
+    assert hold_off(0, first=30.0) == 30.0
+
+
+def test_bad_rules_are_named():
+    with pytest.raises(ValueError, match="--straggler_factor must be > 1; got 1.0"):
+        StragglerRules(factor=1.0)
+    with pytest.raises(ValueError, match="--straggler_window must be >= 1; got 0"):
+        StragglerRules(window=0)
+
+
+@pytest.mark.slow
+def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost(tmp_path):
+    """Three hosts of one worker; c's agent and workers get 0.15 of a core (the cgroup cpu controller, else a
+    SIGSTOP/SIGCONT duty cycle): its probe names it, its agent writes the event and, with
+    --evict_stragglers, leaves gracefully; a and b train on; c, unthrottled, rejoins after its hold-off and
+    is not evicted again. Every example once per epoch; every round's replicas hold the same bits."""
+    job = LocalJob(tmp_path, [*soak.TRAIN, f"--epochs={EPOCHS}"], AGENT, trainer="launch.train")
+    try:
+        with Throttle(f"tf_elastic-test-{os.getpid()}") as throttle:
+            for host in "abc":
+                job.start_agent(host)
+            three = job.first_step_after(0, world_size=3, timeout=300)
+            throttle.add(job.agents["c"].pid)
+            throttle.set(0.15)
+            evicted = job.wait_for(lambda: job.events(Event.EVICTED), timeout=120,
+                                   what=f"an eviction ({throttle.kind})")
+            two = job.first_step_after(evicted[0]["time"], world_size=2)
+            throttle.set(None)
+        back = job.first_step_after(two["time"], world_size=3)
+        assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
+    finally:
+        job.cleanup()
+    reported = job.events(Event.STRAGGLER)
+    assert reported and {e["host"] for e in reported} == {"c"}, reported
+    assert reported[0]["slowness"] >= 1.5 and reported[0]["cause"] == "compute"
+    assert [e["host"] for e in job.events(Event.EVICTED)] == ["c"], "evicted once, and not again once it recovered"
+    assert job.events(Event.EVICTED)[0]["hold_off"] == 5.0
+    for round_, size in ((two["round"], 2), (back["round"], 3)):
+        assert_replicas_identical(job, round_, size=size)
+    assert three["round"] < two["round"] < back["round"]
+    examples = three["examples"]
+    counts = audit.exactly_once(job.run_dir, examples, 16 * 3)
+    assert counts == {"epochs": EPOCHS, "repeated": 0, "skipped": 0, "off_plan": 0}, counts

@@ -1,0 +1,109 @@
+"""Stragglers: which worker is slow, and whether the group is better off without its host. Pure rules, no
+TensorFlow: the worker feeds them its group's probes, and the agent acts on what they decide.
+
+In synchronous training every rank's step takes as long as the slowest's, so step times say nothing. Every
+rank instead times the same local forward and backward pass, with no collective, at the same step
+(`worker/probe.py`); the group's agreement hands every rank every rank's probe, so every rank reaches the
+same verdicts from the same numbers. A rank `factor` times slower than the median for `window` probes in a
+row is a straggler, and stays one until it is back within the factor for `window` probes in a row
+(hysteresis). A slowdown every rank shares (a slow store, a slow network) moves the median with it and
+makes no straggler. Eviction (`worth_evicting`) weighs the group's throughput without the straggler's host
+against its throughput with it over the next window, paying the measured cost of a round, and never goes
+below `min_workers`; an evicted host sits out a hold-off that doubles with each eviction (`hold_off`), so a
+host that keeps degrading does not flap.
+"""
+import dataclasses
+import statistics
+from typing import Collection, Dict, List, Optional, Sequence, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class StragglerRules:
+    """`factor`: how many times slower than the median a rank's probe must be; `window`: in how many probes
+    in a row (and as many back within the factor to clear it)."""
+    factor: float = 1.5
+    window: int = 3
+
+    def __post_init__(self):
+        if not self.factor > 1.0:
+            raise ValueError(f"--straggler_factor must be > 1; got {self.factor}")
+        if self.window < 1:
+            raise ValueError(f"--straggler_window must be >= 1; got {self.window}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    """What the agent hands its workers (`Env.PROBE`): probe every `every_seconds` (0: never) for `seconds`;
+    the straggler rules; and the group's `min_workers`, below which no host is evicted."""
+    every_seconds: float = 10.0
+    seconds: float = 0.05
+    rules: StragglerRules = StragglerRules()
+    min_workers: int = 1
+
+    def to_text(self) -> str:
+        return f"{self.every_seconds},{self.seconds},{self.rules.factor},{self.rules.window},{self.min_workers}"
+
+    @classmethod
+    def from_text(cls, text: Optional[str]) -> "ProbeSettings":
+        if not text:
+            return cls()
+        every, seconds, factor, window, min_workers = text.split(",")
+        return cls(float(every), float(seconds), StragglerRules(float(factor), int(window)), int(min_workers))
+
+
+def slowness(seconds: Sequence[float]) -> List[float]:
+    """Each rank's probe time over the median rank's (1.0: as fast as the median). Ranks that did not probe
+    (0 or less) count as 1.0 and do not move the median."""
+    measured = [s for s in seconds if s > 0]
+    if not measured:
+        return [1.0] * len(seconds)
+    median = statistics.median(measured)
+    return [s / median if s > 0 else 1.0 for s in seconds]
+
+
+class StragglerWatch:
+    """The ranks that are stragglers now, from one probe round after another (`observe`)."""
+
+    def __init__(self, rules: StragglerRules):
+        self.rules = rules
+        self.stragglers: Dict[int, float] = {}  # rank -> its slowness at the newest probe
+        self._streak: Dict[int, int] = {}  # rank -> probes in a row on the other side of the factor
+
+    def observe(self, seconds: Sequence[float]) -> Tuple[List[int], List[int]]:
+        """One probe of every rank (seconds, by rank); returns the ranks that became stragglers and those that
+        recovered at this probe."""
+        began, ended = [], []
+        for rank, slow in enumerate(slowness(seconds)):
+            flagged = rank in self.stragglers
+            crossing = (slow < self.rules.factor) if flagged else (slow >= self.rules.factor)
+            self._streak[rank] = self._streak.get(rank, 0) + 1 if crossing else 0
+            if flagged:
+                self.stragglers[rank] = slow
+            if self._streak[rank] >= self.rules.window:
+                self._streak[rank] = 0
+                if flagged:
+                    del self.stragglers[rank]
+                    ended.append(rank)
+                else:
+                    self.stragglers[rank] = slow
+                    began.append(rank)
+        return began, ended
+
+
+def worth_evicting(seconds: Sequence[float], leaving: Collection[int], window_seconds: float,
+                   round_seconds: float, min_workers: int) -> bool:
+    """Whether the group trains more over the next `window_seconds` without the ranks `leaving` (a
+    straggler's host) than with them. A synchronous step goes at the slowest rank's pace, and each rank
+    adds its share of the global work: with them, `W / slowest`; without, `(W - k) / slowest of the rest`,
+    after a round change costing `round_seconds`. Never below `min_workers`."""
+    staying = [s for rank, s in enumerate(seconds) if rank not in leaving and s > 0]
+    if len(staying) < max(1, min_workers) or len(staying) == len(seconds) or not all(s > 0 for s in seconds):
+        return False
+    with_them = len(seconds) / max(seconds) * window_seconds
+    without = len(staying) / max(staying) * max(0.0, window_seconds - round_seconds)
+    return without > with_them
+
+
+def hold_off(evictions: int, first: float = 30.0, longest: float = 1800.0) -> float:
+    """Seconds an evicted host waits before it may rejoin: `first`, doubled with each eviction before it."""
+    return min(longest, first * 2.0 ** max(0, evictions - 1))

@@ -1,0 +1,141 @@
+"""Each worker's own speed, which the collective hides: every step of a synchronous group takes as long as
+its slowest rank's, so step times are the same everywhere. At a step the group agreed on, every rank times
+the model's own forward and backward pass on a fixed batch for `ProbeSettings.seconds`, on its own replicas
+and with no collective (so no rank waits for another); the next agreement hands every rank every rank's
+time, and `stragglers.StragglerWatch` names the slow ones the same way on every rank. Probes are due every
+`every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.5 % of the training time.
+
+A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
+event (host, rank, slowness) and a log line and, with `--evict_stragglers`, leaves when the rules say the
+group would train more without its host.
+"""
+import time
+import zlib
+from typing import List, Optional, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, worth_evicting
+from tf_elastic.elastic.worker.world import PULSE, World
+
+# The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
+EVICTION_HORIZON_SECONDS = 120.0
+
+
+def _host_key(host_id: Optional[str], rank: int) -> float:
+    """A number naming this worker's host in the group's sum (exact in float64): which ranks leave together."""
+    return float(zlib.crc32((host_id or f"rank {rank}").encode()) % (1 << 30) + 1)
+
+
+class GroupProbe:
+    """The probe of one worker in its group: `due` and `slots` go into the agreement's sum; after it,
+    `after_agreement` probes (if the group agreed it was due) or reads the group's probes."""
+
+    def __init__(self, model, strategy: tf.distribute.Strategy, world: World, settings: ProbeSettings):
+        self.model, self.strategy, self.world, self.settings = model, strategy, world, settings
+        self.watch = StragglerWatch(settings.rules)
+        self.pending = False  # probed since the last agreement: its time rides the next one
+        self.seconds = 0.0
+        self.last = time.monotonic()
+        self.started = time.monotonic()  # a round's cost, as this worker measured its own start
+        self.round_seconds: Optional[float] = None
+        self._pass = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.every_seconds > 0 and self._pass is not None and self.world.size > 1
+
+    def first_step(self, per_replica_batch: int) -> None:
+        """The round trains: its start's cost is known, and the model's inputs (the pass is built here)."""
+        self.round_seconds = time.monotonic() - self.started
+        self.last = time.monotonic()
+        if self.settings.every_seconds > 0 and self.world.size > 1:
+            self._pass = _forward_and_backward(self.model, self.strategy, per_replica_batch)
+            if self._pass is not None:
+                self._pass()  # traced here, every rank at once: no probe times a trace
+
+    def due(self) -> float:
+        return float(self.enabled and time.monotonic() - self.last >= self.settings.every_seconds)
+
+    def slots(self) -> List[float]:
+        """This worker's probe time and host key in its rank's slots; nothing unless a probe is pending (every
+        rank knows that alike: they all probed at the same step)."""
+        if not self.pending:
+            return []
+        slots = [0.0] * (2 * self.world.size)
+        slots[self.world.rank] = self.seconds
+        slots[self.world.size + self.world.rank] = _host_key(self.world.host_id, self.world.rank)
+        return slots
+
+    def after_agreement(self, due: bool, total: Sequence[float]) -> None:
+        """`total`: what `slots` summed to over the group. Reads it, then probes if the group agreed to."""
+        if self.pending:
+            self.pending = False
+            self._read(list(total[:self.world.size]), list(total[self.world.size:]))
+        if due and self.enabled:
+            self.seconds, self.last, self.pending = self._time_passes(), time.monotonic(), True
+
+    def _time_passes(self) -> float:
+        """Seconds per forward-and-backward pass, over at least `settings.seconds` of passes."""
+        began, passes = time.perf_counter(), 0
+        while passes == 0 or time.perf_counter() - began < self.settings.seconds:
+            self._pass()
+            passes += 1
+        return (time.perf_counter() - began) / passes
+
+    def _read(self, seconds: List[float], hosts: List[float]) -> None:
+        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
+        agent writes the event and the log line) and whether its host is worth evicting."""
+        began, ended = self.watch.observe(seconds)
+        if self.world.is_chief:
+            median = float(np.median([s for s in seconds if s > 0]))
+            for rank in began:
+                logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs", rank,
+                                self.watch.stragglers[rank], median)
+            for rank in ended:
+                logging.info("rank %d is no longer a straggler", rank)
+        mine = self.watch.stragglers.get(self.world.rank, 0.0)
+        leaving = {rank for rank, key in enumerate(hosts) if key == hosts[self.world.rank]}
+        PULSE.slow = mine
+        PULSE.evict = bool(mine) and self.round_seconds is not None and worth_evicting(
+            seconds, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
+
+
+def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
+    """A compiled pass of the model on a batch of zeros of its input's shape: the gradients of the sum of its
+    outputs, on every local replica, nothing reduced across replicas or workers. None for a model whose
+    inputs are unknown (a subclassed model taking several inputs that declares none)."""
+    x = _zeros_like_inputs(model, max(1, batch))
+    if x is None:
+        logging.info("the straggler probe is off: the model's inputs are not known")
+        return None
+
+    @tf.function
+    def probe():
+        def local():
+            with tf.GradientTape() as tape:
+                outputs = model(x, training=False)
+                total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs)])
+            grads = [g.values if isinstance(g, tf.IndexedSlices) else g
+                     for g in tape.gradient(total, model.trainable_variables) if g is not None]
+            return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads]) if grads else total
+        return strategy.run(local)
+
+    return lambda: [t.numpy() for t in strategy.experimental_local_results(probe())]
+
+
+def _zeros_like_inputs(model, batch: int):
+    """Zeros shaped as the model's inputs: a functional model's `input`, else the input shape it was built with
+    (a Sequential without an `Input`, built by its first batch)."""
+    try:
+        return tf.nest.map_structure(
+            lambda t: tf.zeros((batch,) + tuple(d or 1 for d in t.shape[1:]), t.dtype), model.input)
+    except (AttributeError, ValueError):
+        pass
+    shape = (model.get_build_config() or {}).get("input_shape")
+    if not shape or not all(isinstance(d, int) or d is None for d in shape):
+        return None
+    return tf.zeros((batch,) + tuple(d or 1 for d in shape[1:]), keras.backend.floatx())

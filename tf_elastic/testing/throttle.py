@@ -1,0 +1,131 @@
+"""Slows a process and everything it starts, from outside, for the straggler tests and `bench_straggler`:
+the cgroup `cpu` controller's CFS quota (v1 `cpu.cfs_quota_us`, v2 `cpu.max`) where this machine lets us
+make a cgroup, else a duty cycle of real SIGSTOP and SIGCONT. Nothing in the slowed processes knows.
+
+A process started by a member of the cgroup is a member too: throttling an agent throttles the workers it
+starts later; `add` also moves the ones it started already.
+"""
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+PERIOD_US = 100_000  # the CFS period: a quota of q cores runs q * 100 ms of every 100 ms
+
+
+def _cgroup_root() -> Optional[Path]:
+    """A writable cgroup directory with the cpu controller (v1 first, then v2), or None."""
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    if (v1 / "cpu.cfs_quota_us").exists() and os.access(v1, os.W_OK):
+        return v1
+    try:
+        enabled = "cpu" in (v2 / "cgroup.subtree_control").read_text().split()
+    except OSError:
+        enabled = False
+    return v2 if enabled and os.access(v2, os.W_OK) else None
+
+
+def descendants(pid: int) -> List[int]:
+    """`pid` and every process below it, from /proc's children lists."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                queue += [int(child) for child in task.read_text().split()]
+            except OSError:
+                pass  # the task ended meanwhile
+    return found
+
+
+class Throttle:
+    """`cores` of CPU time at most for the processes `add`ed (None: no limit). Use as a context manager;
+    leaving it lifts the limit and removes the cgroup."""
+
+    def __init__(self, name: str):
+        self.root = _cgroup_root()
+        self.path = self.root / name if self.root else None
+        self.roots: List[int] = []
+        self._cores: Optional[float] = None
+        self._stop = threading.Event()
+        self._cycle: Optional[threading.Thread] = None
+        if self.path is not None:
+            self.path.mkdir(exist_ok=True)
+
+    @property
+    def kind(self) -> str:
+        return "cgroup" if self.path is not None else "SIGSTOP/SIGCONT duty cycle"
+
+    def add(self, pid: int) -> None:
+        self.roots.append(pid)
+        for member in descendants(pid) if self.path is not None else ():
+            try:
+                (self.path / "cgroup.procs").write_text(str(member))
+            except OSError:
+                pass  # it ended meanwhile
+
+    def set(self, cores: Optional[float]) -> None:
+        self._cores = cores
+        if self.path is None:
+            self._start_cycle()
+            return
+        quota = -1 if cores is None else max(1000, int(cores * PERIOD_US))
+        if (self.path / "cpu.cfs_quota_us").exists():
+            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (self.path / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {PERIOD_US}")
+
+    def _start_cycle(self) -> None:
+        """Without a cgroup: every 100 ms the processes run `cores` of it (as one core's share) and stop the rest."""
+        if self._cycle is not None:
+            return
+
+        def cycle():
+            while not self._stop.is_set():
+                cores = self._cores
+                running = PERIOD_US / 1e6 * (1.0 if cores is None else min(1.0, cores))
+                self._signal(signal.SIGCONT)
+                self._stop.wait(running)
+                if cores is not None and cores < 1.0:
+                    self._signal(signal.SIGSTOP)
+                    self._stop.wait(PERIOD_US / 1e6 - running)
+            self._signal(signal.SIGCONT)
+
+        self._cycle = threading.Thread(target=cycle, name="throttle", daemon=True)
+        self._cycle.start()
+
+    def _signal(self, sig: int) -> None:
+        for pid in [member for root in self.roots for member in descendants(root)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> "Throttle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._cycle is not None:
+            self._cycle.join(timeout=2)
+        if self.path is None:
+            return
+        parent = self.path.parent / "cgroup.procs"
+        for _ in range(50):
+            try:
+                for pid in (self.path / "cgroup.procs").read_text().split():
+                    try:
+                        parent.write_text(pid)
+                    except OSError:
+                        pass
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
