@@ -54,8 +54,8 @@ def summary(run_dir: RunDirs) -> str:
     return "\n".join(lines)
 
 
-CAUSES = ("training", "commits on the training path", "redone after a failure", "evaluation", "start-up",
-          "rendezvous and restarts", "standby", "finishing")
+CAUSES = ("training", "commits on the training path", "redone after a failure", "waiting for a straggler",
+          "evaluation", "start-up", "rendezvous and restarts", "standby", "finishing")
 
 
 def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
@@ -63,13 +63,15 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     host's events to the next, the host is in the state that event began (`_STATE_AFTER`); its first worker's
     evaluations (`evaluation_begin` to `_end`, fit's validation included) are carved out of whatever state
     they fall in. Training time then gives up the commits that fall in it (the chief's blocked time and the
-    group check: in lockstep training every host waits for them at the next all-reduce) and, in a round a
-    failure ended, the time of the steps the next round trained again (`_redone`)."""
+    group check: in lockstep training every host waits for them at the next all-reduce), in a round a
+    failure ended, the time of the steps the next round trained again (`_redone`), and while another
+    host's worker is a straggler `s` times slower than the median, 1 - 1/s of the time (`_straggler_spans`)."""
     events = read_events(run_dir)
     hosts = _host_of_worker_events(events)
     commits = [e for e in events if e["event"] == Event.COMMIT]
     failed_rounds = set(_failed_rounds(events))
     resumed, reached = _resumed_and_reached(events)
+    slow = _straggler_spans(events)
     by_host: Dict[str, List[Dict]] = {}
     for e in events:
         # A failure event belongs to the host it names, whoever wrote it: a killed host's ends its timeline.
@@ -95,9 +97,12 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
                 lost = min(length, max(0.0, _redone(event, following["time"] - evaluating, within, reached.get(
                     event["round"]), resumed.get(event["round"] + 1)))) if failed else 0.0
                 paid = min(length - lost, sum(c.get("seconds", 0.0) + c.get("check_seconds", 0.0) for c in within))
+                waited = min(length - paid - lost, sum((1.0 - 1.0 / s) * _overlap([span], event["time"], following[
+                    "time"]) for span, other, s in slow if other != host))
                 causes["commits on the training path"] += paid
                 causes["redone after a failure"] += lost
-                length -= paid + lost
+                causes["waiting for a straggler"] += waited
+                length -= paid + lost + waited
             causes[state] += length
         causes["wall"] = states[-1]["time"] - states[0]["time"]
         split[host] = causes
@@ -133,6 +138,21 @@ def samples_redone(run_dir: RunDirs) -> Tuple[int, int, int]:
     steps = {r: max(0, step - resumed[r + 1]) for r, step in reached.items() if r + 1 in resumed}
     unknown = [r for r in _failed_rounds(events) if r not in reached and r in batch]
     return sum(steps.values()), sum(n * batch.get(r, 0) for r, n in steps.items()), len(unknown)
+
+
+def _straggler_spans(events: List[Dict]) -> List[Tuple[Tuple[float, float], str, float]]:
+    """((begin, end), host, slowness) of each straggler its agent reported: until it recovered, its host was
+    evicted, or the round ended (the next round's rendezvous)."""
+    spans = []
+    for index, e in enumerate(events):
+        if e["event"] != Event.STRAGGLER:
+            continue
+        end = next((later["time"] for later in events[index + 1:] if (
+            later["event"] == Event.STRAGGLER_RECOVERED and (later["host"], later["rank"]) == (e["host"], e["rank"]))
+            or (later["event"] == Event.EVICTED and later["host"] == e["host"])
+            or (later["event"] == Event.RENDEZVOUS and later["round"] > e["round"])), events[-1]["time"])
+        spans.append(((e["time"], end), e["host"], max(1.0, float(e["slowness"]))))
+    return spans
 
 
 def _failed_rounds(events: List[Dict]) -> List[int]:

@@ -135,3 +135,30 @@ def test_an_errors_line_skips_tensorflows_graph_preamble_and_op_context():
     assert error_line(eager) == "UnavailableError: Collective ops is aborted by: x"
     assert error_line(RuntimeError("boom\nmore")) == "RuntimeError: boom"
     assert error_line(RuntimeError()) == "RuntimeError"
+
+
+def test_the_others_wait_for_a_straggler_for_1_minus_1_over_its_slowness_of_the_time(tmp_path):
+    """b's worker runs 4x slower than the median from t=20 until it recovers at t=40 (a waits 3/4 of those 20 s),
+    again from t=50 until b is evicted at t=54; b's own time stays training."""
+    a, b = "agent:a", "agent:b"
+    run = _events(tmp_path, [
+        (0, "agent_start", a, {}), (0, "agent_start", b, {}),
+        (5, "rendezvous", a, {"round": 0, "ranks": [0], "restarts": 0}),
+        (5, "rendezvous", b, {"round": 0, "ranks": [1], "restarts": 0}),
+        (6, "worker_start", a, {"round": 0, "rank": 0}), (6, "worker_start", b, {"round": 0, "rank": 1}),
+        (10, "first_step", "worker:0", {"round": 0, "rank": 0, "step": 1, "global_batch": 64}),
+        (10, "first_step", "worker:1", {"round": 0, "rank": 1, "step": 1, "global_batch": 64}),
+        (20, "straggler", b, {"round": 0, "host": "b", "rank": 1, "slowness": 4.0, "cause": "compute"}),
+        (40, "straggler_recovered", b, {"round": 0, "host": "b", "rank": 1}),
+        (50, "straggler", b, {"round": 0, "host": "b", "rank": 1, "slowness": 2.0, "cause": "compute"}),
+        (54, "evicted", b, {"round": 0, "host": "b", "hold_off": 30.0}),
+        (55, "exit", b, {}),
+        (56, "rendezvous", a, {"round": 1, "ranks": [0], "restarts": 0}),
+        (60, "exit", a, {}),
+    ])
+    split = report.time_split(run)
+    assert split["a"]["waiting for a straggler"] == pytest.approx(20 * 0.75 + 4 * 0.5)
+    assert split["a"]["training"] == pytest.approx(46 - 17)
+    assert split["b"]["waiting for a straggler"] == 0.0
+    for causes in split.values():
+        assert sum(causes[c] for c in report.CAUSES) == pytest.approx(causes["wall"])

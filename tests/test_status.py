@@ -17,7 +17,7 @@ from tf_elastic.elastic.store import open_store
 from tf_elastic.testing.local_job import LocalJob, repo_env
 
 
-def test_the_status_names_members_standbys_the_blacklist_and_the_last_commit(tmp_path):
+def test_the_status_names_members_standbys_the_blacklist_stragglers_and_the_last_commit(tmp_path):
     store = open_store(f"file://{tmp_path / 'rdzv'}")
     keys, now = JobKeys("j"), time.time()
     frozen = Round(3, "frozen", "worker_exit rank=1 host=b: RuntimeError: boom", 1, now - 5, ["a", "c"], "a",
@@ -30,12 +30,21 @@ def test_the_status_names_members_standbys_the_blacklist_and_the_last_commit(tmp
     events = EventLog(tmp_path / "run", "worker:0")
     for step in (10, 20, 30):
         events.write(Event.COMMIT, step=step, epoch=0, round=3)
+    # c's rank 2 is a straggler now; rank 1 was one and recovered; a was one in an earlier round; e sits out.
+    agents = {host: EventLog(tmp_path / "run", f"agent:{host}") for host in "ace"}
+    agents["a"].write(Event.STRAGGLER, round=2, host="a", rank=0, slowness=3.0, cause="compute")
+    agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=1, slowness=1.7, cause="compute")
+    agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=2, slowness=2.5, cause="compute")
+    agents["c"].write(Event.STRAGGLER_RECOVERED, round=3, host="c", rank=1)
+    agents["e"].write(Event.EVICTED, round=2, host="e", hold_off=60.0, slowness=3.1, evictions=1)
     # A fresh reader of the file store takes each lease as new: two reads a host TTL apart tell the dead one.
     text = render(read_status(open_store(f"file://{tmp_path / 'rdzv'}"), "j", [str(tmp_path / "run")],
                               lease_wait=0.3))
     assert "job j: running" in text and "round 3 (frozen), world size 3, restarts 1" in text
     assert "RuntimeError: boom" in text
-    assert "| a | 0 | 127.0.0.1:1000 |" in text and "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 |" in text
+    assert "| a | 0 | 127.0.0.1:1000 | - |" in text, text
+    assert "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 | rank 2 2.50x (compute) |" in text, text
+    assert "evicted as stragglers: e (may rejoin in 6" in text or "evicted as stragglers: e (may rejoin in 5" in text
     assert "\nstandby: d\n" in text and "blacklisted: b (" in text and "s left)" in text
     assert "last commit: step 30 (epoch 0)" in text and "steps/s" in text and "joining" not in text
     # While a round is joining, a leased host outside it is joining it, not a standby.

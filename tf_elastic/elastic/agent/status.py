@@ -1,12 +1,13 @@
 """What a job is doing, read from its store (and its events where a run dir is readable), without TensorFlow:
-the outcome, the current round and its members with ranks and addresses, standbys, blacklisted hosts and
-the time they have left, the last commit and its age, recent steps per second. `launch/status.py`
+the outcome, the current round and its members with ranks and addresses (and which are stragglers),
+standbys, blacklisted hosts and the time they have left, hosts evicted as stragglers, the last commit and
+its age, recent steps per second. `launch/status.py`
 (`tf-elastic-status`) prints it, once or every few seconds.
 """
 import dataclasses
 import json
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_elastic.elastic.agent.job_record import JobKeys, JobRecord
 from tf_elastic.elastic.agent.round import Phase, Round, is_finite_number
@@ -35,6 +36,8 @@ class JobStatusView:
     joining: List[str] = dataclasses.field(default_factory=list)  # leased hosts while the round is joining
     last_commit: Optional[Dict] = None  # the newest `commit` event, if events were readable
     steps_per_second: Optional[float] = None
+    stragglers: Dict[str, str] = dataclasses.field(default_factory=dict)  # host -> how slow, in the current round
+    evicted: Dict[str, float] = dataclasses.field(default_factory=dict)  # host -> seconds of its hold-off left
 
 
 def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Optional[float] = None,
@@ -59,13 +62,31 @@ def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Op
     view = JobStatusView(job_id, f"{outcome.status.value}: {outcome.reason}" if outcome else None, round_, members,
                          [] if joining else outside, _blacklisted(store, job_id, now),
                          joining=outside if joining else [])
-    commits = [e for e in read_events(list(run_dirs)) if e["event"] == Event.COMMIT] if run_dirs else []
+    events = read_events(list(run_dirs)) if run_dirs else []
+    commits = [e for e in events if e["event"] == Event.COMMIT]
+    view.stragglers, view.evicted = _stragglers(events, round_.number if round_ else None, now)
     if commits:
         view.last_commit = commits[-1]
         recent = commits[-RECENT_COMMITS:]
         if len(recent) > 1 and recent[-1]["time"] > recent[0]["time"]:
             view.steps_per_second = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
     return view
+
+
+def _stragglers(events: List[Dict], round_: Optional[int], now: float) -> Tuple[Dict[str, str], Dict[str, float]]:
+    """The hosts whose workers are stragglers in `round_` (their agents' `straggler` events not followed by a
+    recovery), and the evicted hosts still sitting out their hold-off."""
+    slow: Dict[Tuple[str, int], str] = {}
+    for e in events:
+        if e["event"] == Event.STRAGGLER and e.get("round") == round_:
+            slow[(e["host"], e["rank"])] = f"rank {e['rank']} {e['slowness']:.2f}x ({e['cause']})"
+        elif e["event"] == Event.STRAGGLER_RECOVERED and e.get("round") == round_:
+            slow.pop((e["host"], e["rank"]), None)
+    hosts: Dict[str, str] = {}
+    for (host, _), text in sorted(slow.items()):
+        hosts[host] = f"{hosts[host]}, {text}" if host in hosts else text
+    evicted = {e["host"]: e["time"] + e["hold_off"] - now for e in events if e["event"] == Event.EVICTED}
+    return hosts, {host: left for host, left in evicted.items() if left > 0}
 
 
 def _blacklisted(store: Store, job_id: str, now: float) -> Dict[str, float]:
@@ -88,13 +109,17 @@ def render(view: JobStatusView, now: Optional[float] = None) -> str:
     if r:
         lines.append(f"round {r.number} ({r.phase}), world size {r.world_size}, restarts {r.restarts}; "
                      f"opened {now - r.opened:.0f} s ago because: {r.why}")
-    lines += ["| host | ranks | addresses |", "|---|---|---|"]
-    lines += [f"| {m.host} | {','.join(map(str, m.ranks))} | {' '.join(m.addresses)} |" for m in view.members]
+    lines += ["| host | ranks | addresses | straggler |", "|---|---|---|---|"]
+    lines += [f"| {m.host} | {','.join(map(str, m.ranks))} | {' '.join(m.addresses)} | "
+              f"{view.stragglers.get(m.host, '-')} |" for m in view.members]
     if view.joining:
         lines.append("joining: " + ", ".join(view.joining))
     lines.append("standby: " + (", ".join(view.standbys) or "none"))
     lines.append("blacklisted: " + (", ".join(f"{h} ({s:.0f} s left)" for h, s in sorted(view.blacklisted.items()))
                                     or "none"))
+    if view.evicted:
+        lines.append("evicted as stragglers: " + ", ".join(f"{h} (may rejoin in {s:.0f} s)"
+                                                            for h, s in sorted(view.evicted.items())))
     if view.last_commit:
         c = view.last_commit
         rate = f"; {view.steps_per_second:.2f} steps/s over the last commits" if view.steps_per_second else ""

@@ -42,6 +42,7 @@ class GroupProbe:
         self.last = time.monotonic()
         self.started = time.monotonic()  # a round's cost, as this worker measured its own start
         self.round_seconds: Optional[float] = None
+        self.spent = 0.0  # seconds of probes on the training path since `take_spent`
         self._pass = None
 
     @property
@@ -76,7 +77,13 @@ class GroupProbe:
             self.pending = False
             self._read(list(total[:self.world.size]), list(total[self.world.size:]))
         if due and self.enabled:
+            began = time.perf_counter()
             self.seconds, self.last, self.pending = self._time_passes(), time.monotonic(), True
+            self.spent += time.perf_counter() - began
+
+    def take_spent(self) -> float:
+        spent, self.spent = self.spent, 0.0
+        return spent
 
     def _time_passes(self) -> float:
         """Seconds per forward-and-backward pass, over at least `settings.seconds` of passes."""

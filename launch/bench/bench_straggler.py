@@ -1,0 +1,154 @@
+"""A straggler, for real: four hosts of one worker (`launch.train` on digits, loopback, one file store); one
+host, its agent and its workers, is throttled from outside (`testing/throttle.py`: the cgroup cpu
+controller, else a SIGSTOP/SIGCONT duty cycle) to a third of its fair share of the cores, later to 80 % of
+it, then not at all. Three runs take turns: no action (no probes), report only, and `--evict_stragglers`;
+and the 3- and 4-worker groups alone give the throughput to compare with.
+
+    python -m launch.bench.bench_straggler --phase_seconds=40,60,60,40
+
+Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the report
+and to the first step of a round without the straggler, time from the mild phase (back within the factor)
+to its rejoin, and evictions in each phase. Targets (issue 41): report within 30 s; with eviction, >= 0.9x
+the 3-worker throughput within 60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
+"""
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from absl import app, flags
+
+from tf_elastic.elastic.flag_checks import require_finite_floats
+from tf_elastic.elastic.protocol import Event
+from tf_elastic.testing.local_job import LocalJob, stop_jobs_on_sigterm
+from tf_elastic.testing.soak import TRAIN
+from tf_elastic.testing.throttle import Throttle
+
+PHASES = ("before", "slow", "mild", "after")
+FLAGS = flags.FLAGS
+flags.DEFINE_list("phase_seconds", ["40", "60", "60", "40"], "Seconds of each phase: before the slowdown, at a "
+                  "third of the fair share, at 80 % of it, unthrottled.")
+flags.DEFINE_integer("hosts", 4, "Hosts of one worker each.", lower_bound=3)
+flags.DEFINE_float("cores", float(os.cpu_count() or 1), "Cores the hosts share (the fair share is cores / hosts).",
+                   lower_bound=0.1)
+flags.DEFINE_float("baseline_seconds", 45.0, "Seconds each of the 3- and 4-worker groups trains alone.",
+                   lower_bound=10.0)
+flags.DEFINE_string("root", None, "Where the runs' records go (default: a temporary directory).")
+require_finite_floats(__name__)
+
+MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
+         "evict": ["--evict_stragglers", "--min_workers=2"]}
+AGENT = ["--min_workers=1", "--last_call=1", "--straggler_hold_off=30"]
+
+
+def steps_per_second(job: LocalJob, begin: float, end: float) -> Optional[float]:
+    """The chief's committed steps per second between `begin` and `end`."""
+    commits = [e for e in job.events(Event.COMMIT) if begin <= e["time"] <= end]
+    if len(commits) < 2 or commits[-1]["time"] <= commits[0]["time"]:
+        return None
+    return (commits[-1]["step"] - commits[0]["step"]) / (commits[-1]["time"] - commits[0]["time"])
+
+
+def _first(events: List[Dict], after: float) -> Optional[float]:
+    later = [e["time"] - after for e in events if e["time"] >= after]
+    return min(later) if later else None
+
+
+def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: float) -> Dict[str, object]:
+    """One job through the four phases; returns its figures."""
+    names = [chr(ord("a") + i) for i in range(hosts)]
+    root.mkdir(parents=True)
+    job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={hosts}", *MODES[mode]],
+                   trainer="launch.train")
+    fair = cores / hosts
+    try:
+        with Throttle(f"tf_elastic-bench-{os.getpid()}") as throttle:
+            for host in names:
+                job.start_agent(host)
+            job.first_step_after(0, world_size=hosts, timeout=600)
+            moments = [time.time()]
+            for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
+                if phase == "slow":
+                    throttle.add(job.agents[names[-1]].pid)
+                if phase != "before":
+                    throttle.set(cores_of_phase)
+                time.sleep(seconds[PHASES.index(phase)])
+                moments.append(time.time())
+    finally:
+        job.cleanup()
+    evicted = job.events(Event.EVICTED)
+    rates = {phase: steps_per_second(job, moments[i], moments[i + 1]) for i, phase in enumerate(PHASES)}
+    slow_at, mild_at = moments[1], moments[2]
+    without = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts - 1]
+    back = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts and e["time"] > slow_at]
+    return {"mode": mode, "rates": rates, "report": _first(job.events(Event.STRAGGLER), slow_at),
+            "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
+            "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
+                          for i, phase in enumerate(PHASES)},
+            "throttle": throttle.kind, "sustained_after_eviction": _rate_after(job, evicted, mild_at),
+            "probe_cost": _probe_cost(job)}
+
+
+def _probe_cost(job: LocalJob) -> Optional[float]:
+    """The probes' share of the chief's epoch time (its `epoch_end` events say both)."""
+    ends = job.events(Event.EPOCH_END)
+    spent, total = sum(e.get("probe_seconds", 0.0) for e in ends), sum(e["seconds"] for e in ends)
+    return spent / total if total else None
+
+
+def _rate_after(job: LocalJob, evicted: List[Dict], until: float) -> Optional[float]:
+    """Steps/s from the first round without the straggler to `until` (the slow phase's end)."""
+    if not evicted:
+        return None
+    starts = [e["time"] for e in job.events(Event.FIRST_STEP, rank=0) if e["time"] > evicted[0]["time"]]
+    return steps_per_second(job, starts[0], until) if starts and starts[0] < until else None
+
+
+def baseline(root: Path, workers: int, seconds: float) -> Optional[float]:
+    root.mkdir(parents=True)
+    job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={workers}"], trainer="launch.train")
+    try:
+        for host in range(workers):
+            job.start_agent(chr(ord("a") + host))
+        began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + 10.0  # warm-up left out
+        time.sleep(max(0.0, began + seconds - time.time()))
+        return steps_per_second(job, began, time.time())
+    finally:
+        job.cleanup()
+
+
+def _text(value: Optional[float], unit: str = "") -> str:
+    return "-" if value is None else f"{value:.2f}{unit}"
+
+
+def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], hosts: int) -> str:
+    three = alone.get(hosts - 1)
+    lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
+             "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | after eviction / 3 alone | report | "
+             "round without | rejoin after mild | evictions (slow/mild/after) | probes' cost |", "|---|" + "---:|" * 10]
+    for r in results:
+        rates, ev = r["rates"], r["evictions"]
+        ratio = r["sustained_after_eviction"] / three if r["sustained_after_eviction"] and three else None
+        cost = None if r["probe_cost"] is None else 100 * r["probe_cost"]
+        lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
+                     f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
+                     f"{ev['slow']}/{ev['mild']}/{ev['after']} | {_text(cost, ' %')} |")
+    lines.append(f"\nthrottled with: {results[0]['throttle'] if results else '-'}")
+    return "\n".join(lines)
+
+
+def main(argv: List[str]) -> None:
+    del argv
+    stop_jobs_on_sigterm()
+    seconds = [float(s) for s in FLAGS.phase_seconds]
+    if len(seconds) != 4 or min(seconds) <= 0:
+        raise app.UsageError(f"--phase_seconds takes 4 positive numbers; got {FLAGS.phase_seconds}")
+    root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
+    alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds) for n in (FLAGS.hosts - 1, FLAGS.hosts)}
+    results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores) for mode in MODES]
+    print(table(results, alone, FLAGS.hosts), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

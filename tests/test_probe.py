@@ -1,0 +1,58 @@
+"""`tf_elastic/elastic/worker/probe.py`: the local pass every rank times, on the models users bring."""
+import keras
+import numpy as np
+
+from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
+from tf_elastic.elastic.worker.probe import GroupProbe, _forward_and_backward
+from tf_elastic.elastic.worker.world import PULSE, World
+
+
+def _dict_model():
+    image, tokens = keras.Input((8, 8, 1), name="image"), keras.Input((5,), dtype="int32", name="tokens")
+    joined = keras.layers.Concatenate()([keras.layers.Flatten()(image),
+                                         keras.layers.Flatten()(keras.layers.Embedding(20, 3)(tokens))])
+    return keras.Model({"image": image, "tokens": tokens}, {"a": keras.layers.Dense(2)(joined),
+                                                           "b": keras.layers.Dense(3)(joined)})
+
+
+def test_the_pass_runs_on_every_local_replica_for_dict_inputs_and_a_sequential_built_by_its_first_batch(
+        two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        sequential = keras.Sequential([keras.layers.Conv2D(4, 3), keras.layers.Flatten(), keras.layers.Dense(10)])
+        sequential(np.zeros((2, 8, 8, 1), "float32"))
+        models = [_dict_model(), sequential]
+    for model in models:
+        probe = _forward_and_backward(model, two_cpu_strategy, 4)
+        results = probe()
+        assert len(results) == 2 and results[0] == results[1], results  # the same pass on each replica
+
+
+def test_a_model_whose_inputs_are_unknown_is_not_probed(two_cpu_strategy):
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    assert _forward_and_backward(Subclassed(), two_cpu_strategy, 4) is None
+
+
+def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strategy):
+    """Rank 1 of three probes; the summed slots say rank 1 is 3x the median twice (the window): its heartbeat
+    says so, and that its host (alone) is worth evicting; a probe is due once `every_seconds` passed."""
+    with two_cpu_strategy.scope():
+        model = _dict_model()
+    settings = ProbeSettings(every_seconds=0.01, seconds=0.01, rules=StragglerRules(1.5, 2), min_workers=1)
+    probe = GroupProbe(model, two_cpu_strategy, World(rank=1, size=3, host_id="b"), settings)
+    probe.first_step(4)
+    assert probe.enabled and probe.slots() == []
+    try:
+        for _ in range(2):
+            probe.last -= 1.0
+            assert probe.due() == 1.0
+            probe.after_agreement(True, [])
+            assert probe.pending and probe.seconds > 0
+            mine = probe.slots()
+            assert len(mine) == 6 and mine[1] == probe.seconds and mine[0] == mine[2] == 0
+            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0])
+        assert PULSE.slow == 3.0 and PULSE.evict
+    finally:
+        PULSE.slow, PULSE.evict = 0.0, False
