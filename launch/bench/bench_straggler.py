@@ -126,14 +126,15 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
     three = alone.get(hosts - 1)
     lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
              "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | after eviction / 3 alone | report | "
-             "round without | rejoin after mild | evictions (slow/mild/after) | probes' cost |", "|---|" + "---:|" * 10]
+             "round without | rejoin after mild | evictions (before/slow/mild/after) | probes' cost |",
+             "|---|" + "---:|" * 10]
     for r in results:
         rates, ev = r["rates"], r["evictions"]
         ratio = r["sustained_after_eviction"] / three if r["sustained_after_eviction"] and three else None
         cost = None if r["probe_cost"] is None else 100 * r["probe_cost"]
         lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
                      f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
-                     f"{ev['slow']}/{ev['mild']}/{ev['after']} | {_text(cost, ' %')} |")
+                     f"{ev['before']}/{ev['slow']}/{ev['mild']}/{ev['after']} | {_text(cost, ' %')} |")
     lines.append(f"\nthrottled with: {results[0]['throttle'] if results else '-'}")
     return "\n".join(lines)
 

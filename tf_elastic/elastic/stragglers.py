@@ -6,11 +6,12 @@ rank instead times the same local forward and backward pass, with no collective,
 (`worker/probe.py`); the group's agreement hands every rank every rank's probe, so every rank reaches the
 same verdicts from the same numbers. A rank `factor` times slower than the median for `window` probes in a
 row is a straggler, and stays one until it is back within the factor for `window` probes in a row
-(hysteresis). A slowdown every rank shares (a slow store, a slow network) moves the median with it and
-makes no straggler. Eviction (`worth_evicting`) weighs the group's throughput without the straggler's host
-against its throughput with it over the next window, paying the measured cost of a round, and never goes
-below `min_workers`; an evicted host sits out a hold-off that doubles with each eviction (`hold_off`), so a
-host that keeps degrading does not flap.
+(hysteresis): a slowdown must last `window` probe intervals. A slowdown every rank
+shares (a slow store, a slow network) moves the median with it and makes no straggler. Eviction
+(`worth_evicting`) weighs the group's throughput without the straggler's host against its throughput with it
+over the next window, paying the measured cost of a round, and never goes below `min_workers`; an evicted
+host sits out a hold-off that doubles with each eviction (`hold_off`), so a host that keeps degrading does
+not flap.
 """
 import dataclasses
 import statistics

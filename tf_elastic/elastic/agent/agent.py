@@ -509,10 +509,16 @@ class ElasticAgent:
         return RoundResult.EVICTED
 
     def _sit_out(self, seconds: float) -> None:
-        """Waits `seconds` out of the job (no lease: no round waits for this host), or until a notice."""
+        """Waits `seconds` out of the job (no lease: no round waits for this host), until a notice, or until the
+        job ended (the next join says how)."""
         deadline = time.time() + seconds
         while time.time() < deadline and not self.notices.received:
-            time.sleep(min(self.config.monitor_interval, max(0.0, deadline - time.time())))
+            try:
+                if self.job.outcome() is not None:
+                    return
+            except StoreError:
+                pass  # the join after the hold-off retries the store and reports it
+            time.sleep(min(1.0, max(0.0, deadline - time.time())))
 
     def _release_lease(self) -> None:
         try:

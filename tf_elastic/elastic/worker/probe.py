@@ -19,7 +19,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, worth_evicting
-from tf_elastic.elastic.worker.world import PULSE, World
+from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
 EVICTION_HORIZON_SECONDS = 120.0
@@ -40,8 +40,7 @@ class GroupProbe:
         self.pending = False  # probed since the last agreement: its time rides the next one
         self.seconds = 0.0
         self.last = time.monotonic()
-        self.started = time.monotonic()  # a round's cost, as this worker measured its own start
-        self.round_seconds: Optional[float] = None
+        self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
         self.spent = 0.0  # seconds of probes on the training path since `take_spent`
         self._pass = None
 
@@ -51,7 +50,7 @@ class GroupProbe:
 
     def first_step(self, per_replica_batch: int) -> None:
         """The round trains: its start's cost is known, and the model's inputs (the pass is built here)."""
-        self.round_seconds = time.monotonic() - self.started
+        self.round_seconds = seconds_in_round()
         self.last = time.monotonic()
         if self.settings.every_seconds > 0 and self.world.size > 1:
             self._pass = _forward_and_backward(self.model, self.strategy, per_replica_batch)

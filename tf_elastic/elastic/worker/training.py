@@ -211,10 +211,10 @@ class _ElasticTrainer:
         report_progress(self.step)
         if not self.first_step_logged:
             self.first_step_logged = True
-            self.probe.first_step(self.global_batch // self.strategy.num_replicas_in_sync)
             self.events.write(Event.FIRST_STEP, round=self.world.round, rank=self.world.rank, step=self.step,
                               world_size=self.world.size, examples=self.feed.examples,
                               global_batch=self.global_batch)
+            self.probe.first_step(self.global_batch // self.strategy.num_replicas_in_sync)
         commit = _crossed(before, self.step, self.config.commit_every_steps)
         if _crossed(before, self.step, self.config.sync_every_steps):
             stop, due = self._agree(self.stop_requested, self._commit_due())

@@ -109,6 +109,7 @@ class Pulse:
     def __init__(self):
         self.step, self.progress, self.beats = 0, 0, 0
         self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
+        self.world_at: Optional[float] = None  # when a warm worker received its round (`time.time()`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
         self._failing = False
         self._lock = threading.Lock()
@@ -189,7 +190,24 @@ def wait_for_the_agents_world_on_stdin() -> None:
     line = sys.stdin.readline()
     if not line:
         raise SystemExit(0)
+    PULSE.world_at = time.time()
     os.environ.update(json.loads(line))
+
+
+def seconds_in_round() -> float:
+    """How long this worker has been in its round: since a warm worker received it, else since the process
+    started (/proc; where there is none, since this module loaded)."""
+    if PULSE.world_at is not None:
+        return time.time() - PULSE.world_at
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time() - _LOADED
+
+
+_LOADED = time.time()
 
 
 def _alive(pid: int) -> bool:
