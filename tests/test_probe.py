@@ -45,6 +45,9 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
     probe.first_step(4)
     assert probe.enabled and probe.slots() == [] and probe.round_seconds > 0
     probe.round_seconds = 1.0  # this test process is old: a round of a fresh worker's cost
+    probe.last -= 1.0
+    probe.after_agreement(True, [])  # the first probe traces the pass and times nothing
+    assert not probe.pending and probe.slots() == []
     try:
         for _ in range(2):
             probe.last -= 1.0

@@ -12,7 +12,7 @@ from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 from tf_elastic.testing.throttle import Throttle
 
 EPOCHS = 25  # about 8 are trained before c is back
-AGENT = ["--min_workers=2", "--max_workers=3", "--index_log", "--last_call=1", "--probe_every_seconds=1",
+AGENT = ["--min_workers=2", "--max_workers=3", "--index_log", "--last_call=1", "--probe_every_seconds=2",
          "--probe_seconds=0.2", "--straggler_window=3", "--evict_stragglers", "--straggler_hold_off=5"]
 
 

@@ -43,19 +43,20 @@ class GroupProbe:
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
         self.spent = 0.0  # seconds of probes on the training path since `take_spent`
         self._pass = None
+        self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
 
     @property
     def enabled(self) -> bool:
         return self.settings.every_seconds > 0 and self._pass is not None and self.world.size > 1
 
     def first_step(self, per_replica_batch: int) -> None:
-        """The round trains: its start's cost is known, and the model's inputs (the pass is built here)."""
+        """The round trains: its start's cost is known, and the model's inputs (the pass is built here; it is
+        traced at the first probe, so that a round shorter than the cadence never pays for it)."""
         self.round_seconds = seconds_in_round()
         self.last = time.monotonic()
         if self.settings.every_seconds > 0 and self.world.size > 1:
             self._pass = _forward_and_backward(self.model, self.strategy, per_replica_batch)
-            if self._pass is not None:
-                self._pass()  # traced here, every rank at once: no probe times a trace
+            self._warm = False
 
     def due(self) -> float:
         return float(self.enabled and time.monotonic() - self.last >= self.settings.every_seconds)
@@ -77,7 +78,12 @@ class GroupProbe:
             self._read(list(total[:self.world.size]), list(total[self.world.size:]))
         if due and self.enabled:
             began = time.perf_counter()
-            self.seconds, self.last, self.pending = self._time_passes(), time.monotonic(), True
+            if self._warm:
+                self.seconds, self.pending = self._time_passes(), True
+            else:  # the round's first probe traces the pass, on every rank at once: it times nothing
+                self._pass()
+                self._warm = True
+            self.last = time.monotonic()
             self.spent += time.perf_counter() - began
 
     def take_spent(self) -> float:
