@@ -201,9 +201,10 @@ class ElasticAgent:
                 self.events.write(Event.STRAGGLER_RECOVERED, round=round_.number, host=self.host_id, rank=worker.rank)
                 logging.info("round %d: rank %d on %s is no longer a straggler", round_.number, worker.rank,
                              self.host_id)
-            self._slow.pop(worker.rank, None)
             if slow:
                 self._slow[worker.rank] = slow
+            else:
+                self._slow.pop(worker.rank, None)
         return any(worker.last and worker.last.evict for worker in running)
 
     def _report_standby(self, round_: Round) -> None:
@@ -469,38 +470,37 @@ class ElasticAgent:
         return worker.silent_for() > limit
 
     def _leave(self, round_: Round, running: List[Worker]) -> RoundResult:
-        """Opens the next round without this host (so the others stop at an agreed step too), then stops
-        our workers, who commit. With the store unreachable the workers still stop and commit: the others
-        see this host go once its lease expires."""
+        """A notice: leaves the job (`_step_out`), unless a verdict judged before it must be carried out."""
         self.notices.report()
         if self._effects is not None:  # a verdict judged before the notice: a failed job must not end as a leave
             try:
                 return self._carry_out(self._effects)
             except StoreError as error:
                 logging.warning("leaving before a failure's effects reached the store (%s)", error)
-        try:
-            self.rendezvous.open_after(round_.number, reason=f"leave {self.host_id}", failure=False, leaving=True)
-        except StoreError as error:
-            logging.warning("leaving while the rendezvous store is unreachable (%s)", error)
-        self._stop(running)
-        self._release_lease()
+        self._step_out(round_, running, "leave")
         self.events.write(Event.LEAVE, round=round_.number, host=self.host_id,
                           seconds_after_notice=self.notices.seconds_since())
         logging.info("round %d: %s left the job (%s); its workers committed and stopped", round_.number,
                      self.host_id, self.notices.what or "asked to leave")
         return RoundResult.LEFT
 
+    def _step_out(self, round_: Round, running: List[Worker], why: str) -> None:
+        """Opens the next round without this host (so the others stop at an agreed step too), stops our workers,
+        who commit, and gives up the lease. With the store unreachable the workers still stop and commit: the
+        others see this host go once its lease expires."""
+        try:
+            self.rendezvous.open_after(round_.number, reason=f"{why} {self.host_id}", failure=False, leaving=True)
+        except StoreError as error:
+            logging.warning("%s while the rendezvous store is unreachable (%s)", why, error)
+        self._stop(running)
+        self._release_lease()
+
     def _evict(self, round_: Round, running: List[Worker]) -> RoundResult:
         """`--evict_stragglers`: this host is the straggler the group is better off without. It leaves as on a
         notice (the others stop at an agreed step and commit; nothing is lost) and then sits out a hold-off."""
         self.evictions += 1
         seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
-        try:
-            self.rendezvous.open_after(round_.number, reason=f"evict {self.host_id}", failure=False, leaving=True)
-        except StoreError as error:
-            logging.warning("evicting %s while the rendezvous store is unreachable (%s)", self.host_id, error)
-        self._stop(running)
-        self._release_lease()
+        self._step_out(round_, running, "evict")
         self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds,
                           slowness=round(max(self._slow.values(), default=0.0), 3), evictions=self.evictions)
         logging.warning("round %d: %s leaves as a straggler (eviction %d); it may rejoin in %.0fs", round_.number,

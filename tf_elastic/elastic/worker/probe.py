@@ -3,7 +3,7 @@ its slowest rank's, so step times are the same everywhere. At a step the group a
 the model's own forward and backward pass on a fixed batch for `ProbeSettings.seconds`, on its own replicas
 and with no collective (so no rank waits for another); the next agreement hands every rank every rank's
 time, and `stragglers.StragglerWatch` names the slow ones the same way on every rank. Probes are due every
-`every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.5 % of the training time.
+`every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.6-0.7 % of the training time (`bench_straggler`).
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness) and a log line and, with `--evict_stragglers`, leaves when the rules say the
@@ -142,12 +142,14 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
 def _zeros_like_inputs(model, batch: int):
     """Zeros shaped as the model's inputs: a functional model's `input`, else the input shape it was built with
     (a Sequential without an `Input`, built by its first batch)."""
+    def zeros(shape, dtype):
+        return tf.zeros((batch,) + tuple(d or 1 for d in shape[1:]), dtype)
+
     try:
-        return tf.nest.map_structure(
-            lambda t: tf.zeros((batch,) + tuple(d or 1 for d in t.shape[1:]), t.dtype), model.input)
+        return tf.nest.map_structure(lambda t: zeros(t.shape, t.dtype), model.input)
     except (AttributeError, ValueError):
         pass
     shape = (model.get_build_config() or {}).get("input_shape")
     if not shape or not all(isinstance(d, int) or d is None for d in shape):
         return None
-    return tf.zeros((batch,) + tuple(d or 1 for d in shape[1:]), keras.backend.floatx())
+    return zeros(shape, keras.backend.floatx())

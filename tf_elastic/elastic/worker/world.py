@@ -41,7 +41,7 @@ class World:
     local_rank: int = 0
     host_id: Optional[str] = None
     stop_signals: Tuple[int, ...] = (signal.SIGTERM,)  # each asks for a commit and a stop
-    probe: Optional[str] = None  # the straggler probe's settings (`probe.ProbeSettings.from_text`)
+    probe: Optional[str] = None  # the straggler probe's settings (`stragglers.ProbeSettings.from_text`)
 
     @property
     def keeps_commits(self) -> bool:
