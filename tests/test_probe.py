@@ -23,8 +23,9 @@ def test_the_pass_runs_on_every_local_replica_for_dict_inputs_and_a_sequential_b
         models = [_dict_model(), sequential]
     for model in models:
         probe = _forward_and_backward(model, two_cpu_strategy, 4)
-        results = probe()
-        assert len(results) == 2 and results[0] == results[1], results  # the same pass on each replica
+        results = probe(3)
+        assert len(results) == 2 and results[0] == results[1], results  # the same passes on each replica
+        assert probe(1) == results  # the passes of a loop are the same pass
 
 
 def test_a_model_whose_inputs_are_unknown_is_not_probed(two_cpu_strategy):

@@ -1,7 +1,10 @@
 """Each worker's own speed, which the collective hides: every step of a synchronous group takes as long as
 its slowest rank's, so step times are the same everywhere. At a step the group agreed on, every rank times
 the model's own forward and backward pass on a fixed batch for `ProbeSettings.seconds`, on its own replicas
-and with no collective (so no rank waits for another); the next agreement hands every rank every rank's
+and with no collective (so no rank waits for another). The passes run in one compiled loop, one call: a
+loop of Python calls timed this process's Python threads as much as its compute (a chief's commit thread,
+busy after a round's start, made its probe read 12-33x the others' on a host that was not slow). The next
+agreement hands every rank every rank's
 time, and `stragglers.StragglerWatch` names the slow ones the same way on every rank. Probes are due every
 `every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.6-0.7 % of the training time (`bench_straggler`).
 
@@ -23,6 +26,7 @@ from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
 EVICTION_HORIZON_SECONDS = 120.0
+MAX_PASSES = 100_000  # a probe's passes at most, whatever the time of one
 
 
 def _host_key(host_id: Optional[str], rank: int) -> float:
@@ -44,6 +48,7 @@ class GroupProbe:
         self.spent = 0.0  # seconds of probes on the training path since `take_spent`
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
+        self._passes = 1  # the next probe's passes: about `settings.seconds` at the last one's speed
 
     @property
     def enabled(self) -> bool:
@@ -80,8 +85,9 @@ class GroupProbe:
             began = time.perf_counter()
             if self._warm:
                 self.seconds, self.pending = self._time_passes(), True
-            else:  # the round's first probe traces the pass, on every rank at once: it times nothing
-                self._pass()
+            else:  # the round's first probe traces the pass, on every rank at once, and times one pass
+                self._pass(1)
+                self._time_passes()
                 self._warm = True
             self.last = time.monotonic()
             self.spent += time.perf_counter() - began
@@ -91,12 +97,13 @@ class GroupProbe:
         return spent
 
     def _time_passes(self) -> float:
-        """Seconds per forward-and-backward pass, over at least `settings.seconds` of passes."""
-        began, passes = time.perf_counter(), 0
-        while passes == 0 or time.perf_counter() - began < self.settings.seconds:
-            self._pass()
-            passes += 1
-        return (time.perf_counter() - began) / passes
+        """Seconds per forward-and-backward pass, over one call of `_passes` passes; the next call's are set to
+        take about `settings.seconds` at this speed."""
+        began = time.perf_counter()
+        self._pass(self._passes)
+        per_pass = (time.perf_counter() - began) / self._passes
+        self._passes = int(min(MAX_PASSES, max(1.0, self.settings.seconds / max(per_pass, 1e-9))))
+        return per_pass
 
     def _read(self, seconds: List[float], hosts: List[float]) -> None:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
@@ -117,26 +124,34 @@ class GroupProbe:
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
-    """A compiled pass of the model on a batch of zeros of its input's shape: the gradients of the sum of its
-    outputs, on every local replica, nothing reduced across replicas or workers. None for a model whose
-    inputs are unknown (a subclassed model taking several inputs that declares none)."""
+    """`passes -> results`: a compiled loop of `passes` passes of the model on a batch of zeros of its input's
+    shape (the gradients of the sum of its outputs), on every local replica, nothing reduced across replicas
+    or workers. None for a model whose inputs are unknown (a subclassed model taking several inputs that
+    declares none)."""
     x = _zeros_like_inputs(model, max(1, batch))
     if x is None:
         logging.info("the straggler probe is off: the model's inputs are not known")
         return None
 
+    def one_pass(carried):
+        # The input depends on the previous pass (by 0 * its result), so no pass can be hoisted out of the loop.
+        inputs = tf.nest.map_structure(
+            lambda t: t + tf.cast(carried * 0.0, t.dtype) if t.dtype.is_floating or t.dtype.is_integer else t, x)
+        with tf.GradientTape() as tape:
+            outputs = model(inputs, training=False)
+            total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs)])
+        grads = [g.values if isinstance(g, tf.IndexedSlices) else g
+                 for g in tape.gradient(total, model.trainable_variables) if g is not None]
+        return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads]) if grads else total
+
     @tf.function
-    def probe():
+    def probe(passes):
         def local():
-            with tf.GradientTape() as tape:
-                outputs = model(x, training=False)
-                total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs)])
-            grads = [g.values if isinstance(g, tf.IndexedSlices) else g
-                     for g in tape.gradient(total, model.trainable_variables) if g is not None]
-            return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads]) if grads else total
+            return tf.while_loop(lambda i, _: i < passes, lambda i, carried: (i + 1, one_pass(carried)),
+                                 (tf.constant(0), tf.constant(0.0)))[1]
         return strategy.run(local)
 
-    return lambda: [t.numpy() for t in strategy.experimental_local_results(probe())]
+    return lambda passes: [t.numpy() for t in strategy.experimental_local_results(probe(tf.constant(passes)))]
 
 
 def _zeros_like_inputs(model, batch: int):
