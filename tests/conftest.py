@@ -1,8 +1,10 @@
 """Shared fixtures. Two logical CPU devices are configured before TensorFlow initialises its runtime."""
+import fcntl
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -26,6 +28,40 @@ def two_cpu_strategy() -> tf.distribute.MirroredStrategy:
     """MirroredStrategy over the two logical CPU devices, one for the whole session: collective instance
     keys are process-wide, and a second strategy would reuse the first one's (a shape-mismatch abort)."""
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+@pytest.fixture(autouse=True)
+def _machine_share(request, tmp_path_factory):
+    """Under pytest-xdist (pytest.ini runs two workers), a test holds one of the workers' slots while it runs:
+    a test marked `alone` holds every slot, so that nothing runs beside it. Slots are files the workers
+    lock (flock); a taker first holds the gate, so that one waiting for every slot is not overtaken."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2:
+        yield
+        return
+    root = tmp_path_factory.getbasetemp().parent  # the workers' basetemps share it
+    gate, slots = open(root / "slots-gate", "a"), [open(root / f"slot-{i}", "a") for i in range(workers)]
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if request.node.get_closest_marker("alone"):
+            for slot in slots:
+                fcntl.flock(slot, fcntl.LOCK_EX)
+        else:
+            while not any(_took(slot) for slot in slots):
+                time.sleep(0.02)
+        fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        for held in [gate, *slots]:
+            held.close()  # closing a file gives up its lock
+
+
+def _took(slot) -> bool:
+    try:
+        fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 @pytest.fixture(autouse=True)

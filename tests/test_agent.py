@@ -267,6 +267,7 @@ class _Notices(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
     """One training job, three hosts. c gets a notice from its metadata URL, b Slurm's SIGUSR1: each commits
     and leaves without a counted failure or a lost step. Then a's worker's main thread blocks (its heartbeat

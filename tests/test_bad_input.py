@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, agent_argv
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("bad_input")]  # its module fixtures: built once, on one worker
 
 TRAIN = [sys.executable, "-m", "launch.train", "--dataset=digits", "--epochs=1", "--threads=1"]
 

@@ -22,6 +22,8 @@ from tf_elastic.elastic import audit
 from tf_elastic.testing import data_files
 from tf_elastic.testing.local_job import LocalJob, repo_env
 
+pytestmark = pytest.mark.xdist_group("data_sources")  # its module fixtures: built once, on one worker
+
 KINDS = ("folder", "tfrecord", "tfds")
 
 
@@ -527,6 +529,7 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
 # planned order (what a restart resumes from) is checked in test_pipeline_yields_the_planned_examples_in_order,
 # so the job runs on one of them (it took 75-120 s a source).
 @pytest.mark.parametrize("kind", ["tfrecord"])
+@pytest.mark.alone
 def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
     """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
     epoch exactly once, by the indices the workers logged while reading the files."""

@@ -59,6 +59,7 @@ def _first_step(job, round_min, world_size=None):
 # The long jobs run on one store each (the eight-worker job, the chaos soak and the multi-host tests on etcd);
 # the store's own behaviour is tested on both in test_rendezvous.py, and the short cases below run on both.
 @pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
+@pytest.mark.alone
 def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     """Host b is SIGKILLed, host c joins, host c leaves (SIGTERM): the job ends with every example of
     every epoch used exactly once among committed work; join and leave lose no step. 12 epochs: under load
@@ -107,6 +108,7 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
 
 
 @pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
+@pytest.mark.alone
 def test_hung_worker_is_detected_and_killed(job_factory):
     """One worker, so that nothing but the hang detection can notice it (a peer's collective failure
     would also restart a group of two)."""
@@ -152,6 +154,7 @@ def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
 
 
 @pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
+@pytest.mark.alone
 def test_eight_workers_on_four_hosts_through_a_kill_and_a_join(job_factory):
     """Three hosts of two workers each, a worker SIGKILLed (the group restarts at the same size, one counted
     restart), then a fourth host: eight workers. Every example once per epoch, and every round's eight ranks

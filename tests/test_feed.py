@@ -66,6 +66,7 @@ def _complete_evaluations(job):
     return {key: ids for key, ids in passes.items() if sorted(ids) == list(range(VALIDATION))}
 
 
+@pytest.mark.alone
 def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empty_disk_join(tmp_path):
     """a and b (2 workers), b is SIGKILLed (a alone: 1), c joins with an empty disk (2), d joins with two
     workers (4): every step at the global batch, every id once per epoch, every validation example once
@@ -100,6 +101,7 @@ def _committed_steps(job) -> dict:
     return kept
 
 
+@pytest.mark.alone
 def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path):
     """The workers' own tf.data pipeline (dict features, two streams mixed by sample_from_datasets, an
     unseeded shuffle, a filter, sample weights, a short last batch): a and b (2 workers), the chief's host
@@ -133,6 +135,7 @@ def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_e
         job.cleanup()
 
 
+@pytest.mark.alone
 def test_two_local_replicas_and_steps_per_execution_through_a_worker_kill(tmp_path):
     """One worker with two replicas (MirroredStrategy over two logical CPUs), `steps_per_execution=4` (6
     steps an epoch: the last execution of each is short), its worker SIGKILLed once: the same exactness."""
@@ -154,6 +157,7 @@ def test_two_local_replicas_and_steps_per_execution_through_a_worker_kill(tmp_pa
         job.cleanup()
 
 
+@pytest.mark.alone
 def test_hosts_that_see_different_data_are_refused_in_one_line_naming_both(tmp_path):
     """One host's copy of the data lacks examples (a missing file): the plan indexes each worker's own
     data, so examples were used twice and others never, without an error. The group now compares the

@@ -76,6 +76,7 @@ def test_an_agent_cannot_rendezvous_without_its_store_and_says_so(jobs, tmp_path
     etcd.close()
 
 
+@pytest.mark.alone
 def test_agents_on_three_loopback_addresses_train_one_group_through_an_etcd_outage(jobs, tmp_path):
     """Three agents, each on an address of its own, train one group of three; etcd stops after a commit: the
     agents notice, the workers commit on through the outage, and once etcd is back every agent reaches it

@@ -24,6 +24,7 @@ def _namespaces_allowed() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.alone
 def test_a_partitioned_host_is_left_behind_and_rejoins_when_healed(tmp_path):
     if not _namespaces_allowed():
         reason = ("this machine does not allow a private network namespace with its own routing rules "

@@ -70,6 +70,7 @@ def test_bad_rules_are_named():
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost(tmp_path):
     """Three hosts of one worker; c's agent and workers get 0.15 of a core (the cgroup cpu controller, else a
     SIGSTOP/SIGCONT duty cycle): its probe names it, its agent writes the event and, with

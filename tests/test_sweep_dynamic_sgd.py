@@ -8,6 +8,8 @@ import pytest
 
 from conftest import REPO, run_python
 
+pytestmark = pytest.mark.xdist_group("sweep")  # its module fixtures: built once, on one worker
+
 CONFIGS = ("static", "immediate", "ramp", "momentum")
 
 
