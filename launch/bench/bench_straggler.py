@@ -5,6 +5,7 @@ it, then not at all. Three runs take turns: no action (no probes), report only, 
 and the 3- and 4-worker groups alone give the throughput to compare with.
 
     python -m launch.bench.bench_straggler --phase_seconds=40,60,60,40
+    python -m launch.bench.bench_straggler --modes=evict --phase_seconds=60,240,240,60  # ten minutes: flapping?
 
 Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the report
 and to the first step of a round without the straggler, time from the mild phase (back within the factor)
@@ -35,6 +36,7 @@ flags.DEFINE_float("cores", float(os.cpu_count() or 1), "Cores the hosts share (
 flags.DEFINE_float("baseline_seconds", 45.0, "Seconds each of the 3- and 4-worker groups trains alone.",
                    lower_bound=10.0)
 flags.DEFINE_string("root", None, "Where the runs' records go (default: a temporary directory).")
+flags.DEFINE_list("modes", ["no action", "report only", "evict"], "The runs to make, in this order.")
 require_finite_floats(__name__)
 
 MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
@@ -145,9 +147,12 @@ def main(argv: List[str]) -> None:
     seconds = [float(s) for s in FLAGS.phase_seconds]
     if len(seconds) != 4 or min(seconds) <= 0:
         raise app.UsageError(f"--phase_seconds takes 4 positive numbers; got {FLAGS.phase_seconds}")
+    unknown = [mode for mode in FLAGS.modes if mode not in MODES]
+    if unknown or not FLAGS.modes:
+        raise app.UsageError(f"--modes takes some of {', '.join(MODES)}; got {','.join(FLAGS.modes)}")
     root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
     alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds) for n in (FLAGS.hosts - 1, FLAGS.hosts)}
-    results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores) for mode in MODES]
+    results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores) for mode in FLAGS.modes]
     print(table(results, alone, FLAGS.hosts), flush=True)
 
 
