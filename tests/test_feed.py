@@ -101,7 +101,6 @@ def _committed_steps(job) -> dict:
     return kept
 
 
-@pytest.mark.alone
 def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path):
     """The workers' own tf.data pipeline (dict features, two streams mixed by sample_from_datasets, an
     unseeded shuffle, a filter, sample weights, a short last batch): a and b (2 workers), the chief's host
@@ -135,7 +134,6 @@ def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_e
         job.cleanup()
 
 
-@pytest.mark.alone
 def test_two_local_replicas_and_steps_per_execution_through_a_worker_kill(tmp_path):
     """One worker with two replicas (MirroredStrategy over two logical CPUs), `steps_per_execution=4` (6
     steps an epoch: the last execution of each is short), its worker SIGKILLed once: the same exactness."""
@@ -157,7 +155,6 @@ def test_two_local_replicas_and_steps_per_execution_through_a_worker_kill(tmp_pa
         job.cleanup()
 
 
-@pytest.mark.alone
 def test_hosts_that_see_different_data_are_refused_in_one_line_naming_both(tmp_path):
     """One host's copy of the data lacks examples (a missing file): the plan indexes each worker's own
     data, so examples were used twice and others never, without an error. The group now compares the

@@ -194,7 +194,6 @@ np.savez(sys.argv[1], *[v.numpy() for v in model.trainable_variables])
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_two_process_multi_worker_equals_one_process(tmp_path):
     """Two MWMS workers on 127.0.0.1 with a custom loop end with the same weights as one process
     (synchronized BatchNormalization, so batch statistics are global in both)."""

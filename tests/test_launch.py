@@ -90,7 +90,6 @@ def test_reproduce_lars_quick(tmp_path, mnist_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_without_the_agent_slurm_workers_train_at_a_fixed_size_and_resume_after_a_failure(tmp_path):
     """Two workers of one Slurm step (the environment srun gives them) find each other through TF's
     SlurmClusterResolver. One is killed: the other stops with the peer-failure code, and the step run
