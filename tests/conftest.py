@@ -1,4 +1,5 @@
 """Shared fixtures. Two logical CPU devices are configured before TensorFlow initialises its runtime."""
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -30,38 +31,58 @@ def two_cpu_strategy() -> tf.distribute.MirroredStrategy:
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
+class MachineSlots:
+    """Under pytest-xdist (pytest.ini runs two workers), what runs holds one of the workers' slots: a test, and
+    a module fixture while it is built (before any test's slot is taken); a test marked `alone` holds every
+    slot, so that nothing runs beside it. Slots are files the workers lock (flock); a taker first holds the
+    gate, so that one waiting for every slot is not overtaken. Reentrant within a worker."""
+
+    def __init__(self, root: Path, count: int):
+        self.root, self.count = root, count
+        self.mine = {}  # slot number -> its locked file: the slots this worker holds
+
+    @contextlib.contextmanager
+    def held(self, alone: bool = False):
+        before = set(self.mine)
+        if self.count > 1:
+            with open(self.root / "slots-gate", "a") as gate:
+                fcntl.flock(gate, fcntl.LOCK_EX)
+                for number in range(self.count) if alone else ():
+                    if number not in self.mine:  # (a second lock of a slot this worker holds would wait forever)
+                        self.mine[number] = self._lock(number, wait=True)
+                while not self.mine:
+                    free = next(((n, f) for n in range(self.count) for f in [self._lock(n, wait=False)] if f), None)
+                    if free:
+                        self.mine[free[0]] = free[1]
+                    else:
+                        time.sleep(0.02)
+        try:
+            yield
+        finally:
+            for number in set(self.mine) - before:
+                self.mine.pop(number).close()  # closing the file gives up its lock
+
+    def _lock(self, number: int, wait: bool):
+        """Slot `number`'s file, locked; None if another worker holds it and `wait` is False."""
+        slot = open(self.root / f"slot-{number}", "a")
+        try:
+            fcntl.flock(slot, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return slot
+        except BlockingIOError:
+            slot.close()
+            return None
+
+
+@pytest.fixture(scope="session")
+def machine_slots(tmp_path_factory) -> MachineSlots:
+    return MachineSlots(tmp_path_factory.getbasetemp().parent,  # the workers' basetemps share it
+                        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
 @pytest.fixture(autouse=True)
-def _machine_share(request, tmp_path_factory):
-    """Under pytest-xdist (pytest.ini runs two workers), a test holds one of the workers' slots while it runs:
-    a test marked `alone` holds every slot, so that nothing runs beside it. Slots are files the workers
-    lock (flock); a taker first holds the gate, so that one waiting for every slot is not overtaken."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers < 2:
+def _machine_share(request, machine_slots):
+    with machine_slots.held(alone=bool(request.node.get_closest_marker("alone"))):
         yield
-        return
-    root = tmp_path_factory.getbasetemp().parent  # the workers' basetemps share it
-    gate, slots = open(root / "slots-gate", "a"), [open(root / f"slot-{i}", "a") for i in range(workers)]
-    try:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        if request.node.get_closest_marker("alone"):
-            for slot in slots:
-                fcntl.flock(slot, fcntl.LOCK_EX)
-        else:
-            while not any(_took(slot) for slot in slots):
-                time.sleep(0.02)
-        fcntl.flock(gate, fcntl.LOCK_UN)
-        yield
-    finally:
-        for held in [gate, *slots]:
-            held.close()  # closing a file gives up its lock
-
-
-def _took(slot) -> bool:
-    try:
-        fcntl.flock(slot, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 @pytest.fixture(autouse=True)

@@ -85,7 +85,8 @@ def run(mutation: Mutation) -> tuple:
             return "not applied (the code moved: update the mutation)", 0.0
         target.write_text(source.replace(mutation.old, mutation.new, 1))
         started = time.monotonic()
-        proc = subprocess.run(f"{sys.executable} -m pytest -q -x -p no:cacheprovider -m 'not slow' {mutation.tests}",
+        proc = subprocess.run(f"{sys.executable} -m pytest -q -x -n 0 -p no:cacheprovider -m 'not slow' "
+                              f"{mutation.tests}",
                               shell=True, cwd=copy, capture_output=True, text=True)
         seconds = time.monotonic() - started
         if proc.returncode == 1:

@@ -22,10 +22,11 @@ def _digest(directory: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def committed(tmp_path_factory):
+def committed(tmp_path_factory, machine_slots):
     """A run dir holding committed work of a small LARS job."""
     run_dir = tmp_path_factory.mktemp("committed") / "run"
-    subprocess.run([*TRAIN, f"--run_dir={run_dir}"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    with machine_slots.held():
+        subprocess.run([*TRAIN, f"--run_dir={run_dir}"], cwd=REPO, check=True, capture_output=True, timeout=300)
     return run_dir
 
 

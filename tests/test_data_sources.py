@@ -28,9 +28,10 @@ KINDS = ("folder", "tfrecord", "tfds")
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, machine_slots):
     root = tmp_path_factory.mktemp("data")
-    return {"root": root, **data_files.write_all(root)}
+    with machine_slots.held():
+        return {"root": root, **data_files.write_all(root)}
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("packaging")]  # its mod
 
 
 @pytest.fixture(scope="module")
-def wheel_env(tmp_path_factory):
+def wheel_env(tmp_path_factory, machine_slots):
     """A fresh venv holding only the built wheel; its dependencies (TensorFlow, Keras, ...) come from this
     interpreter's site-packages through a plain path entry, so that no .pth of the checkout's editable
     install is read: neither `launch`, nor `models`, nor the checkout's `tf_elastic` can be imported."""
-    root = tmp_path_factory.mktemp("wheel")
+    with machine_slots.held():
+        return _wheel_env(tmp_path_factory.mktemp("wheel"))
+
+
+def _wheel_env(root: Path):
     # Built from a copy without the checkout's own build/ (an earlier build's files would slip into the wheel).
     source = shutil.copytree(REPO, root / "source", ignore=shutil.ignore_patterns(
         "build", "*.egg-info", ".git", "__pycache__", ".benchmarks"))

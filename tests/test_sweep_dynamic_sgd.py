@@ -14,10 +14,11 @@ CONFIGS = ("static", "immediate", "ramp", "momentum")
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory, mnist_dir):
+def sweep(tmp_path_factory, mnist_dir, machine_slots):
     out = tmp_path_factory.mktemp("sweep")
-    proc = run_python(f"import sys; sys.argv = ['s', '--quick', '--out_dir={out}', '--data_dir={mnist_dir}'];"
-                      "from launch.papers import sweep_dynamic_sgd as s; from absl import app; app.run(s.main)")
+    with machine_slots.held():
+        proc = run_python(f"import sys; sys.argv = ['s', '--quick', '--out_dir={out}', '--data_dir={mnist_dir}'];"
+                          "from launch.papers import sweep_dynamic_sgd as s; from absl import app; app.run(s.main)")
     return proc.stdout, out, json.loads((out / "results.json").read_text())["cells"]
 
 

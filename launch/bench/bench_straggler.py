@@ -148,8 +148,8 @@ def main(argv: List[str]) -> None:
     if len(seconds) != 4 or min(seconds) <= 0:
         raise app.UsageError(f"--phase_seconds takes 4 positive numbers; got {FLAGS.phase_seconds}")
     unknown = [mode for mode in FLAGS.modes if mode not in MODES]
-    if unknown or not FLAGS.modes:
-        raise app.UsageError(f"--modes takes some of {', '.join(MODES)}; got {','.join(FLAGS.modes)}")
+    if unknown or not FLAGS.modes or len(set(FLAGS.modes)) < len(FLAGS.modes):
+        raise app.UsageError(f"--modes takes some of {', '.join(MODES)}, each once; got {','.join(FLAGS.modes)}")
     root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
     alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds) for n in (FLAGS.hosts - 1, FLAGS.hosts)}
     results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores) for mode in FLAGS.modes]

@@ -14,7 +14,7 @@ group would train more without its host.
 """
 import time
 import zlib
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
@@ -97,11 +97,9 @@ class GroupProbe:
         return spent
 
     def _time_passes(self) -> float:
-        """Seconds per forward-and-backward pass, over one call of `_passes` passes; the next call's are set to
-        take about `settings.seconds` at this speed."""
-        began = time.perf_counter()
-        self._pass(self._passes)
-        per_pass = (time.perf_counter() - began) / self._passes
+        """Seconds per forward-and-backward pass, over one call of `_passes` passes (timed in the graph); the
+        next call's are set to take about `settings.seconds` at this speed."""
+        per_pass = self._pass(self._passes)[0] / self._passes
         self._passes = int(min(MAX_PASSES, max(1.0, self.settings.seconds / max(per_pass, 1e-9))))
         return per_pass
 
@@ -124,19 +122,21 @@ class GroupProbe:
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
-    """`passes -> results`: a compiled loop of `passes` passes of the model on a batch of zeros of its input's
-    shape (the gradients of the sum of its outputs), on every local replica, nothing reduced across replicas
-    or workers. None for a model whose inputs are unknown (a subclassed model taking several inputs that
-    declares none)."""
+    """`passes -> (seconds, results)`: a compiled loop of `passes` passes of the model on a batch of zeros of
+    its input's shape (the gradients of the sum of its outputs), on every local replica, nothing reduced
+    across replicas or workers. None for a model whose inputs are unknown (a subclassed model taking several
+    inputs that declares none)."""
     x = _zeros_like_inputs(model, max(1, batch))
     if x is None:
         logging.info("the straggler probe is off: the model's inputs are not known")
         return None
 
     def one_pass(carried):
-        # The input depends on the previous pass (by 0 * its result), so no pass can be hoisted out of the loop.
+        # The input depends on the previous pass (by a zero the optimizer cannot fold, NaN or not), so no pass
+        # is hoisted out of the loop or run beside another.
+        zero = tf.math.is_nan(carried) & tf.math.is_inf(carried)
         inputs = tf.nest.map_structure(
-            lambda t: t + tf.cast(carried * 0.0, t.dtype) if t.dtype.is_floating or t.dtype.is_integer else t, x)
+            lambda t: t + tf.cast(zero, t.dtype) if t.dtype.is_floating or t.dtype.is_integer else t, x)
         with tf.GradientTape() as tape:
             outputs = model(inputs, training=False)
             total = tf.add_n([tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs)])
@@ -146,12 +146,22 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
 
     @tf.function
     def probe(passes):
-        def local():
-            return tf.while_loop(lambda i, _: i < passes, lambda i, carried: (i + 1, one_pass(carried)),
-                                 (tf.constant(0), tf.constant(0.0)))[1]
+        def local():  # timed in the graph: the call's own Python work is not the model's speed
+            began = tf.timestamp()
+            with tf.control_dependencies([began]):
+                _, last = tf.while_loop(lambda i, _: i < passes, lambda i, carried: (i + 1, one_pass(carried)),
+                                        (tf.constant(0), tf.constant(0.0)), parallel_iterations=1)
+            with tf.control_dependencies([last]):
+                return tf.timestamp() - began, last
         return strategy.run(local)
 
-    return lambda passes: [t.numpy() for t in strategy.experimental_local_results(probe(tf.constant(passes)))]
+    def timed(passes: int) -> Tuple[float, List[float]]:
+        """(seconds of the slowest local replica, each replica's last result)."""
+        seconds, last = probe(tf.constant(passes))
+        return (float(max(t.numpy() for t in strategy.experimental_local_results(seconds))),
+                [t.numpy() for t in strategy.experimental_local_results(last)])
+
+    return timed
 
 
 def _zeros_like_inputs(model, batch: int):
