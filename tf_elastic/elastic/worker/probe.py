@@ -26,7 +26,6 @@ from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
 EVICTION_HORIZON_SECONDS = 120.0
-MAX_PASSES = 100_000  # a probe's passes at most, whatever the time of one
 
 
 def _host_key(host_id: Optional[str], rank: int) -> float:
@@ -48,7 +47,6 @@ class GroupProbe:
         self.spent = 0.0  # seconds of probes on the training path since `take_spent`
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
-        self._passes = 1  # the next probe's passes: about `settings.seconds` at the last one's speed
 
     @property
     def enabled(self) -> bool:
@@ -84,10 +82,9 @@ class GroupProbe:
         if due and self.enabled:
             began = time.perf_counter()
             if self._warm:
-                self.seconds, self.pending = self._time_passes(), True
-            else:  # the round's first probe traces the pass, on every rank at once, and times one pass
-                self._pass(1)
-                self._time_passes()
+                self.seconds, self.pending = self._pass(self.settings.seconds)[0], True
+            else:  # the round's first probe traces the pass, on every rank at once: it times nothing
+                self._pass(0.0)
                 self._warm = True
             self.last = time.monotonic()
             self.spent += time.perf_counter() - began
@@ -95,13 +92,6 @@ class GroupProbe:
     def take_spent(self) -> float:
         spent, self.spent = self.spent, 0.0
         return spent
-
-    def _time_passes(self) -> float:
-        """Seconds per forward-and-backward pass, over one call of `_passes` passes (timed in the graph); the
-        next call's are set to take about `settings.seconds` at this speed."""
-        per_pass = self._pass(self._passes)[0] / self._passes
-        self._passes = int(min(MAX_PASSES, max(1.0, self.settings.seconds / max(per_pass, 1e-9))))
-        return per_pass
 
     def _read(self, seconds: List[float], hosts: List[float]) -> None:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
@@ -122,10 +112,11 @@ class GroupProbe:
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
-    """`passes -> (seconds, results)`: a compiled loop of `passes` passes of the model on a batch of zeros of
-    its input's shape (the gradients of the sum of its outputs), on every local replica, nothing reduced
-    across replicas or workers. None for a model whose inputs are unknown (a subclassed model taking several
-    inputs that declares none)."""
+    """`seconds -> (seconds per pass, results)`: a compiled loop of passes of the model on a batch of zeros of
+    its input's shape (the gradients of the sum of its outputs) for `seconds` of wall time (at least one
+    pass), on every local replica, nothing reduced across replicas or workers. Bounded by time, not by a
+    number of passes: a host throttled on a duty cycle (a CFS quota) must be timed over its stalls too. None
+    for a model whose inputs are unknown (a subclassed model taking several inputs that declares none)."""
     x = _zeros_like_inputs(model, max(1, batch))
     if x is None:
         logging.info("the straggler probe is off: the model's inputs are not known")
@@ -145,20 +136,21 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads]) if grads else total
 
     @tf.function
-    def probe(passes):
+    def probe(seconds):
         def local():  # timed in the graph: the call's own Python work is not the model's speed
             began = tf.timestamp()
             with tf.control_dependencies([began]):
-                _, last = tf.while_loop(lambda i, _: i < passes, lambda i, carried: (i + 1, one_pass(carried)),
-                                        (tf.constant(0), tf.constant(0.0)), parallel_iterations=1)
+                passes, last = tf.while_loop(lambda i, _: (i == 0) | (tf.timestamp() - began < seconds),
+                                             lambda i, carried: (i + 1, one_pass(carried)),
+                                             (tf.constant(0), tf.constant(0.0)), parallel_iterations=1)
             with tf.control_dependencies([last]):
-                return tf.timestamp() - began, last
+                return (tf.timestamp() - began) / tf.cast(passes, tf.float64), last
         return strategy.run(local)
 
-    def timed(passes: int) -> Tuple[float, List[float]]:
-        """(seconds of the slowest local replica, each replica's last result)."""
-        seconds, last = probe(tf.constant(passes))
-        return (float(max(t.numpy() for t in strategy.experimental_local_results(seconds))),
+    def timed(seconds: float) -> Tuple[float, List[float]]:
+        """(seconds per pass on the slowest local replica, each replica's last result)."""
+        per_pass, last = probe(tf.constant(seconds, tf.float64))
+        return (float(max(t.numpy() for t in strategy.experimental_local_results(per_pass))),
                 [t.numpy() for t in strategy.experimental_local_results(last)])
 
     return timed
