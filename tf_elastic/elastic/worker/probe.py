@@ -135,7 +135,7 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
                  for g in tape.gradient(total, model.trainable_variables) if g is not None]
         return tf.add_n([tf.reduce_sum(tf.cast(g, tf.float32)) for g in grads]) if grads else total
 
-    @tf.function
+    @tf.function(autograph=False)  # no Python control flow on tensors here: its conversion tripled the trace
     def probe(seconds):
         def local():  # timed in the graph: the call's own Python work is not the model's speed
             began = tf.timestamp()
