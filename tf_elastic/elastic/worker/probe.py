@@ -4,9 +4,9 @@ the model's own forward and backward pass on a fixed batch for `ProbeSettings.se
 and with no collective (so no rank waits for another). The passes run in one compiled loop, one call: a
 loop of Python calls timed this process's Python threads as much as its compute (a chief's commit thread,
 busy after a round's start, made its probe read 12-33x the others' on a host that was not slow). The next
-agreement hands every rank every rank's
-time, and `stragglers.StragglerWatch` names the slow ones the same way on every rank. Probes are due every
-`every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.6-0.7 % of the training time (`bench_straggler`).
+agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
+way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) they cost 1.2-1.7 %
+of the training time in `bench_straggler` on 2 shared cores (the Python loop cost 0.6-0.7 % there).
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness) and a log line and, with `--evict_stragglers`, leaves when the rules say the
