@@ -51,9 +51,11 @@ class MachineSlots:
                     if number not in self.mine:  # (a second lock of a slot this worker holds would wait forever)
                         self.mine[number] = self._lock(number, wait=True)
                 while not self.mine:
-                    free = next(((n, f) for n in range(self.count) for f in [self._lock(n, wait=False)] if f), None)
-                    if free:
-                        self.mine[free[0]] = free[1]
+                    for number in range(self.count):
+                        slot = self._lock(number, wait=False)
+                        if slot:
+                            self.mine[number] = slot
+                            break
                     else:
                         time.sleep(0.02)
         try:

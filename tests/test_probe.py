@@ -26,7 +26,7 @@ def test_the_pass_runs_on_every_local_replica_for_dict_inputs_and_a_sequential_b
         models = [_dict_model(), sequential, keras.Model(tokens, keras.layers.Dense(2)(pooled))]
     for model in models:
         probe = _forward_and_backward(model, two_cpu_strategy, 4)
-        per_pass, results = probe(0.01)
+        _, results = probe(0.01)
         assert len(results) == 2 and np.array_equal(results[0], results[1], equal_nan=True), results
         assert np.array_equal(probe(0.0)[1], results, equal_nan=True)  # a loop's passes are the same pass
 
