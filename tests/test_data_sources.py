@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -119,6 +120,38 @@ def test_augmentation_is_the_same_for_the_same_seed_epoch_and_example(digits):
     np.testing.assert_array_equal(first[::-1], run(1, 0, order[::-1]))  # per example, not per position
     assert not np.array_equal(first, run(1, 1, order))
     assert not np.array_equal(first, run(2, 0, order))
+
+
+class _Readings(data.Source):
+    """No classification: token ids, a uint8 pixel and a float reading in a dict, a float target, and a sample
+    weight per example (`weight` times the index's parity)."""
+
+    def __init__(self, weight: float = 1.0):
+        self.num_examples, self.weight = 24, weight
+
+    def read(self, index):
+        features = {"tokens": tf.stack([index, index + 1, index + 2]), "pixel": tf.cast(index * 10, tf.uint8),
+                    "reading": tf.cast(index, tf.float32) / 4}
+        return features, tf.cast(index, tf.float32) * 2, self.weight * tf.cast(index % 2, tf.float32)
+
+
+def test_a_source_of_any_structure_keeps_it_and_its_sample_weights_reach_the_loss(tmp_path):
+    from tf_elastic import elastic
+
+    assert _Readings().num_classes is None
+    features, target, weight = next(iter(data.pipeline(_Readings(), np.array([5, 3, 9, 0]), 2)))
+    assert features["tokens"].dtype == tf.int64 and features["tokens"].numpy().tolist() == [[5, 6, 7], [3, 4, 5]]
+    np.testing.assert_allclose(features["pixel"], [50 / 255, 30 / 255])  # uint8 only: images, to [0, 1]
+    np.testing.assert_array_equal(features["reading"], [1.25, 0.75])
+    np.testing.assert_array_equal(target, [10.0, 6.0])
+    np.testing.assert_array_equal(weight, [1.0, 1.0])
+    tokens, pixel, reading = keras.Input((3,), dtype="int64"), keras.Input(()), keras.Input(())
+    merged = keras.layers.Concatenate()([keras.ops.cast(tokens, "float32"), pixel[:, None], reading[:, None]])
+    model = keras.Model({"tokens": tokens, "pixel": pixel, "reading": reading}, keras.layers.Dense(1)(merged))
+    model.compile(optimizer="sgd", loss="mse")
+    loss = lambda weight, run: elastic.fit(model, _Readings(weight), batch_size=8, epochs=1, verbose=0,  # noqa: E731
+                                           run_dir=str(tmp_path / run)).history["loss"][0]
+    assert loss(0.0, "zero") == 0.0 and loss(1.0, "one") > 0.0
 
 
 def test_missing_and_empty_folders_are_named(tmp_path):

@@ -15,6 +15,7 @@ from tf_elastic.elastic.protocol import ExitCode
 from tf_elastic.elastic.worker import training
 from tf_elastic.elastic.worker import world as world_module
 from tf_elastic.elastic.worker.commit import CommittedState
+from tf_elastic.elastic.worker.data import ArraySource
 from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.world import World
 
@@ -225,15 +226,22 @@ def test_fit_refuses_bad_arguments_naming_them_before_anything_is_written(tmp_pa
              (dict(epochs=0), "epochs must be a whole number >= 1"), (dict(epochs=2.5), "epochs must be"),
              (dict(batch_size=0), "batch_size must be a whole number >= 1"), (dict(batch_size="8"), "batch_size"),
              (dict(validation_freq=0), "validation_freq must be"), (dict(validation_freq=True), "validation_freq"),
-             (dict(validation_data="val.csv"), "validation_data must be"), (dict(y=None), "y: labels are needed"),
-             (dict(sample_weight=np.ones(64)),
-              r"^sample_weight=<ndarray> is not taken by elastic.fit .*\(x, y, weight\) batches .*class_weight\)\.$"),
+             (dict(validation_data="val.csv"), "validation_data must be"), (dict(y=None), "y: targets are needed"),
+             (dict(x=dataset, y=None, sample_weight=np.ones(64)), "^sample_weight is not taken with a tf.data"),
+             (dict(x=ArraySource(x, y), y=None, sample_weight=np.ones(64)),
+              r"^sample_weight is taken with in-memory arrays only: a Source's examples carry their own"),
+             (dict(sample_weight=np.ones(64), class_weight={0: 2.0}), "^class_weight is not taken with sample weights"),
+             (dict(y={"a": y, "b": y}, class_weight={0: 2.0}), "^class_weight is taken for a model with one output"),
+             (dict(sample_weight=np.ones(63)), r"^x, y and sample_weight need one, non-zero length .*\[63, 64\]"),
+             (dict(x=[[1.0, 2.0], [3.0]] * 32), r"^x must be an array of numbers .*got a ragged list \(ragged"),
+             (dict(x={"a": x, "b": [[1.0], [2.0, 3.0]] * 32}), r"^x\['b'\] must be an array of numbers"),
              (dict(shuffle=False), r"shuffle=False .*\(only True\): every epoch is shuffled"),
              (dict(initial_epoch=2), "initial_epoch=2 .*its last commit"),
              (dict(steps_per_epoch=3), "steps_per_epoch=3 .*one pass over the data"),
              (dict(validation_split=1.0), r"validation_split must be a number in \[0, 1\)"),
              (dict(validation_split=0.99), "leaves no example on one side of 64"),
              (dict(x=[("a.png", 0)] * 64, y=None, validation_split=0.5), "validation_split takes in-memory arrays"),
+             (dict(validation_data=(x, y, np.ones(63))), "x, y and sample_weight need one, non-zero length"),
              (dict(validation_steps=0), "validation_steps must be a whole number >= 1"),
              (dict(validation_batch_size=2.5), "validation_batch_size must be")]
     for given, message in cases:
@@ -447,11 +455,12 @@ def _two_output_model():
     return model
 
 
-@pytest.mark.parametrize("kind", ["dataset", "pydataset"])
+@pytest.mark.parametrize("kind", ["dataset", "pydataset", "arrays"])
 def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit_exact(tmp_path, kind):
-    """A tf.data pipeline (shuffled, a short last batch) or a PyDataset of dict features, two targets and
-    their sample weights: preempted mid-epoch, then resumed, training ends with the bits of a run never
-    stopped (the global batches of each step and the optimizer's counter included)."""
+    """A tf.data pipeline (shuffled, a short last batch), a PyDataset, or in-memory arrays with
+    `sample_weight`, of dict features, two targets and their sample weights: preempted mid-epoch, then
+    resumed, training ends with the bits of a run never stopped (the global batches of each step and the
+    optimizer's counter included)."""
     import os
     import signal
 
@@ -459,10 +468,13 @@ def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit
 
     def data():
         arrays = _two_output_data()
+        if kind == "arrays":
+            features, targets, weights = arrays
+            return dict(x=features, y=targets, sample_weight=weights, batch_size=8)
         if kind == "pydataset":
-            return _TwoOutputs(arrays)
+            return dict(x=_TwoOutputs(arrays))
         tf.random.set_seed(3)  # what elastic.run does: the unseeded shuffle repeats
-        return tf.data.Dataset.from_tensor_slices(arrays).shuffle(60).batch(8)
+        return dict(x=tf.data.Dataset.from_tensor_slices(arrays).shuffle(60).batch(8))
 
     def run(run_dir, preempt_at=None):
         model, seen = _two_output_model(), [0]
@@ -472,7 +484,7 @@ def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit
             if seen[0] == preempt_at:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        elastic.fit(model, data(), world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
+        elastic.fit(model, **data(), world=World(), strategy=tf.distribute.get_strategy(), run_dir=str(run_dir),
                     epochs=3, verbose=0, callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=count)],
                     config=elastic.FitConfig(commit_every_steps=0, sync_every_steps=2, durable_every_commits=0))
         return model
@@ -481,6 +493,39 @@ def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit
     with pytest.raises(elastic.StopRequested, match="after committing step 12"):
         run(tmp_path / "stopped", preempt_at=11)  # epoch 1 (8 steps an epoch), agreed at step 12
     resumed = run(tmp_path / "stopped")
-    assert int(resumed.optimizer.iterations.numpy()) == int(never_stopped.optimizer.iterations.numpy()) == 24
+    steps = 3 * (60 // 8 if kind == "arrays" else 60 // 8 + 1)  # arrays: whole global batches, as planned
+    assert int(resumed.optimizer.iterations.numpy()) == int(never_stopped.optimizer.iterations.numpy()) == steps
     for mine, theirs in zip(resumed.weights, never_stopped.weights):
         np.testing.assert_array_equal(mine.numpy(), theirs.numpy())
+
+
+def test_in_memory_arrays_in_any_structure_take_sample_weights_and_split_as_model_fit(tmp_path):
+    """Dict features, two targets and per-output sample weights as arrays: zero weights make a zero loss;
+    `validation_split` holds out the last part of every array, weights included, and the epoch's val_loss is
+    `model.evaluate`'s of those examples with their weights under the weights the epoch ended with. A
+    string input (a lookup layer in the model) is taken as model.fit takes it."""
+    features, targets, weights = _two_output_data()
+    model = _two_output_model()
+    zero = {name: np.zeros(60, np.float32) for name in weights}
+    history = elastic.fit(model, features, targets, sample_weight=zero, batch_size=8, epochs=2,
+                          run_dir=str(tmp_path / "zero"), verbose=0)
+    assert history.history["loss"] == [0.0, 0.0], history.history
+    model = _two_output_model()
+    history = elastic.fit(model, features, targets, sample_weight=weights, batch_size=8, epochs=2,
+                          validation_split=0.2, run_dir=str(tmp_path / "split"), verbose=0)
+    held_out = lambda tree: tf.nest.map_structure(lambda a: a[48:], tree)  # noqa: E731
+    expected = model.evaluate(held_out(features), held_out(targets), sample_weight=held_out(weights), batch_size=12,
+                              verbose=0, return_dict=True)
+    assert history.history["val_loss"][-1] == pytest.approx(expected["loss"], rel=1e-5), (history.history, expected)
+    trained = {e["examples"] for e in read_events(str(tmp_path / "split")) if e.get("examples")}
+    assert trained == {48}, trained
+
+    words = np.array(["red", "green", "blue", "red"] * 8)
+    text = keras.Input((), dtype="string")
+    keras.utils.set_random_seed(0)
+    ids = keras.layers.StringLookup(vocabulary=["red", "green", "blue"])(text)
+    model = keras.Model(text, keras.layers.Dense(2)(keras.layers.CategoryEncoding(4, "one_hot")(ids)))
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = elastic.fit(model, words, (words == "red").astype(np.int32), batch_size=8, epochs=1,
+                          run_dir=str(tmp_path / "words"), verbose=0)
+    assert np.isfinite(history.history["loss"][0]), history.history

@@ -22,7 +22,8 @@ from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir, error_line
 from tf_elastic.elastic.worker import consumed, entry, keras_compat
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
-from tf_elastic.elastic.worker.data import ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation
+from tf_elastic.elastic.worker.data import (ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation,
+                                            pipeline)
 from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 from tf_elastic.elastic.worker.data.planned_feed import PlannedFeed
 from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
@@ -339,27 +340,28 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
         run_dir: Optional[str] = None) -> keras.callbacks.History:
     """`model.fit` for a compiled model, from the last commit, at any world size; returns the `History`.
 
-    As in `model.fit`: `epochs`, `verbose`, `callbacks`, `validation_data` (an `(x, y)` tuple of arrays, a
-    `Source`, or any batched `tf.data.Dataset` whose batch is the global batch, as `model.fit` takes it
-    under a strategy; the workers share it, each example evaluated once, and every worker reports the
-    whole set's metrics), `validation_freq`, `validation_split` (the last part of in-memory arrays, as
-    `model.fit` splits it), `validation_steps` (global batches), `validation_batch_size` (default: the global
-    batch), `class_weight`, and `batch_size`, the global batch, constant at every world size (which must divide
-    it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default: a global
-    batch of 32. Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `sample_weight` (a
-    dataset carries weights), `shuffle=False` (ignored with a dataset, as by `model.fit`), `initial_epoch`
-    and `steps_per_epoch`. The returned `History` holds the epochs this
-    process trained: after a restart, from the restored epoch on (a partial epoch's logs cover its rest only);
-    `events.jsonl` has the whole run.
+    As in `model.fit`: `epochs`, `verbose`, `callbacks`, `validation_data` (an `(x, y)` or `(x, y,
+    sample_weight)` tuple of arrays, a `Source`, or any batched `tf.data.Dataset` whose batch is the global
+    batch, as `model.fit` takes it under a strategy; the workers share it, each example evaluated once, and
+    every worker reports the whole set's metrics), `validation_freq`, `validation_split` (the last part of
+    in-memory arrays, as `model.fit` splits it), `validation_steps` (global batches), `validation_batch_size`
+    (default: the global batch), `class_weight`, `sample_weight` (with in-memory arrays: a dataset or a
+    source carries its own weights), and `batch_size`, the global batch, constant at every world size (which
+    must divide it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default:
+    a global batch of 32. Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `shuffle=False`
+    (ignored with a dataset, as by `model.fit`), `initial_epoch` and `steps_per_epoch`. The returned
+    `History` holds the epochs this process trained: after a restart, from the restored epoch on (a partial
+    epoch's logs cover its rest only); `events.jsonl` has the whole run.
 
     `x`: a `tf.data.Dataset` of global batches (`(x, y)` or `(x, y, sample_weight)`, any structure; `y`,
     `batch_size` and `class_weight` None), read whole by every worker, each keeping its replicas' rows
     (`DatasetFeed`: the global batches of a run without faults, in its order, through any resize); or
-    in-memory features with labels `y`, a list of `(image path, label)` pairs, or a `data.Source` (`y`
-    None), of which each worker reads its share by plan (`PlannedFeed`). Each step trains exactly one global
-    batch, split over the replicas of the moment; `compile(steps_per_execution=k)` is taken.
-    `preprocess(features, label, seed)` runs per example of a source before batching (default: none for
-    arrays, integer images to float in [0, 1] for sources); `validation_preprocess` likewise.
+    in-memory arrays `x` with targets `y` (each an array, or a dict, list or tuple of arrays, as `model.fit`
+    takes them), a list of `(image path, label)` pairs, or a `data.Source` (`y` None), of which each worker
+    reads its share by plan (`PlannedFeed`). Each step trains exactly one global batch, split over the
+    replicas of the moment; `compile(steps_per_execution=k)` is taken. `preprocess(features, target, seed)`
+    runs per example of a source before batching (default: none for arrays, uint8 images to float in
+    [0, 1] for sources); `validation_preprocess` likewise.
 
     The world, strategy and run dir are `elastic.run`'s (pass them to run without it); the schedule is the
     optimizer's learning rate when it is a `BatchResizeSchedule`. The optimizer is built here, before the
@@ -370,15 +372,17 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     world, strategy, run_dir = _context(world, strategy, run_dir)
     config, schedule = config or FitConfig(), schedule_of(model.optimizer, schedule)
     is_dataset = isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
-    _refuse_what_fit_cannot_honour(sample_weight=sample_weight, shuffle=True if is_dataset else shuffle,
-                                   initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch)
-    x, y, validation_data = _split_off_validation(x, y, validation_data, validation_split)
+    _refuse_what_fit_cannot_honour(shuffle=True if is_dataset else shuffle, initial_epoch=initial_epoch,
+                                   steps_per_epoch=steps_per_epoch)
+    x, y, sample_weight, validation_data = _split_off_validation(x, y, sample_weight, validation_data,
+                                                                 validation_split)
     _require_count("validation_steps", validation_steps, optional=True)
     _require_count("validation_batch_size", validation_batch_size, optional=True)
     _require_count("epochs", epochs)
     if is_dataset:
-        _refuse_with_a_dataset(y=y, batch_size=batch_size, per_replica_batch_size=per_replica_batch_size,
-                               class_weight=class_weight, preprocess=preprocess)
+        _refuse_with_a_dataset(y=y, sample_weight=sample_weight, batch_size=batch_size,
+                               per_replica_batch_size=per_replica_batch_size, class_weight=class_weight,
+                               preprocess=preprocess)
         if isinstance(x, tf.data.Dataset):
             feed, global_batch = DatasetFeed(x, world.size, world.rank), _static_batch(x)
         else:
@@ -386,8 +390,8 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
             global_batch = feed.global_batch
     else:
         global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
-        feed = _planned_feed(_training_source(x, y), preprocess, world, global_batch, strategy.num_replicas_in_sync,
-                             config.seed, class_weight)
+        feed = _planned_feed(_training_source(x, y, sample_weight), preprocess, world, global_batch,
+                             strategy.num_replicas_in_sync, config.seed, class_weight)
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
@@ -545,6 +549,8 @@ def _planned_feed(source: Source, preprocess: Optional[Preprocess], world: World
         path.parent.mkdir(parents=True, exist_ok=True)
         index_log = open(path, "a", encoding="utf-8")
     preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
+    if class_weight:  # traced once now: class weights beside sample weights, or several outputs, refused at start
+        pipeline(source, np.zeros([0], np.int64), 1, preprocess=preprocess, class_weight=class_weight)
     return PlannedFeed(source, preprocess, world, global_batch // world.size, seed, class_weight, index_log)
 
 
@@ -565,25 +571,25 @@ def _static_batch(dataset: tf.data.Dataset) -> int:
     return int(first.shape[0]) if first.shape.rank and first.shape[0] is not None else 32
 
 
-def _training_source(x, y) -> Source:
-    if isinstance(x, Source):
-        return x
-    if y is None and isinstance(x, (list, tuple)) and x and all(isinstance(p, (list, tuple)) for p in x):
-        return ImageFiles([p for p, _ in x], [label for _, label in x])
+def _training_source(x, y, sample_weight) -> Source:
+    if isinstance(x, Source) or y is None and _path_label_pairs(x):
+        if sample_weight is not None:
+            raise ConfigurationError("sample_weight is taken with in-memory arrays only: a Source's examples carry "
+                                     "their own (features, target, sample_weight).")
+        return x if isinstance(x, Source) else ImageFiles([p for p, _ in x], [label for _, label in x])
     if y is None:
-        raise ConfigurationError("y: labels are needed with in-memory features x (or pass a Source as x).")
-    x, y = np.asarray(x), np.asarray(y)
-    if x.dtype == object or y.dtype == object or not x.ndim:
-        raise ConfigurationError(f"x and y must be arrays of numbers (a dict of inputs or ragged lists needs a "
-                                 f"Source); got {type(x).__name__} of {x.dtype} and {y.dtype}.")
-    return ArraySource(x, y)
+        raise ConfigurationError("y: targets are needed with in-memory features x (or pass a Source as x).")
+    return ArraySource(x, y, sample_weight=sample_weight)
+
+
+def _path_label_pairs(x) -> bool:
+    return isinstance(x, (list, tuple)) and bool(x) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], (str, os.PathLike)) for p in x)
 
 
 def _refuse_what_fit_cannot_honour(**given) -> None:
     """`model.fit`'s arguments that an elastic fit cannot honour, refused before anything starts."""
-    why = {"sample_weight": (None, "per-example weights go in the data: (x, y, weight) batches of a tf.data.Dataset "
-                                   "or PyDataset (with arrays, weigh classes with class_weight)"),
-           "shuffle": (True, "every epoch is shuffled from FitConfig.seed, so that all workers and every restart "
+    why = {"shuffle": (True, "every epoch is shuffled from FitConfig.seed, so that all workers and every restart "
                              "read one order"),
            "initial_epoch": (0, "fit starts at the epoch its last commit names"),
            "steps_per_epoch": (None, "an epoch is one pass over the data, which fit's committed positions count (a "
@@ -596,21 +602,24 @@ def _refuse_what_fit_cannot_honour(**given) -> None:
             raise ConfigurationError(f"{name}={shown} is not taken by elastic.fit (only {default!r}): {reason}.")
 
 
-def _split_off_validation(x, y, validation_data, split: float):
-    """`validation_split` as `model.fit` takes it: the last `split` of in-memory arrays validates, unless
-    `validation_data` is given (which wins, as in `model.fit`)."""
+def _split_off_validation(x, y, sample_weight, validation_data, split: float):
+    """`validation_split` as `model.fit` takes it: the last `split` of in-memory arrays (and their sample
+    weights) validates, unless `validation_data` is given (which wins, as in `model.fit`)."""
     if isinstance(split, bool) or not isinstance(split, (int, float)) or not 0 <= split < 1:
         raise ConfigurationError(f"validation_split must be a number in [0, 1); got {split!r}.")
     if not split or validation_data is not None:
-        return x, y, validation_data
+        return x, y, sample_weight, validation_data
     if y is None or isinstance(x, (Source, tf.data.Dataset)):
         raise ConfigurationError("validation_split takes in-memory arrays x and y; with another x, pass "
                                  "validation_data.")
-    x, y = np.asarray(x), np.asarray(y)
-    at = int(np.floor(len(x) * (1 - split)))
-    if at in (0, len(x)):
-        raise ConfigurationError(f"validation_split={split} leaves no example on one side of {len(x)}.")
-    return x[:at], y[:at], (x[at:], y[at:])
+    arrays = ArraySource(x, y, sample_weight=sample_weight)
+    at = int(np.floor(arrays.num_examples * (1 - split)))
+    if at in (0, arrays.num_examples):
+        raise ConfigurationError(f"validation_split={split} leaves no example on one side of {arrays.num_examples}.")
+    train, held_out = (tf.nest.map_structure(lambda a: a[part], arrays.element) 
+                       for part in (slice(at), slice(at, None)))
+    x, y, *weight = train
+    return x, y, (weight[0] if weight else None), held_out
 
 
 def _validation_dataset(validation_data, batch: int, preprocess: Optional[Preprocess],
@@ -622,12 +631,13 @@ def _validation_dataset(validation_data, batch: int, preprocess: Optional[Prepro
         dataset = validation_data
     elif isinstance(validation_data, Source):
         dataset = evaluation(validation_data, batch, preprocess)
-    elif isinstance(validation_data, (tuple, list)) and len(validation_data) == 2:
-        dataset = evaluation(ArraySource(np.asarray(validation_data[0]), np.asarray(validation_data[1])), batch,
+    elif isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        x, y, *weight = validation_data
+        dataset = evaluation(ArraySource(x, y, sample_weight=weight[0] if weight else None), batch,
                              preprocess or _unchanged)
     else:
-        raise ConfigurationError(f"validation_data must be an (x, y) tuple of arrays, a Source or a batched "
-                                 f"tf.data.Dataset; got {type(validation_data).__name__}.")
+        raise ConfigurationError(f"validation_data must be an (x, y) or (x, y, sample_weight) tuple of arrays, a "
+                                 f"Source or a batched tf.data.Dataset; got {type(validation_data).__name__}.")
     return dataset if steps is None else dataset.take(steps)
 
 

@@ -3,8 +3,9 @@
     source = ImageFolder("/data/imagenet/train")            # or TFRecordSource("/data/tfr/train-*"),
     fit(model, source, world=..., preprocess=my_fn, ...)     # TFDSSource(name, split), ArraySource(x, y)
 
-A source of your own subclasses `Source` (see source.py): `num_examples`, `num_classes` and
-`read(index) -> (features, label)` in graph ops.
+A source of your own subclasses `Source` (see source.py): `num_examples` and `read(index)` in graph ops,
+returning `(features, target)` or `(features, target, sample_weight)` in any structure a model takes
+(`num_classes` too where targets are class ids).
 """
 from tf_elastic.elastic.worker.data.image_files import ImageFiles, ImageFolder
 from tf_elastic.elastic.worker.data.parse import default_parse

@@ -1,10 +1,11 @@
 """The data-source interface of `fit`, in-memory arrays, and the graph-mode pipeline over any source.
 
-A source answers one question in the tf.data graph: "example number `index` is (features, label)".
-`DataPlan` decides which indices each worker trains on; the pipeline turns this worker's planned
-indices into batches (read -> decode -> preprocess -> batch -> prefetch) with parallel calls and a
-deterministic order, so batch k is exactly the plan's batch k (the index log records it) and a step
-redone after a restart sees the same data. Random augmentation gets a stateless seed made of
+A source answers one question in the tf.data graph: "what is example number `index`?", as `model.fit`
+takes an element: `(features, target)` or `(features, target, sample_weight)`, each a tensor or a nested
+dict/tuple of tensors. `DataPlan` decides which indices each worker trains on; the pipeline turns this
+worker's planned indices into batches (read -> decode -> preprocess -> batch -> prefetch) with parallel
+calls and a deterministic order, so batch k is exactly the plan's batch k (the index log records it) and a
+step redone after a restart sees the same data. Random augmentation gets a stateless seed made of
 (seed, epoch, example index) for the same reason.
 """
 import hashlib
@@ -15,31 +16,35 @@ import tensorflow as tf
 
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
-# preprocess(features, label, seed) -> (features, label); `seed` is an int64 [2] tensor for tf.random.stateless_*.
+# preprocess(features, target, seed) -> (features, target); `seed` is an int64 [2] tensor for tf.random.stateless_*.
+# An example's sample weight, if it has one, passes by it unchanged.
 Preprocess = Callable[[tf.Tensor, tf.Tensor, tf.Tensor], Tuple[tf.Tensor, tf.Tensor]]
 AUTOTUNE = tf.data.AUTOTUNE
 
 
 class Source:
-    """Random access to a labelled dataset by example index, inside the tf.data graph.
+    """Random access to a dataset by example index, inside the tf.data graph.
 
-    A new source sets `num_examples` and `num_classes` and implements `read`; or `examples` and
-    `decode` instead, to read several indices at once (a Python data source per batch, a run of
-    records at an offset), and `epoch_order` to visit examples in an order its storage reads fast."""
+    A new source sets `num_examples` and implements `read`; or `examples` and `decode` instead, to read
+    several indices at once (a Python data source per batch, a run of records at an offset), and
+    `epoch_order` to visit examples in an order its storage reads fast. An example is `(features, target)`
+    or `(features, target, sample_weight)`, in any structure a model takes (dict features, several
+    outputs, float or integer targets, token ids). `num_classes` is set only where targets are class ids
+    (the launch scripts size their model's last layer from it)."""
 
     num_examples: int
-    num_classes: int
+    num_classes: Optional[int] = None
 
-    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-        """(features, label) of example `index` (a scalar int64 tensor); graph ops only."""
+    def read(self, index: tf.Tensor) -> tuple:
+        """Example `index` (a scalar int64 tensor), `(features, target[, sample_weight])`; graph ops only."""
         raise NotImplementedError(f"{type(self).__name__} implements neither read nor examples")
 
     def examples(self, indices: np.ndarray) -> tf.data.Dataset:
-        """(index, raw example) for each of `indices`, in their order; `decode` makes them (features, label)."""
+        """(index, raw example) for each of `indices`, in their order; `decode` makes them examples."""
         return tf.data.Dataset.from_tensor_slices((indices, indices))
 
-    def decode(self, index: tf.Tensor, raw) -> Tuple[tf.Tensor, tf.Tensor]:
-        """(features, label) from what `examples` read; by default `read(index)`."""
+    def decode(self, index: tf.Tensor, raw) -> tuple:
+        """The example from what `examples` read; by default `read(index)`."""
         return self.read(index)
 
     def epoch_order(self, seed: int, epoch: int) -> Optional[np.ndarray]:
@@ -55,28 +60,61 @@ class Source:
 
 
 class ArraySource(Source):
-    """In-memory arrays (features `x`, integer labels `y`): today's case, and small datasets."""
+    """In-memory arrays as `model.fit` takes them: `x` and `y` each an array or a dict, list or tuple of
+    arrays (several inputs, several outputs); `sample_weight` None, an array (for every output), or one
+    per output in `y`'s structure. `num_classes`: default the largest label + 1 where `y` is one array of
+    integer class ids, else None."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, num_classes: Optional[int] = None):
-        if len(x) != len(y) or not len(x):
-            raise ConfigurationError(f"x and y need the same, non-zero length; got {len(x)} and {len(y)}.")
-        self.x, self.y = x, y
-        self.num_examples = len(x)
-        self.num_classes = int(num_classes if num_classes is not None else np.max(y) + 1)
-        self._tensors: Optional[Tuple[tf.Tensor, tf.Tensor]] = None
+    def __init__(self, x, y, num_classes: Optional[int] = None, sample_weight=None):
+        y = as_arrays(y, "y")
+        if sample_weight is not None:
+            sample_weight = as_arrays(sample_weight, "sample_weight")
+            if tf.nest.is_nested(y) and not tf.nest.is_nested(sample_weight):
+                sample_weight = tf.nest.map_structure(lambda _: sample_weight, y)  # as model.fit replicates it
+        self.element = (as_arrays(x, "x"), y) + (() if sample_weight is None else (sample_weight,))
+        lengths = {len(a) if a.ndim else 0 for a in tf.nest.flatten(self.element)}
+        if len(lengths) != 1 or not min(lengths):
+            names = "x, y" + ("" if sample_weight is None else " and sample_weight")
+            raise ConfigurationError(f"{names} need one, non-zero length (their first axis); got {sorted(lengths)}.")
+        self.num_examples = lengths.pop()
+        classes = not tf.nest.is_nested(y) and y.dtype.kind in "iu" and y.ndim <= 2 and y.size == len(y)
+        self.num_classes = int(num_classes if num_classes is not None else np.max(y) + 1) if classes or num_classes \
+            else None
+        self._tensors = None
 
     def fingerprint(self) -> str:
-        return digest(self.x.shape, self.x.dtype.str, self.y.shape, self.y.dtype.str, np.ascontiguousarray(self.x),
-                      np.ascontiguousarray(self.y))
+        leaves = [np.ascontiguousarray(a) for a in tf.nest.flatten(self.element)]
+        shapes = [part for a in leaves for part in (a.shape, a.dtype.str)]
+        nested = tf.nest.is_nested(self.element[0]) or tf.nest.is_nested(self.element[1]) or len(self.element) > 2
+        structure = (repr(tf.nest.map_structure(lambda _: 0, self.element)),) if nested else ()
+        return digest(*shapes, *leaves, *structure)
 
-    def read(self, index: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    def read(self, index: tf.Tensor) -> tuple:
         # The arrays become tensors on first use, not at construction: a tensor made before the strategy
         # initialises TF's runtime, after which MultiWorkerMirroredStrategy cannot configure collectives.
         if self._tensors is None:
             with tf.init_scope():  # eager tensors, also when first read inside a dataset's traced function
-                self._tensors = tf.constant(self.x), tf.constant(self.y)
-        x, y = self._tensors
-        return tf.gather(x, index), tf.gather(y, index)
+                self._tensors = tf.nest.map_structure(tf.constant, self.element)
+        return tf.nest.map_structure(lambda t: tf.gather(t, index), self._tensors)
+
+
+def as_arrays(value, name: str):
+    """`value` as NumPy: an array, or a dict, list or tuple of arrays (several inputs or outputs) kept as
+    that structure. A list of numbers is one array, as `np.asarray` makes it."""
+    if isinstance(value, dict):
+        return {key: as_arrays(v, f"{name}[{key!r}]") for key, v in value.items()}
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (np.ndarray, tf.Tensor, dict)) for v in value):
+        return type(value)(as_arrays(v, f"{name}[{i}]") for i, v in enumerate(value))
+    try:
+        array = np.asarray(value)
+        got = f"{type(value).__name__} of {array.dtype} {array.shape}"
+    except ValueError:  # NumPy refuses ragged lists
+        array, got = np.empty(0, object), f"a ragged {type(value).__name__}"
+    if array.dtype == object or not array.ndim:
+        raise ConfigurationError(f"{name} must be an array of numbers or strings with one row an example (or a "
+                                 f"dict, list or tuple of them); got {got} (ragged lists need a tf.data pipeline "
+                                 "or a Source).")
+    return array
 
 
 class Head(Source):
@@ -88,7 +126,7 @@ class Head(Source):
     def examples(self, indices: np.ndarray) -> tf.data.Dataset:
         return self.source.examples(indices)
 
-    def decode(self, index: tf.Tensor, raw) -> Tuple[tf.Tensor, tf.Tensor]:
+    def decode(self, index: tf.Tensor, raw) -> tuple:
         return self.source.decode(index, raw)
 
     def fingerprint(self) -> str:
@@ -109,12 +147,12 @@ def fingerprint_number(source: Source) -> int:
     return int(digest(source.fingerprint())[:12], 16)
 
 
-def to_float(features: tf.Tensor, label: tf.Tensor, seed: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
-    """The default preprocessing: integer images to float32 in [0, 1], float features unchanged."""
+def to_float(features, target, seed: tf.Tensor) -> tuple:
+    """The default preprocessing of a source: uint8 images (any uint8 feature) to float32 in [0, 1]; every
+    other feature (floats, token ids, strings) and the target unchanged."""
     del seed
-    if features.dtype.is_integer:
-        return tf.cast(features, tf.float32) / 255.0, label
-    return features, label
+    scale = lambda t: tf.cast(t, tf.float32) / 255.0 if t.dtype == tf.uint8 else t  # noqa: E731
+    return tf.nest.map_structure(scale, features), target
 
 
 def example_seed(seed: int, epoch: int, index: tf.Tensor) -> tf.Tensor:
@@ -126,7 +164,7 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
              seed: int = 0, epoch: int = 0, drop_remainder: bool = True,
              shard: "tf.data.experimental.AutoShardPolicy" = tf.data.experimental.AutoShardPolicy.OFF,
              class_weight: Optional[Dict[int, float]] = None, with_indices: bool = False) -> tf.data.Dataset:
-    """Batches of (features, label) for `indices` in their order: read, decode and preprocess in parallel.
+    """Batches of the source's examples for `indices` in their order: read, decode and preprocess in parallel.
 
     `shard`: how a strategy's `experimental_distribute_dataset` shards it over workers (`OFF` for a
     worker's own planned share, which `feed.to_replicas` hands to its replicas as it is). `class_weight`
@@ -136,12 +174,19 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
     examples = source.examples(np.asarray(indices, np.int64))
     weigh = _class_weights(class_weight)
 
+    refused = []  # found while tracing, raised after it (an error raised inside would come wrapped)
+
     def example(i, raw):  # decode and preprocess in one parallel map
-        features, label = preprocess(*source.decode(i, raw), example_seed(seed, epoch, i))
-        extra = (weigh(label),) if weigh else ()
-        return (features, label, *extra, i) if with_indices else (features, label, *extra)
+        features, target, *weight = source.decode(i, raw)
+        features, target = preprocess(features, target, example_seed(seed, epoch, i))
+        if weigh:
+            refused.extend(_class_weight_refusal(target, weight))
+            weight = [] if refused else [weigh(target)]
+        return (features, target, *weight, i) if with_indices else (features, target, *weight)
 
     dataset = examples.map(example, num_parallel_calls=AUTOTUNE, deterministic=True)
+    if refused:
+        raise ConfigurationError(refused[0])
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, num_parallel_calls=AUTOTUNE,
                             deterministic=True)
     # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch, and
@@ -192,3 +237,14 @@ def describe_error(error: tf.errors.InvalidArgumentError) -> str:
         if "assertion failed:" in line:
             return line.split("assertion failed:", 1)[1].strip()[:500]
     return (lines[-1] if lines else type(error).__name__)[:500]
+
+
+def _class_weight_refusal(target, weight: list) -> list:
+    """Why `class_weight` cannot weigh these examples, as `model.fit` refuses it (empty: it can)."""
+    if weight:
+        return ["class_weight is not taken with sample weights (as by model.fit): put the class's weight into each "
+                "example's sample weight."]
+    if tf.nest.is_nested(target):
+        return ["class_weight is taken for a model with one output only (as by model.fit); weigh several outputs "
+                "with sample weights."]
+    return []
