@@ -101,26 +101,33 @@ def _committed_steps(job) -> dict:
     return kept
 
 
-def test_a_tf_data_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path):
-    """The workers' own tf.data pipeline (dict features, two streams mixed by sample_from_datasets, an
-    unseeded shuffle, a filter, sample weights, a short last batch): a and b (2 workers), the chief's host
-    SIGKILLed (1), c joins with an empty disk (2). Every committed step trained the global batch a single
-    process without faults trained at that step, in its order; replicas agree."""
-    epochs, pipeline = 18, ["--pipeline=dataset"]  # about 6 are trained before c joins
+@pytest.mark.parametrize("pipeline", ["dataset", "pydataset"])
+def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path,
+                                                                                                       pipeline):
+    """The workers' own input, dict features, two outputs and sample weights, a short last batch: a tf.data
+    pipeline that mixes, by sample_from_datasets with weights, TFRecord shards with a shuffle buffer,
+    `image_dataset_from_directory` over PNGs (unseeded) and `tfds.load`, each filtered; or a PyDataset
+    reshuffled every epoch. a and b (2 workers), the chief's host SIGKILLed (1), c joins with an empty disk
+    (2). Every committed step trained the global batch a single process without faults trained at that step,
+    in its order; replicas agree."""
+    epochs, data_dir = 18, tmp_path / "data"  # about 6 epochs are trained before c joins
+    id_trainer.write_pipeline_data(data_dir, EXAMPLES)
     clean = tmp_path / "clean"
     clean.mkdir()
     args = [f"--record_dir={clean / 'records'}", f"--examples={EXAMPLES}", f"--batch_size={BATCH}",
-            f"--epochs={epochs}", *pipeline]
+            f"--epochs={epochs}", f"--pipeline={pipeline}", f"--data_dir={data_dir}"]
     run_python(f"import runpy, sys; sys.argv = ['id_trainer', *{args!r}]; "
                "runpy.run_module('tf_elastic.testing.id_trainer', run_name='__main__')", cwd=clean)
     expected = {step: ids for (_, step), ids in
                 id_trainer.by_step(id_trainer.read_records(clean / "records", "train")).items()}
     kept = len([i for i in range(EXAMPLES) if id_trainer.in_pipeline(i)])
     assert len(expected) == epochs * 6 and len(expected[6]) == kept - 5 * BATCH, "a short last batch"
-    assert sorted(sum((expected[step] for step in range(1, 7)), [])) == [
-        i for i in range(EXAMPLES) if id_trainer.in_pipeline(i)], "every id of the pipeline once an epoch"
+    for epoch in (0, 1):
+        assert sorted(sum((expected[step] for step in range(6 * epoch + 1, 6 * epoch + 7)), [])) == [
+            i for i in range(EXAMPLES) if id_trainer.in_pipeline(i)], "every id of the pipeline once an epoch"
+    assert expected[1] != expected[7], "each epoch in its own order"
     job = _job(tmp_path / "job", epochs, ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5"],
-               step_seconds=0.1, pipeline="dataset")
+               step_seconds=0.1, pipeline=pipeline, data_dir=data_dir)
     (tmp_path / "job").mkdir()
     try:
         two, _, again = _two_then_one_then_two(job, lose="chief")
