@@ -1,6 +1,7 @@
 """Data sources of `fit` over files written at test time: the pipeline yields exactly the plan's
-examples, augmentation is reproducible, bad data is named, each source trains, and a kill and a join
-mid-epoch keep every example exactly once per epoch among committed work."""
+examples, sources of any structure keep it, augmentation is reproducible, bad data is named, and each
+source trains. (A kill, a join and a leave mid-epoch over TFRecord shards keep every example exactly once
+per epoch among committed work: test_elastic_runtime.py.)"""
 import hashlib
 import re
 import subprocess
@@ -19,9 +20,8 @@ from tf_elastic.elastic.worker.data import tfrecord_format
 from tf_elastic.elastic.worker.data.parse_key import parse_key
 from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.errors import ConfigurationError
-from tf_elastic.elastic import audit
 from tf_elastic.testing import data_files
-from tf_elastic.testing.local_job import LocalJob, repo_env
+from tf_elastic.testing.local_job import repo_env
 
 pytestmark = pytest.mark.xdist_group("data_sources")  # its module fixtures: built once, on one worker
 
@@ -556,43 +556,6 @@ def test_a_corrupt_image_exits_78_naming_it_and_leaves_commits_alone(files, tmp_
     assert proc.returncode == 78, proc.stderr[-3000:]
     assert f"not an image file (corrupt?):] [{bad}]" in proc.stderr
     assert _digest(RunDir(run).checkpoints) == before
-
-
-@pytest.mark.slow
-# TFRecord runs of records read at a seek: the source whose position is hardest to keep. Every source's
-# planned order (what a restart resumes from) is checked in test_pipeline_yields_the_planned_examples_in_order,
-# so the job runs on one of them (it took 75-120 s a source).
-@pytest.mark.parametrize("kind", ["tfrecord"])
-@pytest.mark.alone
-def test_kill_and_join_mid_epoch_keep_every_example_once(kind, files, tmp_path):
-    """Host b is SIGKILLed mid-epoch and host c joins: committed work used every example of every
-    epoch exactly once, by the indices the workers logged while reading the files."""
-    # Small batches, many steps: long enough for c to join before the survivor alone finishes.
-    epochs, commit_every, batch = 10, 5, 8
-    where = "tfds:digits_files" if kind == "tfds" else f"{kind}:{files[kind]}"
-    job = LocalJob(tmp_path, [f"--dataset={where}", f"--data_dir={files['tfds']}", "--image_size=16",
-                              f"--per_replica_batch_size={batch}", "--threads=1", "--optimizer=sgd",
-                              f"--commit_every_steps={commit_every}", f"--epochs={epochs}"],
-                   ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"],
-                   trainer="launch.train")
-    try:
-        job.start_agent("a")
-        job.start_agent("b")
-        pair = job.wait_for(lambda: [e for e in job.events("commit") if e["world_size"] == 2 and e["samples"] > 0],
-                            what="a mid-epoch commit at world size 2")[0]
-        job.kill_host("b")
-        job.wait_for(lambda: [e for e in job.events("first_step", rank=0) if e["round"] > pair["round"]
-                              and e["world_size"] == 1], what="the survivor alone")
-        job.start_agent("c")
-        job.wait_for(lambda: [e for e in job.events("first_step", rank=0) if e["round"] > pair["round"] + 1
-                              and e["world_size"] == 2], what="c joining")
-        codes = job.wait_agents()
-        assert codes["a"] == 0 and codes["c"] == 0, job.describe()
-        counts = audit.exactly_once(job.run_dir, 1400, 2 * batch)
-        assert counts == {"epochs": epochs, "repeated": 0, "skipped": 0, "off_plan": 0}, counts
-        assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
-    finally:
-        job.cleanup()
 
 
 def test_mnist_without_a_local_file_falls_back_to_keras_and_says_so(tmp_path, monkeypatch, capsys):

@@ -9,6 +9,7 @@ import pytest
 from launch import report
 from tf_elastic.elastic.store import open_store
 from tf_elastic.elastic import audit
+from tf_elastic.testing import data_files
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 
 pytestmark = pytest.mark.slow
@@ -60,13 +61,20 @@ def _first_step(job, round_min, world_size=None):
 # the store's own behaviour is tested on both in test_rendezvous.py, and the short cases below run on both.
 @pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)
 @pytest.mark.alone
-def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
-    """Host b is SIGKILLed, host c joins, host c leaves (SIGTERM): the job ends with every example of
-    every epoch used exactly once among committed work; join and leave lose no step. 12 epochs: under load
-    a newcomer's start-up (TensorFlow's import, the data) can take as long as 6 epochs of the survivor."""
-    epochs = 12
-    job = job_factory(TRAIN + [f"--epochs={epochs}"], ["--min_workers=1", "--max_workers=2", "--index_log",
-                                                       "--heartbeat_timeout=5", "--last_call=1"])
+def test_kill_join_leave_keep_every_example_exactly_once(job_factory, tmp_path):
+    """Host b is SIGKILLed mid-epoch, host c joins, host c leaves (SIGTERM): the job ends with every example
+    of every epoch used exactly once among committed work, by the indices the workers logged while reading
+    the files; join and leave lose no step. The data are TFRecord shards (runs of records read at a seek:
+    the source whose position is hardest to keep; every source's planned order, which a restart resumes
+    from, is checked in test_data_sources.py). 30 epochs of 1400 digits (~1.2 s each alone on 2 cores; at 20
+    the survivor had 6 s left after c left): under load a newcomer's start-up (TensorFlow's import, the data)
+    can take as long as 10 epochs of the survivor."""
+    epochs, records = 30, tmp_path / "tfrecord"
+    train, validation = data_files.digits()  # 16 x 16
+    data_files.write_tfrecords(records, "train", *train, shards=4)
+    data_files.write_tfrecords(records, "validation", *validation, shards=2)
+    job = job_factory([f"--dataset=tfrecord:{records}", "--image_size=16", *TRAIN[2:], f"--epochs={epochs}"],
+                      ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
     job.start_agent("a")
     job.start_agent("b")
     # (Under load one agent may be ready first and train alone for a round: wait for the pair, whichever round.)
@@ -103,8 +111,8 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory):
     assert last_commit["epoch"] == epochs and last_commit["samples"] == 0
     counted = [e for e in job.events("rendezvous", source="agent:a")]
     assert counted[-1]["restarts"] == 1, "only the kill is a failure; the join and the leave are free"
-    _assert_exactly_once(job, 3000, epochs)
-    assert job.events("evaluation")[-1]["test_accuracy"] > 0.8
+    _assert_exactly_once(job, len(train[0]), epochs)
+    assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
 
 
 @pytest.mark.parametrize("rdzv_url", ["file"], indirect=True)

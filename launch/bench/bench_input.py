@@ -11,7 +11,8 @@
    and without the index cache of an earlier start);
 4. a user's own tf.data pipeline (TFRecord + parse + shuffle + batch): steps/s under `elastic.fit` (every
    worker reads the whole pipeline) against plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA
-   and by FILE, at 1, 2 and 4 workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed
+   and by FILE, and the same records as a `TFRecordSource` under `elastic.fit` (each worker reads only its
+   share, by index), at 1, 2 and 4 workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed
    position (`DatasetFeed.state`) with shuffle buffers of 1k and 10k images: its bytes against the
    buffer's, the time to make it, and a restart's time from the state to its first batch.
 """
@@ -262,14 +263,16 @@ def print_pipeline_tables(root: Path) -> None:
     if FLAGS.pipeline_workers:
         print(f"\nA tf.data pipeline (TFRecord + parse + shuffle 1000 + batch {FLAGS.batch_size}, "
               f"{FLAGS.pipeline_examples} images), steps/s of the second epoch, side by side")
-        print("| workers | elastic.fit | plain DATA | plain FILE | elastic / DATA | elastic / FILE |\n"
-              "|---|---|---|---|---|---|")
+        print("| workers | elastic.fit, pipeline read whole | plain DATA | plain FILE | elastic / DATA | "
+              "elastic / FILE | elastic.fit, TFRecordSource (share only) | source / FILE |\n"
+              "|---|---|---|---|---|---|---|---|")
         for world in [int(w) for w in FLAGS.pipeline_workers]:
-            rates = {mode: 0.0 for mode in ("elastic", "data", "file")}
+            rates = {mode: 0.0 for mode in ("elastic", "data", "file", "source")}
             for _ in range(FLAGS.pipeline_repeats):
                 rates = {mode: max(rate, pipeline_rates(root, world, mode)) for mode, rate in rates.items()}
             print(f"| {world} | {rates['elastic']:.2f} | {rates['data']:.2f} | {rates['file']:.2f} | "
-                  f"{rates['elastic'] / rates['data']:.2f}x | {rates['elastic'] / rates['file']:.2f}x |", flush=True)
+                  f"{rates['elastic'] / rates['data']:.2f}x | {rates['elastic'] / rates['file']:.2f}x | "
+                  f"{rates['source']:.2f} | {rates['source'] / rates['file']:.2f}x |", flush=True)
     buffers = [int(b) for b in FLAGS.shuffle_buffers]
     write_tfrecords(root / "state", max(buffers, default=0) + 4 * FLAGS.batch_size, FLAGS.image_size)
     print("\nThe committed position of that pipeline, its shuffle buffer full (DatasetFeed.state, float32 images)")

@@ -1,7 +1,8 @@
 """One worker of `bench_input`'s tf.data comparison: a TFRecord + parse + shuffle + batch pipeline trained for
-two epochs under `elastic.fit`, or under plain MultiWorkerMirroredStrategy `model.fit` with
-`AutoShardPolicy.DATA` or `FILE`; the world comes from `TF_CONFIG`. The chief prints `steps_per_second S`
-for the second epoch (the first traces and fills buffers).
+two epochs under `elastic.fit` (every worker reads it whole), or under plain MultiWorkerMirroredStrategy
+`model.fit` with `AutoShardPolicy.DATA` or `FILE`; or the same records as a `data.TFRecordSource` under
+`elastic.fit` (each worker reads only its share, by index); the world comes from `TF_CONFIG`. The chief
+prints `steps_per_second S` for the second epoch (the first traces and fills buffers).
 
     TF_CONFIG=... python -m launch.bench.pipeline_worker --mode=elastic --records='DIR/train-*'
 """
@@ -14,8 +15,8 @@ from absl import app, flags  # noqa: E402
 
 from launch.bench.bench_input import user_pipeline  # noqa: E402  (its flags: --batch_size, --image_size)
 
-flags.DEFINE_enum("mode", "elastic", ["elastic", "data", "file"], "elastic.fit, or plain model.fit sharded by "
-                  "DATA or by FILE.")
+flags.DEFINE_enum("mode", "elastic", ["elastic", "source", "data", "file"], "elastic.fit of the pipeline, "
+                  "elastic.fit of a TFRecordSource, or plain model.fit sharded by DATA or by FILE.")
 flags.DEFINE_string("records", None, "The TFRecord shards (a glob).", required=True)
 flags.DEFINE_integer("shuffle", 1000, "Shuffle buffer (examples).", lower_bound=1)
 flags.DEFINE_string("run_dir", None, "elastic: where commits go.")
@@ -24,6 +25,14 @@ FLAGS = flags.FLAGS
 
 def _pipeline(auto_shard: str = ""):
     return user_pipeline(FLAGS.records, FLAGS.batch_size, FLAGS.shuffle, FLAGS.image_size, auto_shard)
+
+
+def _labels_from_zero(record):
+    """The records' labels start at 1 (`bench_input.write_tfrecords`), as the pipeline's parse takes them."""
+    from tf_elastic.elastic.worker import data
+
+    encoded, label = data.default_parse(record)
+    return encoded, label - 1
 
 
 def model():
@@ -51,11 +60,14 @@ def main(argv):
         if chief:
             print(f"steps_per_second {steps[0] / (time.perf_counter() - epoch_began[-1]):.3f}", flush=True)
 
-    if FLAGS.mode == "elastic":
+    if FLAGS.mode in ("elastic", "source"):
         from tf_elastic import elastic
+        from tf_elastic.elastic.worker import data
 
         def train():
-            elastic.fit(model(), _pipeline(), epochs=2, verbose=0, callbacks=[timing],
+            given = dict(x=data.TFRecordSource(FLAGS.records, parse=_labels_from_zero), batch_size=FLAGS.batch_size) \
+                if FLAGS.mode == "source" else dict(x=_pipeline())
+            elastic.fit(model(), **given, epochs=2, verbose=0, callbacks=[timing],
                         config=elastic.FitConfig(commit_every_steps=50, durable_every_commits=0))
             report()
 
