@@ -113,9 +113,11 @@ class GroupProbe:
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
     """`seconds -> (seconds per pass, results)`: a compiled loop of passes of the model on a batch of zeros of
-    its input's shape (the gradients of the sum of its outputs) for `seconds` of wall time (at least one
-    pass), on every local replica, nothing reduced across replicas or workers. Bounded by time, not by a
-    number of passes: a host throttled on a duty cycle (a CFS quota) must be timed over its stalls too. None
+    its input's shape (the gradients of the sum of its outputs) within `seconds` of wall time (at least one
+    pass; no pass that would end after it, at the mean pass so far: running past it added half a pass to
+    every probe's cost), on every local replica, nothing reduced across replicas or workers. Bounded by
+    time, not by a number of passes: a host throttled on a duty cycle (a CFS quota) must be timed over its
+    stalls too. None
     for a model whose inputs are unknown (a subclassed model taking several inputs that declares none)."""
     x = _zeros_like_inputs(model, max(1, batch))
     if x is None:
@@ -139,9 +141,12 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
     def probe(seconds):
         def local():  # timed in the graph: the call's own Python work is not the model's speed
             began = tf.timestamp()
+            def another(i, _):  # one more pass if, at the mean pass so far, it ends within `seconds`
+                elapsed = tf.timestamp() - began
+                return (i == 0) | (elapsed * tf.cast(i + 1, tf.float64) <= seconds * tf.cast(i, tf.float64))
+
             with tf.control_dependencies([began]):
-                passes, last = tf.while_loop(lambda i, _: (i == 0) | (tf.timestamp() - began < seconds),
-                                             lambda i, carried: (i + 1, one_pass(carried)),
+                passes, last = tf.while_loop(another, lambda i, carried: (i + 1, one_pass(carried)),
                                              (tf.constant(0), tf.constant(0.0)), parallel_iterations=1)
             with tf.control_dependencies([last]):
                 return (tf.timestamp() - began) / tf.cast(passes, tf.float64), last
