@@ -5,8 +5,8 @@ and with no collective (so no rank waits for another). The passes run in one com
 loop of Python calls timed this process's Python threads as much as its compute (a chief's commit thread,
 busy after a round's start, made its probe read 12-33x the others' on a host that was not slow). The next
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
-way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) they cost 1.2-1.7 %
-of the training time in `bench_straggler` on 2 shared cores (the Python loop cost 0.6-0.7 % there).
+way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.91-0.96 %
+of the training time in `bench_straggler` on 2 shared cores (1.2-1.7 % while the loop ran past its time).
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness) and a log line and, with `--evict_stragglers`, leaves when the rules say the
