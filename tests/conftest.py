@@ -81,6 +81,13 @@ def machine_slots(tmp_path_factory) -> MachineSlots:
                         int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
+def pytest_collection_modifyitems(items):
+    """The tests marked `alone` run last, one after another: a test waiting for every slot idles its worker
+    until the test beside it ends, and beside a long one (the chaos soak) that was minutes (the hung-worker
+    job waited 260 s in one run). A module run on one worker (`xdist_group`) keeps its place."""
+    items.sort(key=lambda item: bool(item.get_closest_marker("alone")) and not item.get_closest_marker("xdist_group"))
+
+
 @pytest.fixture(autouse=True)
 def _machine_share(request, machine_slots):
     with machine_slots.held(alone=bool(request.node.get_closest_marker("alone"))):

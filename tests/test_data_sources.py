@@ -138,13 +138,12 @@ class _Readings(data.Source):
 def test_a_source_of_any_structure_keeps_it_and_its_sample_weights_reach_the_loss(tmp_path):
     from tf_elastic import elastic
 
-    assert _Readings().num_classes is None
-    features, target, weight = next(iter(data.pipeline(_Readings(), np.array([5, 3, 9, 0]), 2)))
-    assert features["tokens"].dtype == tf.int64 and features["tokens"].numpy().tolist() == [[5, 6, 7], [3, 4, 5]]
-    np.testing.assert_allclose(features["pixel"], [50 / 255, 30 / 255])  # uint8 only: images, to [0, 1]
-    np.testing.assert_array_equal(features["reading"], [1.25, 0.75])
-    np.testing.assert_array_equal(target, [10.0, 6.0])
-    np.testing.assert_array_equal(weight, [1.0, 1.0])
+    features, target, weight = next(iter(data.pipeline(_Readings(), np.array([5, 4, 9, 0]), 2)))
+    assert features["tokens"].dtype == tf.int64 and features["tokens"].numpy().tolist() == [[5, 6, 7], [4, 5, 6]]
+    np.testing.assert_allclose(features["pixel"], [50 / 255, 40 / 255])  # uint8 only: images, to [0, 1]
+    np.testing.assert_array_equal(features["reading"], [1.25, 1.0])
+    np.testing.assert_array_equal(target, [10.0, 8.0])
+    np.testing.assert_array_equal(weight, [1.0, 0.0])
     tokens, pixel, reading = keras.Input((3,), dtype="int64"), keras.Input(()), keras.Input(())
     merged = keras.layers.Concatenate()([keras.ops.cast(tokens, "float32"), pixel[:, None], reading[:, None]])
     model = keras.Model({"tokens": tokens, "pixel": pixel, "reading": reading}, keras.layers.Dense(1)(merged))
@@ -152,6 +151,20 @@ def test_a_source_of_any_structure_keeps_it_and_its_sample_weights_reach_the_los
     loss = lambda weight, run: elastic.fit(model, _Readings(weight), batch_size=8, epochs=1, verbose=0,  # noqa: E731
                                            run_dir=str(tmp_path / run)).history["loss"][0]
     assert loss(0.0, "zero") == 0.0 and loss(1.0, "one") > 0.0
+
+
+def test_array_sources_count_classes_of_integer_ids_only_and_fingerprint_as_before():
+    """The fingerprint of (x, y) arrays is what commits made before structures were taken (a run resumes
+    under it); a structure's fingerprint follows its leaves' paths, not a dict's key order."""
+    from tf_elastic.elastic.worker.data.source import digest
+
+    x, y = np.arange(12, dtype=np.float32).reshape(6, 2), np.array([0, 3, 1, 255, 2, 0], np.uint8)
+    assert data.ArraySource(x, y).fingerprint() == digest(x.shape, x.dtype.str, y.shape, y.dtype.str, x, y)
+    assert data.ArraySource(x, y).num_classes == 256  # uint8 ids: the count does not wrap
+    assert data.ArraySource(x, y.astype(np.float32)).num_classes is None  # regression targets
+    assert data.ArraySource(x, {"a": y, "b": y}).num_classes is None
+    one, other = data.ArraySource({"a": x, "b": x[:, :1]}, y), data.ArraySource({"b": x[:, :1], "a": x}, y)
+    assert one.fingerprint() == other.fingerprint() != data.ArraySource([x, x[:, :1]], y).fingerprint()
 
 
 def test_missing_and_empty_folders_are_named(tmp_path):

@@ -78,8 +78,8 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory, tmp_path):
     job.start_agent("a")
     job.start_agent("b")
     # (Under load one agent may be ready first and train alone for a round: wait for the pair, whichever round.)
-    pair = job.wait_for(lambda: [e for e in job.events("commit") if e["world_size"] == 2 and e["step"] >= COMMIT_EVERY],
-                        what="a commit at world size 2")[0]
+    pair = job.wait_for(lambda: [e for e in job.events("commit") if e["world_size"] == 2 and e["step"] >= COMMIT_EVERY
+                                 and e["samples"] > 0], what="a mid-epoch commit at world size 2")[0]
     job.kill_host("b")
     survivor = job.wait_for(lambda: _first_step(job, pair["round"] + 1, world_size=1), what="the survivor alone")[0]
     lost = _max_step_before(job, survivor["round"]) - _restores(job)[survivor["round"]]

@@ -35,6 +35,9 @@ def _labels_from_zero(record):
     return encoded, label - 1
 
 
+_labels_from_zero.batched = True  # as default_parse: a run of records parsed in one op
+
+
 def model():
     import keras
 

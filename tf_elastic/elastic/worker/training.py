@@ -543,14 +543,14 @@ def _planned_feed(source: Source, preprocess: Optional[Preprocess], world: World
         raise ConfigurationError(f"the training data has {source.num_examples} examples, fewer than one global "
                                  f"batch of {global_batch} ({replicas} replicas): an epoch would have no step. Use a "
                                  "smaller batch size (or more data).")
+    preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
+    if class_weight:  # traced once now: class weights beside sample weights, or several outputs, refused at start
+        pipeline(source, np.zeros([0], np.int64), 1, preprocess=preprocess, class_weight=class_weight)
     index_log = None
     if world.index_log and world.run_dir:
         path = RunDir(world.run_dir).index_log(world.round, world.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         index_log = open(path, "a", encoding="utf-8")
-    preprocess = preprocess or (_unchanged if isinstance(source, ArraySource) else None)
-    if class_weight:  # traced once now: class weights beside sample weights, or several outputs, refused at start
-        pipeline(source, np.zeros([0], np.int64), 1, preprocess=preprocess, class_weight=class_weight)
     return PlannedFeed(source, preprocess, world, global_batch // world.size, seed, class_weight, index_log)
 
 
@@ -609,14 +609,14 @@ def _split_off_validation(x, y, sample_weight, validation_data, split: float):
         raise ConfigurationError(f"validation_split must be a number in [0, 1); got {split!r}.")
     if not split or validation_data is not None:
         return x, y, sample_weight, validation_data
-    if y is None or isinstance(x, (Source, tf.data.Dataset)):
+    if y is None or isinstance(x, (Source, tf.data.Dataset, keras.utils.PyDataset)):
         raise ConfigurationError("validation_split takes in-memory arrays x and y; with another x, pass "
                                  "validation_data.")
     arrays = ArraySource(x, y, sample_weight=sample_weight)
     at = int(np.floor(arrays.num_examples * (1 - split)))
     if at in (0, arrays.num_examples):
         raise ConfigurationError(f"validation_split={split} leaves no example on one side of {arrays.num_examples}.")
-    train, held_out = (tf.nest.map_structure(lambda a: a[part], arrays.element) 
+    train, held_out = (tf.nest.map_structure(lambda a: a[part], arrays.element)
                        for part in (slice(at), slice(at, None)))
     x, y, *weight = train
     return x, y, (weight[0] if weight else None), held_out

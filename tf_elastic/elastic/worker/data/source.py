@@ -11,8 +11,10 @@ step redone after a restart sees the same data. Random augmentation gets a state
 import hashlib
 from typing import Callable, Dict, Optional, Tuple
 
+import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -67,27 +69,28 @@ class ArraySource(Source):
 
     def __init__(self, x, y, num_classes: Optional[int] = None, sample_weight=None):
         y = as_arrays(y, "y")
-        if sample_weight is not None:
-            sample_weight = as_arrays(sample_weight, "sample_weight")
-            if tf.nest.is_nested(y) and not tf.nest.is_nested(sample_weight):
-                sample_weight = tf.nest.map_structure(lambda _: sample_weight, y)  # as model.fit replicates it
-        self.element = (as_arrays(x, "x"), y) + (() if sample_weight is None else (sample_weight,))
+        weight = () if sample_weight is None else (_weights_of(as_arrays(sample_weight, "sample_weight"), y),)
+        self.element = (as_arrays(x, "x"), y, *weight)
         lengths = {len(a) if a.ndim else 0 for a in tf.nest.flatten(self.element)}
         if len(lengths) != 1 or not min(lengths):
-            names = "x, y" + ("" if sample_weight is None else " and sample_weight")
-            raise ConfigurationError(f"{names} need one, non-zero length (their first axis); got {sorted(lengths)}.")
+            names = "x, y and sample_weight" if weight else "x and y"
+            several = " (a list of arrays is several inputs, as in model.fit: np.stack it for one)" if any(
+                isinstance(part, (list, tuple)) for part in self.element) else ""
+            raise ConfigurationError(f"{names} need one, non-zero length (their first axis); got "
+                                     f"{sorted(lengths)}{several}.")
         self.num_examples = lengths.pop()
         classes = not tf.nest.is_nested(y) and y.dtype.kind in "iu" and y.ndim <= 2 and y.size == len(y)
-        self.num_classes = int(num_classes if num_classes is not None else np.max(y) + 1) if classes or num_classes \
-            else None
+        self.num_classes = int(num_classes) if num_classes is not None else int(np.max(y)) + 1 if classes else None
         self._tensors = None
 
     def fingerprint(self) -> str:
+        # (x, y) arrays: their shapes, dtypes and bytes, as before structures were taken (a commit's
+        # fingerprint must not change under a run); a structure adds its leaves' paths (dict keys sorted).
         leaves = [np.ascontiguousarray(a) for a in tf.nest.flatten(self.element)]
         shapes = [part for a in leaves for part in (a.shape, a.dtype.str)]
         nested = tf.nest.is_nested(self.element[0]) or tf.nest.is_nested(self.element[1]) or len(self.element) > 2
-        structure = (repr(tf.nest.map_structure(lambda _: 0, self.element)),) if nested else ()
-        return digest(*shapes, *leaves, *structure)
+        paths = (repr([path for path, _ in keras.tree.flatten_with_path(self.element)]),) if nested else ()
+        return digest(*shapes, *leaves, *paths)
 
     def read(self, index: tf.Tensor) -> tuple:
         # The arrays become tensors on first use, not at construction: a tensor made before the strategy
@@ -98,13 +101,35 @@ class ArraySource(Source):
         return tf.nest.map_structure(lambda t: tf.gather(t, index), self._tensors)
 
 
+def _weights_of(weights, y):
+    """`sample_weight` as `model.fit` takes it: one array for one output; for several, one weight per example
+    (replicated over the outputs) or one array per output in `y`'s structure."""
+    if not tf.nest.is_nested(y):
+        if tf.nest.is_nested(weights):
+            raise ConfigurationError("sample_weight must be one array for a model with one output; got a "
+                                     f"{type(weights).__name__} of arrays.")
+        return weights
+    if not tf.nest.is_nested(weights):
+        if not (weights.ndim == 1 or weights.ndim == 2 and weights.shape[1] == 1):
+            raise ConfigurationError(f"sample_weight: one array for several outputs must hold one weight per "
+                                     f"example, shape (n,) or (n, 1); got {weights.shape}.")
+        return tf.nest.map_structure(lambda _: weights, y)  # as model.fit replicates it
+    try:
+        tf.nest.assert_same_structure(y, weights, check_types=False)
+    except (ValueError, TypeError):
+        raise ConfigurationError(f"sample_weight must be one array, or one per output in y's structure "
+                                 f"({tf.nest.map_structure(lambda _: '.', y)}).") from None
+    return weights
+
+
 def as_arrays(value, name: str):
-    """`value` as NumPy: an array, or a dict, list or tuple of arrays (several inputs or outputs) kept as
-    that structure. A list of numbers is one array, as `np.asarray` makes it."""
+    """`value` as NumPy: an array, or a dict, list or tuple of arrays (several inputs or outputs, as Keras
+    reads them) kept as that structure. A list of numbers is one array, as `np.asarray` makes it."""
     if isinstance(value, dict):
         return {key: as_arrays(v, f"{name}[{key!r}]") for key, v in value.items()}
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, (np.ndarray, tf.Tensor, dict)) for v in value):
-        return type(value)(as_arrays(v, f"{name}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, (list, tuple)) and value and all(_array_like(v) or isinstance(v, dict) for v in value):
+        items = [as_arrays(v, f"{name}[{i}]") for i, v in enumerate(value)]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a namedtuple too
     try:
         array = np.asarray(value)
         got = f"{type(value).__name__} of {array.dtype} {array.shape}"
@@ -115,6 +140,11 @@ def as_arrays(value, name: str):
                                  f"dict, list or tuple of them); got {got} (ragged lists need a tf.data pipeline "
                                  "or a Source).")
     return array
+
+
+def _array_like(value) -> bool:
+    """An array of any library (NumPy, a tensor, a pandas Series): it has a shape or converts to one."""
+    return not isinstance(value, (str, bytes)) and (hasattr(value, "__array__") or hasattr(value, "shape"))
 
 
 class Head(Source):
@@ -149,10 +179,24 @@ def fingerprint_number(source: Source) -> int:
 
 def to_float(features, target, seed: tf.Tensor) -> tuple:
     """The default preprocessing of a source: uint8 images (any uint8 feature) to float32 in [0, 1]; every
-    other feature (floats, token ids, strings) and the target unchanged."""
+    other feature (floats, token ids, strings) and the target unchanged. (Until 2026-12 any integer feature
+    was scaled: an integer feature shaped like an image, not uint8, is said once in the log.)"""
     del seed
-    scale = lambda t: tf.cast(t, tf.float32) / 255.0 if t.dtype == tf.uint8 else t  # noqa: E731
+
+    def scale(t: tf.Tensor) -> tf.Tensor:
+        if t.dtype == tf.uint8:
+            return tf.cast(t, tf.float32) / 255.0
+        if t.dtype.is_integer and (t.shape.rank or 0) >= 3 and t.dtype.name not in _SAID_UNSCALED:
+            _SAID_UNSCALED.add(t.dtype.name)
+            logging.warning("a source's %s feature shaped %s reaches the model unscaled: the default "
+                            "preprocessing scales uint8 images only; pass preprocess= to scale it", t.dtype.name,
+                            t.shape)
+        return t
+
     return tf.nest.map_structure(scale, features), target
+
+
+_SAID_UNSCALED = set()  # integer dtypes of image-shaped features already said unscaled
 
 
 def example_seed(seed: int, epoch: int, index: tf.Tensor) -> tf.Tensor:
