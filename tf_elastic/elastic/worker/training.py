@@ -379,19 +379,9 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     _require_count("validation_steps", validation_steps, optional=True)
     _require_count("validation_batch_size", validation_batch_size, optional=True)
     _require_count("epochs", epochs)
-    if is_dataset:
-        _refuse_with_a_dataset(y=y, sample_weight=sample_weight, batch_size=batch_size,
-                               per_replica_batch_size=per_replica_batch_size, class_weight=class_weight,
-                               preprocess=preprocess)
-        if isinstance(x, tf.data.Dataset):
-            feed, global_batch = DatasetFeed(x, world.size, world.rank), _static_batch(x)
-        else:
-            feed = PyDatasetFeed(x, world.size, world.rank)
-            global_batch = feed.global_batch
-    else:
-        global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
-        feed = _planned_feed(_training_source(x, y, sample_weight), preprocess, world, global_batch,
-                             strategy.num_replicas_in_sync, config.seed, class_weight)
+    feed, global_batch = _training_feed(x, y, sample_weight, world, strategy, config.seed, batch_size=batch_size,
+                                        per_replica_batch_size=per_replica_batch_size, class_weight=class_weight,
+                                        preprocess=preprocess)
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
@@ -534,6 +524,23 @@ def _context(world: Optional[World], strategy: Optional[tf.distribute.Strategy],
     strategy = strategy or (context.strategy if context else tf.distribute.get_strategy())
     run_dir = run_dir or (context.run_dir if context else world.run_dir or "runs/train")
     return world, strategy, run_dir
+
+
+def _training_feed(x, y, sample_weight, world: World, strategy: tf.distribute.Strategy, seed: int, *, batch_size,
+                   per_replica_batch_size, class_weight, preprocess):
+    """(the feed of `fit`'s training data, its global batch): a dataset or PyDataset read whole by every
+    worker, else a source (arrays, files) of which each worker reads its share by plan."""
+    if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        _refuse_with_a_dataset(y=y, sample_weight=sample_weight, batch_size=batch_size,
+                               per_replica_batch_size=per_replica_batch_size, class_weight=class_weight,
+                               preprocess=preprocess)
+        if isinstance(x, tf.data.Dataset):
+            return DatasetFeed(x, world.size, world.rank), _static_batch(x)
+        feed = PyDatasetFeed(x, world.size, world.rank)
+        return feed, feed.global_batch
+    global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
+    return _planned_feed(_training_source(x, y, sample_weight), preprocess, world, global_batch,
+                         strategy.num_replicas_in_sync, seed, class_weight), global_batch
 
 
 def _planned_feed(source: Source, preprocess: Optional[Preprocess], world: World, global_batch: int, replicas: int,

@@ -179,8 +179,8 @@ def fingerprint_number(source: Source) -> int:
 
 def to_float(features, target, seed: tf.Tensor) -> tuple:
     """The default preprocessing of a source: uint8 images (any uint8 feature) to float32 in [0, 1]; every
-    other feature (floats, token ids, strings) and the target unchanged. (Until 2026-12 any integer feature
-    was scaled: an integer feature shaped like an image, not uint8, is said once in the log.)"""
+    other feature (floats, token ids, strings) and the target unchanged. (Every integer feature was scaled
+    before: an integer feature shaped like an image that is not uint8 is said once in the log.)"""
     del seed
 
     def scale(t: tf.Tensor) -> tf.Tensor:
