@@ -73,7 +73,9 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory, tmp_path):
     train, validation = data_files.digits()  # 16 x 16
     data_files.write_tfrecords(records, "train", *train, shards=4)
     data_files.write_tfrecords(records, "validation", *validation, shards=2)
-    job = job_factory([f"--dataset=tfrecord:{records}", "--image_size=16", *TRAIN[2:], f"--epochs={epochs}"],
+    on_mnist = ("--dataset=", "--train_examples=")
+    job = job_factory([f"--dataset=tfrecord:{records}", "--image_size=16",
+                       *[arg for arg in TRAIN if not arg.startswith(on_mnist)], f"--epochs={epochs}"],
                       ["--min_workers=1", "--max_workers=2", "--index_log", "--heartbeat_timeout=5", "--last_call=1"])
     job.start_agent("a")
     job.start_agent("b")

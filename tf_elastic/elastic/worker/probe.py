@@ -117,8 +117,8 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
     pass; no pass that would end after it, at the mean pass so far: running past it added half a pass to
     every probe's cost), on every local replica, nothing reduced across replicas or workers. Bounded by
     time, not by a number of passes: a host throttled on a duty cycle (a CFS quota) must be timed over its
-    stalls too. None
-    for a model whose inputs are unknown (a subclassed model taking several inputs that declares none)."""
+    stalls too. None for a model whose inputs are unknown (a subclassed model taking several inputs that
+    declares none)."""
     x = _zeros_like_inputs(model, max(1, batch))
     if x is None:
         logging.info("the straggler probe is off: the model's inputs are not known")
