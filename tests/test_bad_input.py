@@ -105,10 +105,10 @@ def test_bad_training_input_is_named_and_committed_work_stays(committed, flags, 
 AGENT_CASES = [
     (["--rdzv=etcd://127.0.0.1:9", "--rendezvous_timeout=1", "--rdzv_request_timeout=0.1"],
      "no rendezvous within --rendezvous_timeout=1s: cannot reach etcd (127.0.0.1:9"),
-    (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10", "--rdzv_request_timeout=0.1"],
+    (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10", "--host_ttl=1", "--rdzv_request_timeout=0.1"],
      "--rdzv_request_timeout=0.1 must be at most --host_ttl / (6 x 2 endpoints) = 0.0833: a lease renewal"),
     (["--rdzv_request_timeout=2"], "raise --host_ttl or leave --rdzv_request_timeout out"),
-    (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10,127.0.0.1:11,127.0.0.1:12"],
+    (["--rdzv=etcd://127.0.0.1:9,127.0.0.1:10,127.0.0.1:11,127.0.0.1:12", "--host_ttl=1"],
      "--host_ttl=1 is too short for a store of 4 endpoints: a request could take only 0.0417s; give --host_ttl "
      "of at least 1.2"),
     (["--rdzv=etcd://127.0.0.1"], "expected etcd://HOST:PORT"),

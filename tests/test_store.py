@@ -140,3 +140,29 @@ def test_a_lease_first_seen_long_after_its_last_write_is_expired(tmp_path):
     assert reader.list("/job/hosts") == {"/job/hosts/live": "{}"}
     FileStore(str(tmp_path / "rdzv")).set("/job/hosts/dead", "{}", ttl=1.0)  # renewed (or taken) again: live
     assert reader.get("/job/hosts/dead") == "{}"
+
+
+def test_a_write_syncs_its_file_before_it_takes_the_lock(tmp_path, monkeypatch):
+    """An fsync can wait seconds for a busy disk; holding the lock meanwhile kept every other agent from
+    renewing its lease, and live hosts were counted lost."""
+    store = FileStore(str(tmp_path / "rdzv"))
+    store.set("/job/k", "v")
+    free_while_syncing = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        other = os.open(tmp_path / "rdzv" / ".lock", os.O_RDWR)
+        try:
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the writer held the lock
+            free_while_syncing.append(True)
+            fcntl.flock(other, fcntl.LOCK_UN)
+        finally:
+            os.close(other)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert store.compare_and_set("/job/k", "v", "w", ttl=3.0)
+    assert not store.compare_and_set("/job/k", "v", "x")
+    store.set("/job/k", "y")
+    assert free_while_syncing == [True, True, True] and store.get("/job/k") == "y"
+    assert not list((tmp_path / "rdzv" / "job").glob(".*.tmp")), "a staged file not published is removed"

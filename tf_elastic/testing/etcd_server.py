@@ -1,7 +1,7 @@
 """A throwaway single-member etcd on 127.0.0.1 (Debian's `etcd-server`), for tests, benchmarks and chaos.
 
 Started with a short heartbeat and election timeout: etcd raises a lease TTL below 1.5 election
-timeouts to that minimum, and the agents' host leases are 1 s.
+timeouts to that minimum, and tests give the agents host leases down to 0.4 s.
 """
 import os
 import shutil

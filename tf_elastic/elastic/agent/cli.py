@@ -53,8 +53,9 @@ flags.DEFINE_float("last_call", 2.0, "Seconds a round stays open for stragglers 
                    lower_bound=0.0)
 flags.DEFINE_float("survivor_wait", 30.0, "Seconds a round waits for a live survivor still stopping its workers.",
                    lower_bound=0.0)
-flags.DEFINE_float("host_ttl", 1.0, "Seconds after its last renewal that a host counts as lost; renewed every third of "
-                   "it (two etcd requests each): at hundreds of hosts, 10.", lower_bound=0.2)
+flags.DEFINE_float("host_ttl", 3.0, "Seconds after its last renewal that a host counts as lost; renewed every third of "
+                   "it (two etcd requests each): at hundreds of hosts, 10. Below 3, an agent that its own busy "
+                   "workers keep off the CPU for a second is counted lost.", lower_bound=0.2)
 flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
 flags.DEFINE_string("advertise_addr", None,
                     "Address other hosts use to reach this host's workers (default: this host name's address).")

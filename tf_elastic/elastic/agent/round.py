@@ -21,7 +21,7 @@ class Timeouts:
     rendezvous: float = 300.0  # wait this long for min_workers before failing the job
     last_call: float = 2.0  # after enough workers joined, wait this long for stragglers unless all survivors are in
     survivor_wait: float = 30.0  # how long a round waits for a live survivor that is still stopping its workers
-    host_ttl: float = 1.0  # a host whose lease is older is gone; agents renew it every third of this
+    host_ttl: float = 3.0  # a host whose lease is older is gone; agents renew it every third of this
     poll: float = 0.1  # longest wait between store reads while joining; a notifying store wakes sooner
 
 

@@ -13,9 +13,10 @@ mtime against the mtime of the lock file touched just now, both stamped by the f
 some distributed ones do, need the hosts' clocks within it), so that a reader never counts a lease whose
 host died long before it looked as live.
 
-Each write goes to a temporary file, is fsynced and renamed into place; writes and compare-and-sets hold
-one `flock`, waited for at most `request_timeout` (`--rdzv_request_timeout`), so that a stopped holder
-cannot block every agent's keepalive. A shared filesystem must support `flock` (NFS: with its lock daemon).
+Each write goes to a temporary file, is fsynced and renamed into place; the rename (and a compare-and-set's
+read before it) holds one `flock`, the fsync does not, and the lock is waited for at most `request_timeout`
+(`--rdzv_request_timeout`), so that neither a busy disk nor a stopped holder blocks every agent's keepalive.
+A shared filesystem must support `flock` (NFS: with its lock daemon).
 """
 import fcntl
 import json
@@ -68,15 +69,16 @@ class FileStore(Store):
         return self._read(self._path(key))
 
     def set(self, key: str, value: str, ttl: Optional[float] = None) -> None:
-        with self._locked():
-            self._write(self._path(key), value, ttl)
+        path = self._path(key)
+        with self._staged(path, value, ttl) as staged, self._locked():
+            self._publish(staged, path)
 
     def compare_and_set(self, key: str, expected: Optional[str], value: str, ttl: Optional[float] = None) -> bool:
-        with self._locked():
-            path = self._path(key)
+        path = self._path(key)
+        with self._staged(path, value, ttl) as staged, self._locked():
             if self._read(path) != expected:
                 return False
-            self._write(path, value, ttl)
+            self._publish(staged, path)
             return True
 
     def list(self, prefix: str) -> Dict[str, str]:
@@ -166,17 +168,32 @@ class FileStore(Store):
             return float("-inf")
 
     @staticmethod
-    def _write(path: Path, value: str, ttl: Optional[float]) -> None:
-        temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    @contextmanager
+    def _staged(path: Path, value: str, ttl: Optional[float]) -> Iterator[Path]:
+        """A temporary file beside `path` holding the record, written and fsynced before the lock is taken:
+        an fsync can wait for a busy disk, and every other agent's renewal waits on the lock (a held lock
+        that outlasts a lease counts live hosts lost). Removed unless published."""
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         record = json.dumps({"value": value, "version": uuid.uuid4().hex, "ttl": ttl})
         try:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(record)
                 f.flush()
                 os.fsync(f.fileno())  # the rename must never publish a file whose content is not on disk
-            os.replace(temp, path)
+        except OSError as error:
+            temp.unlink(missing_ok=True)
+            raise StoreError(f"cannot write the file store at {path}: {error}") from None
+        try:
+            yield temp
+        finally:
+            temp.unlink(missing_ok=True)  # published: gone already
+
+    @staticmethod
+    def _publish(staged: Path, path: Path) -> None:
+        try:
+            os.replace(staged, path)
         except OSError as error:
             raise StoreError(f"cannot write the file store at {path}: {error}") from None
 
