@@ -3,6 +3,7 @@ import errno
 import fcntl
 import json
 import os
+import pathlib
 import time
 
 import pytest
@@ -80,6 +81,14 @@ def test_file_store_disk_errors_are_store_errors_and_files_are_synced_before_the
     with pytest.raises(StoreError, match="No space left on device"):
         store.set("/job/k", "w")
     assert store.get("/job/k") == "v"  # the committed value stays
+    assert not list((tmp_path / "rdzv" / "job").glob(".*.tmp")), "the staged file is removed"
+
+    def refused(self, missing_ok=False):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(pathlib.Path, "unlink", refused)  # nor can the staged file be removed: still a StoreError
+    with pytest.raises(StoreError, match="No space left on device"):
+        store.compare_and_set("/job/k", "v", "w")
 
 
 def test_a_lease_is_timed_on_the_readers_clock_not_the_writers(tmp_path, monkeypatch):

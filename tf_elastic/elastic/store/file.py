@@ -183,12 +183,12 @@ class FileStore(Store):
                 f.flush()
                 os.fsync(f.fileno())  # the rename must never publish a file whose content is not on disk
         except OSError as error:
-            temp.unlink(missing_ok=True)
+            _discard(temp)
             raise StoreError(f"cannot write the file store at {path}: {error}") from None
         try:
             yield temp
         finally:
-            temp.unlink(missing_ok=True)  # published: gone already
+            _discard(temp)  # published: gone already
 
     @staticmethod
     def _publish(staged: Path, path: Path) -> None:
@@ -224,6 +224,14 @@ class FileStore(Store):
                 fcntl.flock(fd, fcntl.LOCK_UN)  # cannot fail on a lock this descriptor holds
         finally:
             os.close(fd)
+
+
+def _discard(temp: Path) -> None:
+    """Removes a staged file that was not published; a disk that refuses leaves a dot-file `list` skips."""
+    try:
+        temp.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
