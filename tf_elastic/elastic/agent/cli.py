@@ -48,14 +48,16 @@ flags.DEFINE_float("heartbeat_timeout", 3.0,
                    lower_bound=0.5)
 flags.DEFINE_float("startup_timeout", 120.0, "Seconds a new worker may take to reach its first step.", lower_bound=1.0)
 flags.DEFINE_float("monitor_interval", 0.2, "Seconds between checks of workers and store.", lower_bound=0.01)
-flags.DEFINE_float("rendezvous_timeout", 300.0, "Seconds to wait for min_workers before failing.", lower_bound=0.1)
-flags.DEFINE_float("last_call", 2.0, "Seconds a round stays open for stragglers once min_workers joined.",
-                   lower_bound=0.0)
-flags.DEFINE_float("survivor_wait", 30.0, "Seconds a round waits for a live survivor still stopping its workers.",
-                   lower_bound=0.0)
-flags.DEFINE_float("host_ttl", 3.0, "Seconds after its last renewal that a host counts as lost; renewed every third of "
-                   "it (two etcd requests each): at hundreds of hosts, 10. Below 3, an agent that its own busy "
-                   "workers keep off the CPU for a second is counted lost.", lower_bound=0.2)
+flags.DEFINE_float("rendezvous_timeout", Timeouts.rendezvous, "Seconds to wait for min_workers before failing.",
+                   lower_bound=0.1)
+flags.DEFINE_float("last_call", Timeouts.last_call,
+                   "Seconds a round stays open for stragglers once min_workers joined.", lower_bound=0.0)
+flags.DEFINE_float("survivor_wait", Timeouts.survivor_wait,
+                   "Seconds a round waits for a live survivor still stopping its workers.", lower_bound=0.0)
+flags.DEFINE_float("host_ttl", Timeouts.host_ttl,
+                   "Seconds after its last renewal that a host counts as lost; renewed every third of it (two etcd "
+                   "requests each): at hundreds of hosts, 10. Below 3, an agent that its own busy workers keep off "
+                   "the CPU for a second is counted lost.", lower_bound=0.2)
 flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
 flags.DEFINE_string("advertise_addr", None,
                     "Address other hosts use to reach this host's workers (default: this host name's address).")
