@@ -13,7 +13,10 @@ Each epoch is one pass over the dataset with an iterator of its own, as `model.f
 restores a mid-epoch iterator exactly, but one saved after its shuffle's input ran out leaves the
 dataset's reshuffle seeds where they were (measured: 6 of 24 positions of a repeated 60-example
 shuffle restored a wrong next pass, seeded or not), so the epoch's fresh iterator state is committed too
-and restored last: the next epoch's reshuffle then draws the seeds a run without faults drew.
+and restored when the pass ends, just before the next epoch's iterator is made: its reshuffle then draws the
+seeds a run without faults drew. Not at the restore: a second restored iterator of the pipeline, made and
+dropped beside the one being read, made the reader's first batch wait for ever in some restores (7 of 13
+runs of a two-worker test on two busy cores; none in the runs that left it out).
 
 What tf.data cannot save (a Python generator, `from_generator`, `py_function`) or cannot repeat (a
 pipeline with `deterministic=False`) is refused before the first step (`ConfigurationError`).
@@ -47,6 +50,7 @@ class DatasetFeed:
         self._pulling = threading.Lock()  # the iterator: held while the user's pipeline makes a batch
         self._iterator: Optional[Iterator] = None
         self._epoch_start = b""  # the epoch's iterator as it was made: its reshuffle seeds
+        self._seeds_to_restore = b""  # a restored epoch's `_epoch_start`: loaded when its pass ends
         self._exhausted = False
         self._queue: Deque[Any] = collections.deque()  # pulled (or restored) global batches not yet trained
         self._handed = 0  # of the queue, those the newest reader handed to the replicas
@@ -83,9 +87,13 @@ class DatasetFeed:
             iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
         self._queue.clear()
         self._handed = self.batches = self.trained_examples = 0
+        self._seeds_to_restore = b""
         self._restore(state) if state else self._new_iterator()
 
     def _new_iterator(self) -> None:
+        if self._seeds_to_restore:  # the reshuffle seeds of the restored epoch's start, then this epoch's draw
+            _restored(self.dataset, self._seeds_to_restore)
+            self._seeds_to_restore = b""
         self._iterator, self._exhausted = iter(self.dataset), False
         self._epoch_start = _save(self._iterator)
 
@@ -101,14 +109,8 @@ class DatasetFeed:
 
     def _restore(self, state: bytes) -> None:
         parts = tf.io.parse_tensor(state, tf.string).numpy().tolist()
-        try:
-            self._iterator = _load(iter(self.dataset), parts[0])
-            _load(iter(self.dataset), parts[1])  # last: the reshuffle seeds as the epoch's start left them
-        except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
-            raise ConfigurationError(f"x: the committed position does not fit this tf.data pipeline ("
-                                     f"{str(error).splitlines()[0][:200]}); restart with the pipeline the run "
-                                     "began with, or start a new run (another run dir).") from None
-        self._epoch_start = parts[1]
+        self._iterator = _restored(self.dataset, parts[0])
+        self._epoch_start = self._seeds_to_restore = parts[1]
         batches, examples, exhausted, self.global_batch = (int(n) for n in parts[2].split())
         self.batches, self.trained_examples, self._exhausted = batches, examples, bool(exhausted)
         width = len(self._flat_specs)
@@ -274,8 +276,15 @@ def _save(iterator) -> bytes:
     return tf.io.serialize_tensor(saved).numpy()
 
 
-def _load(iterator, saved: bytes):
-    gen_dataset_ops.deserialize_iterator(iterator._iterator_resource, tf.io.parse_tensor(saved, tf.variant))
+def _restored(dataset: tf.data.Dataset, saved: bytes):
+    """A new iterator of `dataset` at `saved` (`_save`'s), or a one-line error when it does not fit."""
+    iterator = iter(dataset)
+    try:
+        gen_dataset_ops.deserialize_iterator(iterator._iterator_resource, tf.io.parse_tensor(saved, tf.variant))
+    except (tf.errors.InvalidArgumentError, tf.errors.NotFoundError, ValueError) as error:
+        raise ConfigurationError(f"x: the committed position does not fit this tf.data pipeline ("
+                                 f"{str(error).splitlines()[0][:200]}); restart with the pipeline the run "
+                                 "began with, or start a new run (another run dir).") from None
     return iterator
 
 
