@@ -3,7 +3,7 @@ import keras
 import numpy as np
 
 from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
-from tf_elastic.elastic.worker.probe import GroupProbe, _forward_and_backward
+from tf_elastic.elastic.worker.probe import GroupProbe, _forward_and_backward, time_alone
 from tf_elastic.elastic.worker.world import PULSE, World
 
 
@@ -62,5 +62,22 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             assert len(mine) == 6 and mine[1] == probe.seconds and mine[0] == mine[2] == 0
             probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0])
         assert PULSE.slow == 3.0 and PULSE.evict
+        assert (PULSE.median, PULSE.batch) == (0.01, 4)  # the group's median, for a host on probation
     finally:
-        PULSE.slow, PULSE.evict = 0.0, False
+        PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
+
+
+def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):
+    """The seconds a pass takes at the group's batch go to the file the agent named (0: not measurable)."""
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    with two_cpu_strategy.scope():
+        model = _dict_model()
+    settings = ProbeSettings(seconds=0.01, rules=StragglerRules(1.5, 3))
+    seconds = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings)
+    assert 0 < seconds < 1 and float((tmp_path / "slot-0").read_text()) == seconds
+    assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings) == 0.0
+    assert (tmp_path / "slot-1").read_text() == "0.0" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "slot-0", "slot-1"]

@@ -31,12 +31,17 @@ def test_the_status_names_members_standbys_the_blacklist_stragglers_and_the_last
     for step in (10, 20, 30):
         events.write(Event.COMMIT, step=step, epoch=0, round=3)
     # c's rank 2 is a straggler now; rank 1 was one and recovered; a was one in an earlier round; e sits out.
-    agents = {host: EventLog(tmp_path / "run", f"agent:{host}") for host in "ace"}
+    # f sits out again after a probation that found it still slow; g's found it back.
+    agents = {host: EventLog(tmp_path / "run", f"agent:{host}") for host in "acefg"}
     agents["a"].write(Event.STRAGGLER, round=2, host="a", rank=0, slowness=3.0, cause="compute")
     agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=1, slowness=1.7, cause="compute")
     agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=2, slowness=2.5, cause="compute")
     agents["c"].write(Event.STRAGGLER_RECOVERED, round=3, host="c", rank=1)
     agents["e"].write(Event.EVICTED, round=2, host="e", hold_off=60.0, slowness=3.1, evictions=1)
+    for host, back in (("f", False), ("g", True)):
+        agents[host].write(Event.EVICTED, round=1, host=host, hold_off=0.0, slowness=3.1, evictions=1)
+        agents[host].write(Event.PROBATION, host=host, seconds=0.3, median=0.1, back=back, evictions=1,
+                           hold_off=0.0 if back else 90.0)
     # A fresh reader of the file store takes each lease as new: two reads a host TTL apart tell the dead one.
     text = render(read_status(open_store(f"file://{tmp_path / 'rdzv'}"), "j", [str(tmp_path / "run")],
                               lease_wait=0.3))
@@ -44,7 +49,9 @@ def test_the_status_names_members_standbys_the_blacklist_stragglers_and_the_last
     assert "RuntimeError: boom" in text
     assert "| a | 0 | 127.0.0.1:1000 | - |" in text, text
     assert "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 | rank 2 2.50x (compute) |" in text, text
-    assert "evicted as stragglers: e (may rejoin in 6" in text or "evicted as stragglers: e (may rejoin in 5" in text
+    assert "evicted as stragglers: e (may rejoin in 5" in text or "evicted as stragglers: e (may rejoin in 6" in text
+    assert ", f (may rejoin in 8" in text or ", f (may rejoin in 9" in text, text
+    assert "g (" not in text
     assert "\nstandby: d\n" in text and "blacklisted: b (" in text and "s left)" in text
     assert "last commit: step 30 (epoch 0)" in text and "steps/s" in text and "joining" not in text
     # While a round is joining, a leased host outside it is joining it, not a standby.

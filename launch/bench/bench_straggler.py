@@ -9,7 +9,8 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
 
 Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the report
 and to the first step of a round without the straggler, time from the mild phase (back within the factor)
-to its rejoin, and evictions in each phase. Targets (issue 41): report within 30 s; with eviction, >= 0.9x
+to its rejoin, evictions in each phase, and the evicted host's probations (its own pass timed after each
+hold-off: kept out while slow, let in once back). Targets (issue 41): report within 30 s; with eviction, >= 0.9x
 the 3-worker throughput within 60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
 """
 import os
@@ -88,6 +89,7 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
+            "probations": [e["back"] for e in job.events(Event.PROBATION)],
             "throttle": throttle.kind, "sustained_after_eviction": _rate_after(job, evicted, mild_at),
             "probe_cost": _probe_cost(job)}
 
@@ -128,15 +130,17 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
     three = alone.get(hosts - 1)
     lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
              "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | after eviction / 3 alone | report | "
-             "round without | rejoin after mild | evictions (before/slow/mild/after) | probes' cost |",
-             "|---|" + "---:|" * 10]
+             "round without | rejoin after mild | evictions (before/slow/mild/after) | probations (kept out/let in) | "
+             "probes' cost |",
+             "|---|" + "---:|" * 11]
     for r in results:
         rates, ev = r["rates"], r["evictions"]
         ratio = r["sustained_after_eviction"] / three if r["sustained_after_eviction"] and three else None
         cost = None if r["probe_cost"] is None else 100 * r["probe_cost"]
         lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
                      f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
-                     f"{ev['before']}/{ev['slow']}/{ev['mild']}/{ev['after']} | {_text(cost, ' %')} |")
+                     f"{ev['before']}/{ev['slow']}/{ev['mild']}/{ev['after']} | "
+                     f"{r['probations'].count(False)}/{r['probations'].count(True)} | {_text(cost, ' %')} |")
     lines.append(f"\nthrottled with: {results[0]['throttle'] if results else '-'}")
     return "\n".join(lines)
 

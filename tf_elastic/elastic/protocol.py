@@ -37,6 +37,9 @@ class Env:
     WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it is ready to be handed a world
     # The straggler probe's cadence and rules (`worker.probe.ProbeSettings.to_text`).
     PROBE = "TF_ELASTIC_PROBE"
+    # A host on probation (evicted as a straggler): "RESULT_FILE,PER_REPLICA_BATCH". The worker times the
+    # model's pass alone at that batch, writes the seconds to the file, and exits before training.
+    PROBATION = "TF_ELASTIC_PROBATION"
     # Secrets the agent reads and never passes on.
     JOB_TOKEN = "TF_ELASTIC_JOB_TOKEN"
     RDZV_PASSWORD = "TF_ELASTIC_RDZV_PASSWORD"
@@ -95,6 +98,7 @@ class Event(str, enum.Enum):
     STRAGGLER = "straggler"  # a worker of this host is a straggler: its probe runs `slowness` times the median's
     STRAGGLER_RECOVERED = "straggler_recovered"
     EVICTED = "evicted"  # this host left as a straggler (`--evict_stragglers`) and sits out a hold-off
+    PROBATION = "probation"  # an evicted host timed its own pass against the group's median: `back` or not
     # Worker.
     RESTORE = "restore"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -234,26 +238,32 @@ class Heartbeat:
     changes with every training step, evaluation batch and commit (its main thread is not stuck);
     `step` is the training step (0 until the first). `slow`: how many times slower than its group's median
     this worker's probe runs while it is a straggler (0: it is not one); `evict`: the straggler rules say
-    the group would train more without this host (`stragglers.worth_evicting`)."""
+    the group would train more without this host (`stragglers.worth_evicting`); `median`: the group's
+    median probe (seconds per pass, 0: none yet) at `batch` rows a replica, what a host on probation is
+    measured against (every rank knows it alike; the chief's agent publishes it)."""
     step: int
     progress: int
     beat: int
     slow: float = 0.0
     evict: bool = False
+    median: float = 0.0
+    batch: int = 0
 
     def to_text(self) -> str:
-        return f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)}"
+        return f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {self.median!r} {self.batch}"
 
     @classmethod
     def from_text(cls, text: str) -> Optional["Heartbeat"]:
+        """The heartbeat `text` says (a worker of an older version writes 3 or 5 fields); None if torn."""
         parts = text.split()
-        if len(parts) not in (3, 5) or not all(p.isdigit() for p in parts[:3] + parts[4:]):
+        if len(parts) not in (3, 5, 7) or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:]):
             return None  # torn or foreign content: no news
         try:
-            slow = float(parts[3]) if len(parts) == 5 else 0.0
+            slow, median = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"]))
         except ValueError:
             return None
-        return cls(*map(int, parts[:3]), slow=slow, evict=parts[4:] == ["1"])
+        return cls(*map(int, parts[:3]), slow=slow, evict=parts[4:5] == ["1"], median=median,
+                   batch=int((parts[6:] or ["0"])[0]))
 
 
 def write_heartbeat(path: Path, heartbeat: Heartbeat) -> None:

@@ -11,7 +11,8 @@ shares (a slow store, a slow network) moves the median with it and makes no stra
 (`worth_evicting`) weighs the group's throughput without the straggler's host against its throughput with it
 over the next window, paying the measured cost of a round, and never goes below `min_workers`; an evicted
 host sits out a hold-off that doubles with each eviction (`hold_off`), so a host that keeps degrading does
-not flap.
+not flap, and then rejoins only once its own pass, timed alone, is back within the factor of the group's
+median (`back_within`; `agent/probation.py`).
 """
 import dataclasses
 import statistics
@@ -108,3 +109,12 @@ def worth_evicting(seconds: Sequence[float], leaving: Collection[int], window_se
 def hold_off(evictions: int, first: float = 30.0, longest: float = 1800.0) -> float:
     """Seconds an evicted host waits before it may rejoin: `first`, doubled with each eviction before it."""
     return min(longest, first * 2.0 ** max(0, evictions - 1))
+
+
+def back_within(seconds: Optional[float], median: Optional[float], factor: float) -> bool:
+    """Whether a host on probation may rejoin: its own pass, timed alone (`seconds`), is within `factor` of
+    the group's median probe, as a straggler clears (`StragglerWatch`). True when either is unknown: with
+    nothing to judge by it rejoins, and the group's probes judge it again."""
+    if not seconds or not median or seconds <= 0 or median <= 0:
+        return True
+    return seconds / median < factor

@@ -17,7 +17,7 @@ from typing import Callable, Collection, Dict, List, Optional, Tuple
 from absl import logging
 
 from tf_elastic.elastic import stragglers
-from tf_elastic.elastic.agent import decisions, preemption, workers
+from tf_elastic.elastic.agent import decisions, preemption, probation, workers
 from tf_elastic.elastic.agent.blacklist import Blacklist
 from tf_elastic.elastic.agent.decisions import GroupChange, WorkersState, WorkersVerdict
 from tf_elastic.elastic.agent.job_record import JobEnded, TokenRefused
@@ -37,7 +37,7 @@ class RoundResult(enum.Enum):
     SUCCEEDED = "succeeded"  # every local worker finished training
     RESTART = "restart"  # the group changed or failed: rejoin at the next round
     LEFT = "left"  # this host left gracefully
-    EVICTED = "evicted"  # this host left as a straggler: it sits out a hold-off, then rejoins
+    EVICTED = "evicted"  # this host left as a straggler: it sits out, on probation, until it is fast again
     FAILED = "failed"  # the job failed (max_restarts, rendezvous timeout)
 
 
@@ -75,7 +75,9 @@ class AgentConfig:
     echo_ranks: str = "all"  # whose output the agent echoes, prefixed: all, chief, none (error lines always)
     probe: ProbeSettings = ProbeSettings()  # the workers' straggler probe and its rules
     evict_stragglers: bool = False  # leave while this host is a straggler the group is better off without...
-    straggler_hold_off: float = 30.0  # ...and sit out this long before rejoining, doubled at each eviction
+    # ...and sit out this long, then rejoin once its own pass is back within the factor (`_probation`); doubled
+    # at each eviction and at each probation that finds it still slow
+    straggler_hold_off: float = 30.0
 
 
 class ElasticAgent:
@@ -99,6 +101,8 @@ class ElasticAgent:
         self._training_round = -1  # the last round whose first training step was logged
         self._effects: Optional[Callable[[], RoundResult]] = None  # a verdict's, until the store let them through
         self._slow: Dict[int, float] = {}  # rank -> slowness, of this host's workers the probe names stragglers
+        self._group_probe: Optional[Tuple[float, int]] = None  # the group's median probe and batch, as last seen
+        self._published: Optional[Tuple[float, int]] = None  # what this agent last published of it (the chief's)
         self.evictions = 0
 
     def run(self) -> int:
@@ -139,7 +143,7 @@ class ElasticAgent:
                 if result is RoundResult.LEFT:
                     return self._exit(AgentExit.OK, "left the job gracefully")
                 if result is RoundResult.EVICTED:
-                    self._sit_out(stragglers.hold_off(self.evictions, self.config.straggler_hold_off))
+                    self._probation()
                 if result is RoundResult.FAILED:
                     outcome = self.job.outcome()
                     return self._exit(AgentExit.FAILED, outcome.reason if outcome else "job failed")
@@ -205,7 +209,19 @@ class ElasticAgent:
                 self._slow[worker.rank] = slow
             else:
                 self._slow.pop(worker.rank, None)
+        self._share_group_probe(running)
         return any(worker.last and worker.last.evict for worker in running)
+
+    def _share_group_probe(self, running: List[Worker]) -> None:
+        """Notes the group's median probe (every rank's heartbeat carries it); the chief's agent publishes each
+        new one in the store, for hosts on probation."""
+        seen = next(((w.last.median, w.last.batch) for w in running if w.last and w.last.median > 0), None)
+        if seen is None:
+            return
+        self._group_probe = seen
+        if any(w.rank == 0 for w in running) and seen != self._published:
+            self.job.publish_probe(*seen)
+            self._published = seen
 
     def _report_standby(self, round_: Round) -> None:
         self.events.write(Event.STANDBY, round=round_.number, host=self.host_id, world_size=round_.world_size)
@@ -247,14 +263,19 @@ class ElasticAgent:
         }
         if self.config.index_log:
             world[Env.INDEX_LOG] = "1"
-        process = self.spares.take(slot, world)
-        if process is None:
-            process = workers.spawn(self.config.command, dict(self._slot_env(slot), **world), self._output(),
-                                    warm=False)
+        process = self._launch(slot, world)
         process.output.assign(round_.number, rank)
         self.events.write(Event.WORKER_START, round=round_.number, rank=rank, worker_pid=process.pid,
                           warm=process.stdin is not None, local_rank=slot)
         return Worker(rank, process, heartbeat)
+
+    def _launch(self, slot: int, world: Dict[str, str]):
+        """A worker of local slot `slot` in `world`: the slot's warm spare, else one started now."""
+        process = self.spares.take(slot, world)
+        if process is None:
+            process = workers.spawn(self.config.command, dict(self._slot_env(slot), **world), self._output(),
+                                    warm=False)
+        return process
 
     def _slot_env(self, slot: int) -> Dict[str, str]:
         """What every worker of local slot `slot` starts with: this environment less the agent's secrets,
@@ -508,17 +529,54 @@ class ElasticAgent:
         self._slow.clear()
         return RoundResult.EVICTED
 
-    def _sit_out(self, seconds: float) -> None:
-        """Waits `seconds` out of the job (no lease: no round waits for this host), until a notice, or until the
-        job ended (the next join says how)."""
+    def _probation(self) -> None:
+        """An evicted host sits out its hold-off, then times its own pass against the group's median probe
+        (`probation.time_own_pass`); while it is not back within the straggler factor it sits out again, for a
+        hold-off doubled each time. Returns when it may rejoin, on a notice, or once the job ended (the next
+        join says how)."""
+        strikes = self.evictions
+        while self._sit_out(stragglers.hold_off(strikes, self.config.straggler_hold_off)):
+            try:
+                group = self.job.group_probe() or self._group_probe
+            except StoreError:
+                group = self._group_probe
+            own = None if group is None else probation.time_own_pass(
+                self._launch_for_probation, self.host_dir, self.config.nproc, group[1],
+                self.config.startup_timeout, self.config.heartbeat_timeout)
+            median = group[0] if group else None
+            back = stragglers.back_within(own, median, self.config.probe.rules.factor)
+            self.events.write(Event.PROBATION, host=self.host_id, seconds=own, median=median, back=back,
+                              evictions=self.evictions, hold_off=0.0 if back else stragglers.hold_off(
+                                  strikes + 1, self.config.straggler_hold_off))
+            logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
+                        "group's median %s: %s", self.host_id, f"{own:.4f}s" if own else "(not measured)",
+                        f"{median:.4f}s" if median else "(none)", "it rejoins" if back else "it sits out again")
+            if self.config.warm_start:  # probation used the spares: warm again (while sitting out, if it does)
+                self.spares.fill(self.config.nproc)
+            if back:
+                if self.config.warm_start:  # the group must not wait for this host's cold start
+                    self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
+                                           cancelled=lambda: self.notices.received)
+                return
+            strikes += 1
+
+    def _launch_for_probation(self, slot: int, world: Dict[str, str]):
+        process = self._launch(slot, world)
+        process.output.assign_probation(slot)
+        return process
+
+    def _sit_out(self, seconds: float) -> bool:
+        """Waits `seconds` out of the job (no lease: no round waits for this host); False if it ended early, on
+        a notice or because the job ended (the next join says how)."""
         deadline = time.time() + seconds
         while time.time() < deadline and not self.notices.received:
             try:
                 if self.job.outcome() is not None:
-                    return
+                    return False
             except StoreError:
                 pass  # the join after the hold-off retries the store and reports it
             time.sleep(min(1.0, max(0.0, deadline - time.time())))
+        return not self.notices.received
 
     def _release_lease(self) -> None:
         try:

@@ -93,9 +93,10 @@ flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this man
                    "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")
 flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clear) a straggler.", lower_bound=1)
 flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
-                  "faster without (never below --min_workers), and rejoin after --straggler_hold_off.")
-flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before rejoining; doubled at each "
-                   "eviction of the same host.", lower_bound=0.0)
+                  "faster without (never below --min_workers); after --straggler_hold_off, rejoin once "
+                  "this host's own pass, timed alone, is within --straggler_factor of the group's median.")
+flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before it times its own pass; "
+                   "doubled at each eviction and at each such probe that finds it still slow.", lower_bound=0.0)
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")

@@ -7,7 +7,7 @@ import hashlib
 import hmac
 import json
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from tf_elastic.elastic.agent.round import is_finite_number
 from tf_elastic.elastic.protocol import JobStatus
@@ -57,6 +57,11 @@ class JobKeys:
 
     def blacklist(self, host_id: str) -> str:
         return f"/{self.job_id}/blacklist/{host_id}"
+
+    @property
+    def probe(self) -> str:
+        """The group's median straggler probe (outside `group`: a new value wakes no one)."""
+        return f"/{self.job_id}/probe"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +127,22 @@ class JobRecord:
     def raise_if_ended(outcome: Optional[JobOutcome]) -> None:
         if outcome is not None:
             raise JobEnded(outcome.status, outcome.reason, outcome.at)
+
+    # The group's probe ----------------------------------------------------------------------------
+    def publish_probe(self, median: float, batch: int) -> None:
+        """The group's median probe (seconds per pass at `batch` rows a replica), for a host on probation."""
+        self.store.set(self.keys.probe, json.dumps({"median": median, "batch": batch, "at": time.time()}))
+
+    def group_probe(self) -> Optional[Tuple[float, int]]:
+        """The newest published (median, batch); None when there is none or it is not readable."""
+        try:
+            record = json.loads(self.store.get(self.keys.probe) or "{}")
+            median, batch = record.get("median"), record.get("batch")
+        except (ValueError, AttributeError):
+            return None
+        if is_finite_number(median) and median > 0 and isinstance(batch, int) and batch > 0:
+            return float(median), batch
+        return None
 
     # Blacklist ------------------------------------------------------------------------------------
     def blacklist(self, cooldown: float) -> float:

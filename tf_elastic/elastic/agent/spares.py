@@ -29,6 +29,10 @@ class WarmSpares:
             env = dict(self._slot_env(slot), **{Env.WARM: "1", Env.WARM_READY: str(ready)})
             self._spares[slot] = Spare(workers.spawn(self.command, env, self._output(), warm=True), ready)
 
+    def fill(self, slots: int) -> None:
+        """Starts a spare for each of slots 0..`slots`-1 that has none."""
+        self.spawn(slot for slot in range(slots) if slot not in self._spares)
+
     def wait_ready(self, timeout: float, interval: float, cancelled: Callable[[], bool]) -> None:
         """Waits (up to `timeout`) until every spare has done its imports."""
         deadline = time.monotonic() + timeout
@@ -47,7 +51,7 @@ class WarmSpares:
         """Once this round trains, pays the next round's start-up (imports, data) ahead of time; says when a
         spare is ready (`spare_ready`)."""
         if round_trains:
-            self.spawn(slot for slot in range(slots) if slot not in self._spares)
+            self.fill(slots)
         for spare in self._spares.values():
             if not spare.announced and spare.ready.exists():
                 spare.announced = True

@@ -75,7 +75,7 @@ def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Op
 
 def _stragglers(events: List[Dict], round_: Optional[int], now: float) -> Tuple[Dict[str, str], Dict[str, float]]:
     """The hosts whose workers are stragglers in `round_` (their agents' `straggler` events not followed by a
-    recovery), and the evicted hosts still sitting out their hold-off."""
+    recovery), and the evicted hosts still sitting out a hold-off."""
     slow: Dict[Tuple[str, int], str] = {}
     for e in events:
         if e["event"] == Event.STRAGGLER and e.get("round") == round_:
@@ -85,7 +85,10 @@ def _stragglers(events: List[Dict], round_: Optional[int], now: float) -> Tuple[
     hosts: Dict[str, str] = {}
     for (host, _), text in sorted(slow.items()):
         hosts[host] = f"{hosts[host]}, {text}" if host in hosts else text
-    evicted = {e["host"]: e["time"] + e["hold_off"] - now for e in events if e["event"] == Event.EVICTED}
+    # An eviction starts a hold-off; a probation that found the host still slow starts the next (one that found
+    # it back, none).
+    evicted = {e["host"]: e["time"] + e["hold_off"] - now for e in events
+               if e["event"] in (Event.EVICTED, Event.PROBATION)}
     return hosts, {host: left for host, left in evicted.items() if left > 0}
 
 

@@ -40,6 +40,10 @@ class WorkerOutput:
     def start_spare(self, pid: int) -> None:
         self._switch(self.directory / f"spare-{pid}.log", f"[spare {pid}] ", None)
 
+    def assign_probation(self, slot: int) -> None:
+        """From now on the lines belong to the probation worker of local slot `slot` (`agent/probation.py`)."""
+        self._switch(self.directory / f"probation-slot{slot}.log", f"[probation slot {slot}] ", None)
+
     def assign(self, round_number: int, rank: int) -> None:
         """From now on the lines belong to `rank` of round `round_number`."""
         self._switch(self.directory / f"round-{round_number}" / f"rank-{rank}.log",

@@ -10,8 +10,12 @@ of the training time in `bench_straggler` on 2 shared cores (1.2-1.7 % while the
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness) and a log line and, with `--evict_stragglers`, leaves when the rules say the
-group would train more without its host.
+group would train more without its host. Every rank's heartbeat also carries the group's median probe and
+its batch, which the chief's agent publishes: an evicted host on probation times its own pass alone
+(`time_alone`, in a worker that trains nothing) and rejoins only once it is back within the factor of it.
 """
+import os
+import statistics
 import time
 import zlib
 from typing import List, Optional, Sequence, Tuple
@@ -45,6 +49,7 @@ class GroupProbe:
         self.last = time.monotonic()
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
         self.spent = 0.0  # seconds of probes on the training path since `take_spent`
+        self.batch = 0  # rows a replica of the probe's pass
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
 
@@ -58,7 +63,8 @@ class GroupProbe:
         self.round_seconds = seconds_in_round()
         self.last = time.monotonic()
         if self.settings.every_seconds > 0 and self.world.size > 1:
-            self._pass = _forward_and_backward(self.model, self.strategy, per_replica_batch)
+            self.batch = max(1, per_replica_batch)
+            self._pass = _forward_and_backward(self.model, self.strategy, self.batch)
             self._warm = False
 
     def due(self) -> float:
@@ -97,8 +103,10 @@ class GroupProbe:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
         agent writes the event and the log line) and whether its host is worth evicting."""
         began, ended = self.watch.observe(seconds)
+        measured = [s for s in seconds if s > 0]
+        median = float(np.median(measured)) if measured else 0.0
+        PULSE.median, PULSE.batch = median, self.batch
         if self.world.is_chief:
-            median = float(np.median([s for s in seconds if s > 0]))
             for rank in began:
                 logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs", rank,
                                 self.watch.stragglers[rank], median)
@@ -109,6 +117,23 @@ class GroupProbe:
         PULSE.slow = mine
         PULSE.evict = bool(mine) and self.round_seconds is not None and worth_evicting(
             seconds, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
+
+
+def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings) -> float:
+    """A host on probation (`Env.PROBATION`: "RESULT_FILE,BATCH"): times the model's pass on this worker's
+    replicas at the group's batch, as the group's probe does (traced untimed, then the median of `window`
+    probes of `seconds`), with no group to wait for; writes the seconds per pass to RESULT_FILE (0: the
+    model's inputs are not known) and returns them."""
+    path, batch = probation.rsplit(",", 1)
+    timed = _forward_and_backward(model, strategy, int(batch))
+    seconds = 0.0
+    if timed is not None:
+        timed(0.0)
+        seconds = statistics.median(timed(settings.seconds)[0] for _ in range(settings.rules.window))
+    with open(path + ".tmp", "w") as f:
+        f.write(repr(seconds))
+    os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone
+    return seconds
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):

@@ -31,9 +31,9 @@ from tf_elastic.elastic.worker.entry import COLLECTIVE_FAILURES
 from tf_elastic.elastic.worker.errors import ConfigurationError, PeerFailure, StopRequested
 from tf_elastic.elastic.worker.group import GroupState, SumOverWorkers, sum_over_workers
 from tf_elastic.elastic.stragglers import ProbeSettings
-from tf_elastic.elastic.worker.probe import GroupProbe
+from tf_elastic.elastic.worker.probe import GroupProbe, time_alone
 from tf_elastic.elastic.worker.replicas import StatisticsAverage, statistics
-from tf_elastic.elastic.worker.world import World, report_activity, report_progress
+from tf_elastic.elastic.worker.world import World, exit_now, report_activity, report_progress
 from tf_elastic.schedules import BatchResizeSchedule
 
 @dataclasses.dataclass(frozen=True)
@@ -385,6 +385,9 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
+    if world.probation:  # an evicted host times its pass alone, then ends: it trains nothing
+        time_alone(model, strategy, world.probation, ProbeSettings.from_text(world.probe))
+        exit_now(ExitCode.DONE)
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
     events = EventLog(run_dir, source=f"worker:{world.rank}")

@@ -42,6 +42,7 @@ class World:
     host_id: Optional[str] = None
     stop_signals: Tuple[int, ...] = (signal.SIGTERM,)  # each asks for a commit and a stop
     probe: Optional[str] = None  # the straggler probe's settings (`stragglers.ProbeSettings.from_text`)
+    probation: Optional[str] = None  # a host on probation: time the pass alone (`Env.PROBATION`), no training
 
     @property
     def keeps_commits(self) -> bool:
@@ -92,6 +93,7 @@ class World:
             host_id=env.get(Env.HOST_ID) or None,
             stop_signals=_signals(env.get(Env.STOP_SIGNALS)),
             probe=env.get(Env.PROBE),
+            probation=env.get(Env.PROBATION) or None,
         )
 
 
@@ -109,6 +111,7 @@ class Pulse:
     def __init__(self):
         self.step, self.progress, self.beats = 0, 0, 0
         self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
+        self.median, self.batch = 0.0, 0  # the group's median probe and its rows a replica (the same)
         self.world_at: Optional[float] = None  # when a warm worker received its round (`time.time()`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
         self._failing = False
@@ -120,7 +123,8 @@ class Pulse:
                 return
             self.beats += 1
             try:
-                write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats, self.slow, self.evict))
+                write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats, self.slow, self.evict,
+                                                     self.median, self.batch))
                 self._failing = False
             except OSError as error:
                 # A full or vanished host-local disk: the agent hears silence and restarts this worker.

@@ -1,0 +1,54 @@
+"""`agent/probation.py`: an evicted host's agent times each local slot's pass alone, in real processes."""
+import os
+import subprocess
+import sys
+
+from tf_elastic.elastic.agent import workers
+from tf_elastic.elastic.agent.probation import time_own_pass
+from tf_elastic.elastic.agent.worker_output import WorkerOutput
+from tf_elastic.elastic.protocol import Env, HostDir
+from tf_elastic.elastic.worker.world import World
+
+# A stand-in for the user's script under `elastic.fit` (tested in test_probe.py and the straggler job): it
+# reads its world as a worker does and writes the seconds its slot is given, or never ends.
+_SLOT = """
+import os, sys, time
+from tf_elastic.elastic.worker.world import World
+world = World.from_env()
+assert world.size == 1 and world.probation and world.elastic, world
+path, batch = world.probation.rsplit(",", 1)
+seconds = sys.argv[1:][int(os.environ["SLOT"])]
+if seconds == "hang":
+    time.sleep(600)
+open(path, "w").write(str(float(seconds) * int(batch)))
+"""
+
+
+def _launcher(tmp_path, seconds):
+    started = []
+
+    def launch(slot, world):
+        env = dict(os.environ, SLOT=str(slot), PYTHONPATH=os.getcwd(), **world)
+        process = workers.spawn([sys.executable, "-c", _SLOT, *seconds], env, WorkerOutput(tmp_path / "logs", "none"),
+                                warm=False)
+        started.append(process)
+        return process
+    return launch, started
+
+
+def test_the_slowest_slot_is_the_hosts_time_and_each_slot_runs_in_a_world_of_its_own(tmp_path):
+    launch, started = _launcher(tmp_path, ["0.01", "0.03"])
+    host_dir = HostDir(tmp_path / "host")
+    host_dir.path.mkdir()
+    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=60, heartbeat_timeout=3.0) == 0.06
+    assert [p.returncode for p in started] == [0, 0]
+    assert World.from_env({"TF_CONFIG": "", Env.PROBATION: "x,1"}).size == 1
+
+
+def test_a_slot_that_measures_nothing_in_time_is_killed_and_the_host_is_not_judged(tmp_path):
+    launch, started = _launcher(tmp_path, ["0.01", "hang"])
+    host_dir = HostDir(tmp_path / "host")
+    host_dir.path.mkdir()
+    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=5, heartbeat_timeout=3.0) is None
+    assert started[1].returncode == -9
+    assert subprocess.run(["kill", "-0", str(started[1].pid)], capture_output=True).returncode != 0

@@ -1,0 +1,54 @@
+"""Probation: an evicted straggler's host times its own pass before it rejoins.
+
+An evicted host sits out a hold-off (`stragglers.hold_off`). Rejoining on the clock alone, a host that was
+still slow rejoined slow and was evicted again a window later (`bench_straggler`: 2 evictions in 240 s, the
+group at 0.38x meanwhile). So after each hold-off its agent starts one worker per local slot in a world of
+its own (`Env.PROBATION`): the worker runs the user's script as far as `elastic.fit`, times the model's pass
+at the group's batch as the group's probe does (`probe.time_alone`), and exits without training. The agent
+rejoins only once the slowest slot is back within the straggler factor of the group's median probe
+(`stragglers.back_within`), which the chief's agent publishes (`JobRecord.publish_probe`); else it sits out
+again, for a hold-off doubled each time.
+"""
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from tf_elastic.elastic.agent import workers
+from tf_elastic.elastic.protocol import Env, HostDir
+
+Launch = Callable[[int, Dict[str, str]], subprocess.Popen]  # (local slot, world) -> the worker's process
+
+
+def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, timeout: float,
+                  heartbeat_timeout: float) -> Optional[float]:
+    """Seconds per pass of this host's slowest slot, each timed alone at `batch` rows a replica, all at once;
+    None when a slot measured nothing within `timeout` seconds (a script that never calls `elastic.fit`, a
+    model whose inputs are unknown, a worker that failed)."""
+    scratch = host_dir.path / "probation"  # the workers' run dir: nothing of the job's is touched
+    scratch.mkdir(exist_ok=True)
+    results = [scratch / f"slot-{slot}.seconds" for slot in range(slots)]
+    processes: List[subprocess.Popen] = []
+    for slot, result in enumerate(results):
+        result.unlink(missing_ok=True)
+        processes.append(launch(slot, {
+            "TF_CONFIG": "",  # a world of one: no peer to wait for
+            Env.RUN_DIR: str(scratch),
+            Env.HEARTBEAT_FILE: str(scratch / f"heartbeat-{slot}"),
+            Env.HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
+            Env.PROBATION: f"{result},{batch}",
+        }))
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for process in processes:
+        workers.kill(process)  # ends one that ran past the timeout (and what it started); reaps the rest
+    seconds = [_read_seconds(result) for result in results]
+    return max(seconds) if all(s > 0 for s in seconds) else None
+
+
+def _read_seconds(path: Path) -> float:
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return 0.0
