@@ -82,10 +82,18 @@ def machine_slots(tmp_path_factory) -> MachineSlots:
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked `alone` run last, one after another: a test waiting for every slot idles its worker
-    until the test beside it ends, and beside a long one (the chaos soak) that was minutes (the hung-worker
-    job waited 260 s in one run). A module run on one worker (`xdist_group`) keeps its place."""
-    items.sort(key=lambda item: bool(item.get_closest_marker("alone")) and not item.get_closest_marker("xdist_group"))
+    """The order two workers take tests in (pytest.ini keeps it: `--no-loadscope-reorder`). First the tests
+    marked `alone`, with any module run on one worker (`xdist_group`) that holds one: they run one after
+    another before anything else starts. A test waiting for every slot idles its worker until the test beside
+    it ends: beside the chaos soak that was minutes (the hung-worker job waited 260 s in one run), and even
+    placed last, where one worker still had tests queued, 60-90 s a run. Then the slow tests, so that the
+    long ones start early; the quick ones last, which even out the two workers' ends."""
+    def unit(item):
+        group = item.get_closest_marker("xdist_group")
+        return group.args[0] if group else item.nodeid
+
+    alone = {unit(item) for item in items if item.get_closest_marker("alone")}
+    items.sort(key=lambda item: 0 if unit(item) in alone else 1 if item.get_closest_marker("slow") else 2)
 
 
 @pytest.fixture(autouse=True)

@@ -330,12 +330,20 @@ def _newest_commit(state: Path) -> str:
     return first.split('"')[1]
 
 
-def _fault_free(root: Path, epochs: int, seed: int, trainer: str) -> float:
-    """The same training without faults or agent: one process of `trainer`, the global batch of two workers."""
+def _start_fault_free(root: Path, epochs: int, seed: int, trainer: str) -> subprocess.Popen:
+    """The same training without faults or agent: one process of `trainer`, the global batch of two workers.
+    Started once every fault is injected, beside the soak's last epochs (a false hang it might cause is one
+    more fault, which the invariants hold through)."""
+    root.mkdir()
     argv = [sys.executable, "-m", trainer, *[a for a in TRAIN if not a.startswith("--per_replica")],
             "--per_replica_batch_size=32", f"--epochs={epochs}", f"--seed={seed}", f"--run_dir={root / 'run'}"]
-    subprocess.run(argv, cwd=REPO, env=repo_env(), check=True, stdout=open(root / "train.log", "ab"),
-                   stderr=subprocess.STDOUT, timeout=3600)
+    with open(root / "train.log", "ab") as log:
+        return subprocess.Popen(argv, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def _fault_free_accuracy(root: Path, process: subprocess.Popen) -> float:
+    if process.wait(timeout=3600) != 0:
+        raise RuntimeError(f"the fault-free run failed ({process.returncode}): see {root / 'train.log'}")
     return [e for e in read_events(root / "run") if e["event"] == Event.EVALUATION][-1]["test_accuracy"]
 
 
@@ -402,6 +410,7 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     etcd = EtcdServer().start() if rdzv == "etcd" else None
     (root / "soak").mkdir(parents=True)
     soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
+    reference = None
     try:
         soak.start_host()
         soak.start_host()
@@ -412,16 +421,19 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
             hurried = soak.hurried(epochs, faults, began)
             time.sleep(0.0 if hurried else rng.uniform(0.0, soak.max_gap))
             soak.await_recovery(soak.inject(soak.choose()), hurried)
+        reference = _start_fault_free(root / "reference", epochs, seed, trainer)
         for host in soak.live:
             soak.job.agents[host].wait(timeout=1800)
+        accuracy = _fault_free_accuracy(root / "reference", reference)
     finally:
         soak.job.cleanup()
         if etcd:
             etcd.close()
-    (root / "reference").mkdir()
-    reference = _fault_free(root / "reference", epochs, seed, trainer)
+        if reference is not None and reference.poll() is None:
+            reference.kill()
+            reference.wait()
     return {"faults": [dataclasses.asdict(f) for f in soak.faults], "faults_asked": faults, "epochs": epochs,
-            "checks": _checks(soak, epochs, reference)}
+            "checks": _checks(soak, epochs, accuracy)}
 
 
 def failed_invariants(result: Dict[str, object], tolerance: float) -> List[str]:

@@ -75,8 +75,8 @@ class AgentConfig:
     echo_ranks: str = "all"  # whose output the agent echoes, prefixed: all, chief, none (error lines always)
     probe: ProbeSettings = ProbeSettings()  # the workers' straggler probe and its rules
     evict_stragglers: bool = False  # leave while this host is a straggler the group is better off without...
-    # ...and sit out this long, then rejoin once its own pass is back within the factor (`_probation`); doubled
-    # at each eviction and at each probation that finds it still slow
+    # ...and sit out this long between probes of its own pass until it is back within the factor (`_probation`);
+    # doubled at each eviction
     straggler_hold_off: float = 30.0
 
 
@@ -531,11 +531,12 @@ class ElasticAgent:
 
     def _probation(self) -> None:
         """An evicted host sits out its hold-off, then times its own pass against the group's median probe
-        (`probation.time_own_pass`); while it is not back within the straggler factor it sits out again, for a
-        hold-off doubled each time. Returns when it may rejoin, on a notice, or once the job ended (the next
-        join says how)."""
-        strikes = self.evictions
-        while self._sit_out(stragglers.hold_off(strikes, self.config.straggler_hold_off)):
+        (`probation.time_own_pass`); while it is not back within the straggler factor it sits out another
+        hold-off of the same length (a probe on probation costs the group nothing; what the doubling at each
+        eviction prevents is a rejoin that the group pays for). Returns when it may rejoin, on a notice, or
+        once the job ended (the next join says how)."""
+        seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
+        while self._sit_out(seconds):
             try:
                 group = self.job.group_probe() or self._group_probe
             except StoreError:
@@ -546,8 +547,7 @@ class ElasticAgent:
             median = group[0] if group else None
             back = stragglers.back_within(own, median, self.config.probe.rules.factor)
             self.events.write(Event.PROBATION, host=self.host_id, seconds=own, median=median, back=back,
-                              evictions=self.evictions, hold_off=0.0 if back else stragglers.hold_off(
-                                  strikes + 1, self.config.straggler_hold_off))
+                              evictions=self.evictions, hold_off=0.0 if back else seconds)
             logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
                         "group's median %s: %s", self.host_id, f"{own:.4f}s" if own else "(not measured)",
                         f"{median:.4f}s" if median else "(none)", "it rejoins" if back else "it sits out again")
@@ -558,7 +558,6 @@ class ElasticAgent:
                     self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
                                            cancelled=lambda: self.notices.received)
                 return
-            strikes += 1
 
     def _launch_for_probation(self, slot: int, world: Dict[str, str]):
         process = self._launch(slot, world)

@@ -95,8 +95,8 @@ flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clea
 flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
                   "faster without (never below --min_workers); after --straggler_hold_off, rejoin once "
                   "this host's own pass, timed alone, is within --straggler_factor of the group's median.")
-flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before it times its own pass; "
-                   "doubled at each eviction and at each such probe that finds it still slow.", lower_bound=0.0)
+flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before it times its own pass, "
+                   "and between such probes while it is still slow; doubled at each eviction.", lower_bound=0.0)
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")

@@ -7,7 +7,8 @@ its own (`Env.PROBATION`): the worker runs the user's script as far as `elastic.
 at the group's batch as the group's probe does (`probe.time_alone`), and exits without training. The agent
 rejoins only once the slowest slot is back within the straggler factor of the group's median probe
 (`stragglers.back_within`), which the chief's agent publishes (`JobRecord.publish_probe`); else it sits out
-again, for a hold-off doubled each time.
+another hold-off and probes again. Only an eviction doubles the hold-off: a probe on probation costs the
+group nothing, so a host that recovered is back within a hold-off and a probe.
 """
 import subprocess
 import time
