@@ -13,10 +13,14 @@ Each epoch is one pass over the dataset with an iterator of its own, as `model.f
 restores a mid-epoch iterator exactly, but one saved after its shuffle's input ran out leaves the
 dataset's reshuffle seeds where they were (measured: 6 of 24 positions of a repeated 60-example
 shuffle restored a wrong next pass, seeded or not), so the epoch's fresh iterator state is committed too
-and restored when the pass ends, just before the next epoch's iterator is made: its reshuffle then draws the
-seeds a run without faults drew. Not at the restore: a second restored iterator of the pipeline, made and
-dropped beside the one being read, made the reader's first batch wait for ever in some restores (7 of 13
-runs of a two-worker test on two busy cores; none in the runs that left it out).
+and restored last: the next epoch's reshuffle then draws the seeds a run without faults drew.
+
+A mix of datasets (`sample_from_datasets`, `choose_from_datasets`: TensorFlow's DirectedInterleave) is
+restored wrongly by TensorFlow 2.21: the restored iterator keeps counting inputs that had run out as active,
+so once the rest run out it draws from its selector for ever and the read never returns (it stopped a
+two-worker job for good; three mixed `range`s of 32 hung at the pass's end from 2 of 14 saved positions). Such a
+pipeline is restored by replay instead: the epoch's fresh iterator state, then as many batches read again as
+the saved one had read (up to one pass of the pipeline, read and dropped).
 
 What tf.data cannot save (a Python generator, `from_generator`, `py_function`) or cannot repeat (a
 pipeline with `deterministic=False`) is refused before the first step (`ConfigurationError`).
@@ -37,20 +41,21 @@ from tf_elastic.elastic.worker.data.source import digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 _FAIL_ON_EXTERNAL_STATE = options_lib.ExternalStatePolicy.FAIL.value
+# sample_from_datasets' and choose_from_datasets' op: restored wrongly unless it stops at its first empty input.
+_MIXES = ("DirectedInterleaveDataset", "ExperimentalDirectedInterleaveDataset")
 
 
 class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
-        _check_pipeline(dataset)
+        self._replay = _check_pipeline(dataset)  # a mix TensorFlow restores wrongly: replay the epoch instead
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self._flat_specs = tf.nest.flatten(dataset.element_spec, expand_composites=True)
         self._lock = threading.Lock()  # the queue and counts: held briefly (a step's callback takes it)
         self._pulling = threading.Lock()  # the iterator: held while the user's pipeline makes a batch
         self._iterator: Optional[Iterator] = None
         self._epoch_start = b""  # the epoch's iterator as it was made: its reshuffle seeds
-        self._seeds_to_restore = b""  # a restored epoch's `_epoch_start`: loaded when its pass ends
         self._exhausted = False
         self._queue: Deque[Any] = collections.deque()  # pulled (or restored) global batches not yet trained
         self._handed = 0  # of the queue, those the newest reader handed to the replicas
@@ -87,13 +92,9 @@ class DatasetFeed:
             iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
         self._queue.clear()
         self._handed = self.batches = self.trained_examples = 0
-        self._seeds_to_restore = b""
         self._restore(state) if state else self._new_iterator()
 
     def _new_iterator(self) -> None:
-        if self._seeds_to_restore:  # the reshuffle seeds of the restored epoch's start, then this epoch's draw
-            _restored(self.dataset, self._seeds_to_restore)
-            self._seeds_to_restore = b""
         self._iterator, self._exhausted = iter(self.dataset), False
         self._epoch_start = _save(self._iterator)
 
@@ -109,14 +110,20 @@ class DatasetFeed:
 
     def _restore(self, state: bytes) -> None:
         parts = tf.io.parse_tensor(state, tf.string).numpy().tolist()
-        self._iterator = _restored(self.dataset, parts[0])
-        self._epoch_start = self._seeds_to_restore = parts[1]
         batches, examples, exhausted, self.global_batch = (int(n) for n in parts[2].split())
         self.batches, self.trained_examples, self._exhausted = batches, examples, bool(exhausted)
         width = len(self._flat_specs)
         for at in range(3, len(parts), width):
             flat = [tf.io.parse_tensor(blob, spec.dtype) for blob, spec in zip(parts[at:at + width], self._flat_specs)]
             self._queue.append(tf.nest.pack_sequence_as(self.dataset.element_spec, flat, expand_composites=True))
+        if self._replay:  # the saved reader had read the batches trained and those queued
+            self._iterator = _restored(self.dataset, parts[1])
+            for _ in range(batches + len(self._queue)):
+                next(self._iterator, None)
+        else:
+            self._iterator = _restored(self.dataset, parts[0])
+        _restored(self.dataset, parts[1])  # last: the reshuffle seeds as the epoch's start left them
+        self._epoch_start = parts[1]
 
     # Feeding --------------------------------------------------------------------------------------
     def steps(self) -> Optional[int]:
@@ -237,9 +244,10 @@ class DatasetFeed:
         return self._batch(at)
 
 
-def _check_pipeline(dataset: tf.data.Dataset) -> None:
+def _check_pipeline(dataset: tf.data.Dataset) -> bool:
     """Refuses, in one line, what cannot be resumed exactly: state tf.data cannot checkpoint, an order that
-    is not repeatable, and repeats (found in the pipeline's graph, before any iterator is made). The graph
+    is not repeatable, and repeats (found in the pipeline's graph, before any iterator is made); returns
+    whether it mixes datasets in a way TensorFlow restores wrongly (see the module's docstring). The graph
     holds the arrays of a `from_tensor_slices`: serializing it costs a copy of them once (22 s for 2.4 GB
     measured here), which arrays passed as x and y do not."""
     try:
@@ -255,7 +263,7 @@ def _check_pipeline(dataset: tf.data.Dataset) -> None:
     except DecodeError:  # over protobuf's 2 GB: arrays held in the graph (`from_tensor_slices` of large arrays)
         logging.warning("x: the tf.data pipeline's graph is over 2 GB (arrays inside it?): its order and repeats "
                         "are not checked; pass large arrays as x and y instead")
-        return
+        return False
     nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
     unordered = sorted({node.op for node in nodes if node.attr["deterministic"].s == b"false"
                         or node.attr["sloppy"].b} | ({"options"} if dataset.options().deterministic is False
@@ -267,6 +275,7 @@ def _check_pipeline(dataset: tf.data.Dataset) -> None:
     if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY or any(node.op == "RepeatDataset" for node in nodes):
         raise ConfigurationError("x: the tf.data pipeline repeats (.repeat()): an epoch is one pass over it (give "
                                  "epochs), and TensorFlow restores a repeated reshuffle wrongly at some positions.")
+    return any(node.op in _MIXES and not node.attr["stop_on_empty_dataset"].b for node in nodes)
 
 
 def _save(iterator) -> bytes:
