@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 from tf_elastic.elastic.agent import workers
 from tf_elastic.elastic.agent.probation import time_own_pass
@@ -52,3 +53,13 @@ def test_a_slot_that_measures_nothing_in_time_is_killed_and_the_host_is_not_judg
     assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=5, heartbeat_timeout=3.0) is None
     assert started[1].returncode == -9
     assert subprocess.run(["kill", "-0", str(started[1].pid)], capture_output=True).returncode != 0
+
+
+def test_a_notice_ends_the_probe_at_once(tmp_path):
+    launch, started = _launcher(tmp_path, ["hang"])
+    host_dir = HostDir(tmp_path / "host")
+    host_dir.path.mkdir()
+    began = time.monotonic()
+    assert time_own_pass(launch, host_dir, slots=1, batch=2, timeout=60, heartbeat_timeout=3.0,
+                         cancelled=lambda: time.monotonic() > began + 1) is None
+    assert time.monotonic() - began < 10 and started[0].returncode == -9

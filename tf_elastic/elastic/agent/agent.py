@@ -543,7 +543,7 @@ class ElasticAgent:
                 group = self._group_probe
             own = None if group is None else probation.time_own_pass(
                 self._launch_for_probation, self.host_dir, self.config.nproc, group[1],
-                self.config.startup_timeout, self.config.heartbeat_timeout)
+                self.config.startup_timeout, self.config.heartbeat_timeout, cancelled=lambda: self.notices.received)
             median = group[0] if group else None
             back = stragglers.back_within(own, median, self.config.probe.rules.factor)
             self.events.write(Event.PROBATION, host=self.host_id, seconds=own, median=median, back=back,

@@ -22,10 +22,10 @@ Launch = Callable[[int, Dict[str, str]], subprocess.Popen]  # (local slot, world
 
 
 def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, timeout: float,
-                  heartbeat_timeout: float) -> Optional[float]:
+                  heartbeat_timeout: float, cancelled: Callable[[], bool] = lambda: False) -> Optional[float]:
     """Seconds per pass of this host's slowest slot, each timed alone at `batch` rows a replica, all at once;
     None when a slot measured nothing within `timeout` seconds (a script that never calls `elastic.fit`, a
-    model whose inputs are unknown, a worker that failed)."""
+    model whose inputs are unknown, a worker that failed) or `cancelled()` (a preemption notice) came first."""
     scratch = host_dir.path / "probation"  # the workers' run dir: nothing of the job's is touched
     scratch.mkdir(exist_ok=True)
     results = [scratch / f"slot-{slot}.seconds" for slot in range(slots)]
@@ -40,7 +40,7 @@ def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, tim
             Env.PROBATION: f"{result},{batch}",
         }))
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline and not cancelled():
         time.sleep(0.1)
     for process in processes:
         workers.kill(process)  # ends one that ran past the timeout (and what it started); reaps the rest
