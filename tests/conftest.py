@@ -82,19 +82,10 @@ def machine_slots(tmp_path_factory) -> MachineSlots:
 
 
 def pytest_collection_modifyitems(items):
-    """The order two workers take tests in (pytest.ini keeps it: `--no-loadscope-reorder`). First the tests
-    marked `alone`, with any module run on one worker (`xdist_group`) that holds one: they run one after
-    another before anything else starts. A test waiting for every slot idles its worker until the test beside
-    it ends: beside the chaos soak that was minutes (the hung-worker job waited 260 s in one run), and even
-    placed last, where one worker still had tests queued, 60-90 s a run. The rest keep their order, which
-    spreads the busy jobs among quick tests (the slow ones all together ran 1.5-2x slower, and one job
-    beside the chaos soak lost a host's lease)."""
-    def unit(item):
-        group = item.get_closest_marker("xdist_group")
-        return group.args[0] if group else item.nodeid
-
-    alone = {unit(item) for item in items if item.get_closest_marker("alone")}
-    items.sort(key=lambda item: unit(item) not in alone)
+    """The tests marked `alone` run last, one after another: a test waiting for every slot idles its worker
+    until the test beside it ends, and beside a long one (the chaos soak) that was minutes (the hung-worker
+    job waited 260 s in one run). A module run on one worker (`xdist_group`) keeps its place."""
+    items.sort(key=lambda item: bool(item.get_closest_marker("alone")) and not item.get_closest_marker("xdist_group"))
 
 
 @pytest.fixture(autouse=True)
