@@ -116,13 +116,13 @@ class DatasetFeed:
         for at in range(3, len(parts), width):
             flat = [tf.io.parse_tensor(blob, spec.dtype) for blob, spec in zip(parts[at:at + width], self._flat_specs)]
             self._queue.append(tf.nest.pack_sequence_as(self.dataset.element_spec, flat, expand_composites=True))
-        if self._replay:  # the saved reader had read the batches trained and those queued
+        if self._replay:  # from the epoch's start (its reshuffle seeds with it), the batches trained and queued
             self._iterator = _restored(self.dataset, parts[1])
             for _ in range(batches + len(self._queue)):
                 next(self._iterator, None)
         else:
             self._iterator = _restored(self.dataset, parts[0])
-        _restored(self.dataset, parts[1])  # last: the reshuffle seeds as the epoch's start left them
+            _restored(self.dataset, parts[1])  # last: the reshuffle seeds as the epoch's start left them
         self._epoch_start = parts[1]
 
     # Feeding --------------------------------------------------------------------------------------
