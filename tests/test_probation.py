@@ -1,4 +1,5 @@
 """`agent/probation.py`: an evicted host's agent times each local slot's pass alone, in real processes."""
+import math
 import os
 import subprocess
 import sys
@@ -20,6 +21,8 @@ path, batch = world.probation.rsplit(",", 1)
 seconds = sys.argv[1:][int(os.environ["SLOT"])]
 if seconds == "hang":
     time.sleep(600)
+if seconds == "fail":
+    sys.exit(1)
 open(path, "w").write(str(float(seconds) * int(batch)))
 """
 
@@ -45,13 +48,23 @@ def test_the_slowest_slot_is_the_hosts_time_and_each_slot_runs_in_a_world_of_its
     assert World.from_env({"TF_CONFIG": "", Env.PROBATION: "x,1"}).size == 1
 
 
-def test_a_slot_that_measures_nothing_in_time_is_killed_and_the_host_is_not_judged(tmp_path):
+def test_a_slot_still_at_it_after_the_limit_is_killed_and_its_host_is_too_slow(tmp_path):
+    """A host throttled to 0.15 of a core could not even import TensorFlow within the limit: it is slow."""
     launch, started = _launcher(tmp_path, ["0.01", "hang"])
     host_dir = HostDir(tmp_path / "host")
     host_dir.path.mkdir()
-    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=5, heartbeat_timeout=3.0) is None
+    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=5, heartbeat_timeout=3.0) == math.inf
     assert started[1].returncode == -9
     assert subprocess.run(["kill", "-0", str(started[1].pid)], capture_output=True).returncode != 0
+
+
+def test_a_slot_that_ends_without_a_time_leaves_its_host_unjudged(tmp_path):
+    """A script that cannot be probed (it never calls `elastic.fit`, it fails) says nothing of the host."""
+    launch, started = _launcher(tmp_path, ["0.01", "fail"])
+    host_dir = HostDir(tmp_path / "host")
+    host_dir.path.mkdir()
+    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=60, heartbeat_timeout=3.0) is None
+    assert [p.returncode for p in started] == [0, 1]
 
 
 def test_a_notice_ends_the_probe_at_once(tmp_path):

@@ -1,5 +1,6 @@
 """`tf_elastic/elastic/stragglers.py`: the rules that name a straggler and weigh its eviction, without processes;
 and a real job whose throttled host is reported, evicted and readmitted."""
+import math
 import os
 
 import pytest
@@ -74,6 +75,9 @@ def test_a_host_on_probation_rejoins_once_its_own_pass_is_within_the_factor_of_t
     # Nothing to judge by (no median published yet, a pass that could not be timed): it rejoins, and the
     # group's probes judge it.
     assert back_within(None, 0.1, 1.5) and back_within(0.0, 0.1, 1.5) and back_within(0.3, None, 1.5)
+    # A host that could not start and time a pass within the limit a worker's start has is too slow (a host
+    # throttled to 0.15 of a core rejoined as "not measured"), median or not.
+    assert not back_within(math.inf, 0.1, 1.5) and not back_within(math.inf, None, 1.5)
 
 
 def test_bad_rules_are_named():

@@ -15,6 +15,7 @@ not flap, and then rejoins only once its own pass, timed alone, is back within t
 median (`back_within`; `agent/probation.py`).
 """
 import dataclasses
+import math
 import statistics
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
@@ -113,8 +114,11 @@ def hold_off(evictions: int, first: float = 30.0, longest: float = 1800.0) -> fl
 
 def back_within(seconds: Optional[float], median: Optional[float], factor: float) -> bool:
     """Whether a host on probation may rejoin: its own pass, timed alone (`seconds`), is within `factor` of
-    the group's median probe, as a straggler clears (`StragglerWatch`). True when either is unknown: with
+    the group's median probe, as a straggler clears (`StragglerWatch`). Never when `seconds` is infinite (the
+    host could not time a pass within the limit a worker's start has); True when either is unknown: with
     nothing to judge by it rejoins, and the group's probes judge it again."""
+    if seconds == math.inf:
+        return False
     if not seconds or not median or seconds <= 0 or median <= 0:
         return True
     return seconds / median < factor

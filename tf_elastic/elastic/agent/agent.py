@@ -7,6 +7,7 @@ import dataclasses
 import enum
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -546,10 +547,13 @@ class ElasticAgent:
                 self.config.startup_timeout, self.config.heartbeat_timeout, cancelled=lambda: self.notices.received)
             median = group[0] if group else None
             back = stragglers.back_within(own, median, self.config.probe.rules.factor)
-            self.events.write(Event.PROBATION, host=self.host_id, seconds=own, median=median, back=back,
-                              evictions=self.evictions, hold_off=0.0 if back else seconds)
+            late = own == math.inf  # still starting or timing at --startup_timeout: too slow to time
+            self.events.write(Event.PROBATION, host=self.host_id, seconds=None if late else own, median=median,
+                              back=back, late=late, evictions=self.evictions, hold_off=0.0 if back else seconds)
+            measured = (f"longer than --startup_timeout={self.config.startup_timeout:g}s to start and time" if late
+                        else f"{own:.4f}s" if own else "(not measured)")
             logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
-                        "group's median %s: %s", self.host_id, f"{own:.4f}s" if own else "(not measured)",
+                        "group's median %s: %s", self.host_id, measured,
                         f"{median:.4f}s" if median else "(none)", "it rejoins" if back else "it sits out again")
             if self.config.warm_start:  # probation used the spares: warm again (while sitting out, if it does)
                 self.spares.fill(self.config.nproc)

@@ -10,6 +10,7 @@ rejoins only once the slowest slot is back within the straggler factor of the gr
 another hold-off and probes again. Only an eviction doubles the hold-off: a probe on probation costs the
 group nothing, so a host that recovered is back within a hold-off and a probe.
 """
+import math
 import subprocess
 import time
 from pathlib import Path
@@ -23,9 +24,12 @@ Launch = Callable[[int, Dict[str, str]], subprocess.Popen]  # (local slot, world
 
 def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, timeout: float,
                   heartbeat_timeout: float, cancelled: Callable[[], bool] = lambda: False) -> Optional[float]:
-    """Seconds per pass of this host's slowest slot, each timed alone at `batch` rows a replica, all at once;
-    None when a slot measured nothing within `timeout` seconds (a script that never calls `elastic.fit`, a
-    model whose inputs are unknown, a worker that failed) or `cancelled()` (a preemption notice) came first."""
+    """Seconds per pass of this host's slowest slot, each timed alone at `batch` rows a replica, all at once.
+    `math.inf` when a slot was still at it after `timeout` seconds (its host is too slow to start and time a
+    pass within the limit a worker's start has: throttled to 0.15 of a core, TensorFlow's import alone took
+    longer, and a host still throttled rejoined as "not measured"). None when a slot ended without a time (a
+    script that never calls `elastic.fit`, a model whose inputs are unknown, a worker that failed) or
+    `cancelled()` (a preemption notice) came first."""
     scratch = host_dir.path / "probation"  # the workers' run dir: nothing of the job's is touched
     scratch.mkdir(exist_ok=True)
     results = [scratch / f"slot-{slot}.seconds" for slot in range(slots)]
@@ -39,13 +43,16 @@ def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, tim
             Env.HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
             Env.PROBATION: f"{result},{batch}",
         }))
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in processes) and time.monotonic() < deadline and not cancelled():
+    deadline, stop = time.monotonic() + timeout, False
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline and not (stop := cancelled()):
         time.sleep(0.1)
+    late = not stop and any(p.poll() is None for p in processes)
     for process in processes:
         workers.kill(process)  # ends one that ran past the timeout (and what it started); reaps the rest
     seconds = [_read_seconds(result) for result in results]
-    return max(seconds) if all(s > 0 for s in seconds) else None
+    if all(s > 0 for s in seconds):
+        return max(seconds)
+    return math.inf if late else None
 
 
 def _read_seconds(path: Path) -> float:
