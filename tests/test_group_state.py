@@ -202,6 +202,7 @@ def remote(request, tmp_path, monkeypatch):
         yield f"gs://bucket/durable-{uuid.uuid4().hex}"
 
 
+@pytest.mark.slow  # a storage server in a process of its own: beside an alone job the gs:// case took 46 s
 def test_durable_copies_on_any_filesystem_restore_a_whole_job_bit_exact(tmp_path, remote):
     """Durable copies end to end on ram://, gs:// and s3://: every 2nd commit and the last are copied, old
     copies are collected, a partial copy is never taken, and fresh hosts (empty run dirs) resume from it."""

@@ -54,14 +54,17 @@ def main(argv):
 
     import keras
 
-    epoch_began = []
+    # From the second epoch's start to its last step's end: what `elastic.fit` does after the last step (its
+    # final commit, the checkpoint writer's close) is not the epoch's (it once counted, at 94 steps an epoch).
+    epoch_began, last_step = [], [0, 0.0]
     timing = keras.callbacks.LambdaCallback(on_epoch_begin=lambda epoch, logs=None: epoch_began.append(
-        time.perf_counter()), on_train_batch_end=lambda batch, logs=None: steps.__setitem__(0, batch + 1))
-    steps, chief = [0], json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
+        time.perf_counter()), on_train_batch_end=lambda batch, logs=None: last_step.__setitem__(
+            slice(None), [batch + 1, time.perf_counter()]))
+    chief = json.loads(os.environ["TF_CONFIG"])["task"]["index"] == 0
 
     def report():
         if chief:
-            print(f"steps_per_second {steps[0] / (time.perf_counter() - epoch_began[-1]):.3f}", flush=True)
+            print(f"steps_per_second {last_step[0] / (last_step[1] - epoch_began[-1]):.3f}", flush=True)
 
     if FLAGS.mode in ("elastic", "source"):
         from tf_elastic import elastic
