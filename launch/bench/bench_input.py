@@ -14,7 +14,9 @@
    and by FILE, and the same records as a `TFRecordSource` under `elastic.fit` (each worker reads only its
    share, by index), at 1, 2 and 4 workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed
    position (`DatasetFeed.state`) with shuffle buffers of 1k and 10k images: its bytes against the
-   buffer's, the time to make it, and a restart's time from the state to its first batch.
+   buffer's, the time to make it, and a restart's time from the state to its first batch; and a restart half
+   a pass in, of the pipeline alone (tf.data restores it) and of two copies mixed by `sample_from_datasets`
+   (replayed up to the commit: TensorFlow 2.21 restores such a mix wrongly).
 """
 import os
 import subprocess
@@ -258,6 +260,34 @@ def pipeline_state(root: Path, buffer: int) -> tuple:
     return len(state) / 2**20, buffer * image / 2**20, made, time.perf_counter() - started
 
 
+def replay_cost(root: Path, buffer: int) -> List[tuple]:
+    """(pipeline, batches read before the commit, seconds from its state to a restarted feed's first batch),
+    half a pass in: the pipeline alone, which tf.data's state restores, and two copies of it mixed by
+    `sample_from_datasets`, which `DatasetFeed` restores by replaying the pass up to the commit (TensorFlow
+    2.21 restores such a mix wrongly)."""
+    import tensorflow as tf
+
+    from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+
+    one = lambda: user_pipeline(str(root / "state" / "train-*"), FLAGS.batch_size, buffer,  # noqa: E731
+                                FLAGS.image_size)
+    makers = {"alone": one, "mixed (replayed)": lambda: tf.data.Dataset.sample_from_datasets(
+        [one(), one()], weights=[0.5, 0.5], seed=1)}
+    rows = []
+    for name, make in makers.items():
+        half = sum(1 for _ in make()) // 2
+        feed = DatasetFeed(make())
+        feed.start(b"", 0)
+        for _ in range(half):
+            feed.trained(len(list(feed.replica_dataset(1, 0, 1).take(1))))
+        state, started = feed.state(), time.perf_counter()
+        restarted = DatasetFeed(make())
+        restarted.start(state, 0)
+        restarted.first_rows()
+        rows.append((name, half, time.perf_counter() - started))
+    return rows
+
+
 def print_pipeline_tables(root: Path) -> None:
     write_tfrecords(root / "pipeline", FLAGS.pipeline_examples, FLAGS.image_size)
     if FLAGS.pipeline_workers:
@@ -281,6 +311,11 @@ def print_pipeline_tables(root: Path) -> None:
     for buffer in buffers:
         state, held, made, restart = pipeline_state(root, buffer)
         print(f"| {buffer} | {state:.1f} | {held:.1f} | {state - held:.2f} | {made:.3f} | {restart:.3f} |", flush=True)
+    if buffers:
+        print(f"\nA restart half a pass in (shuffle buffer {buffers[0]}): restored, or replayed up to the commit")
+        print("| pipeline | batches before the commit | restart to first batch s |\n|---|---|---|")
+        for name, batches, seconds in replay_cost(root, buffers[0]):
+            print(f"| {name} | {batches} | {seconds:.3f} |", flush=True)
 
 
 def main(argv):
