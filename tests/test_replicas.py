@@ -89,7 +89,7 @@ def main():
 
 elastic.run(main)
 """
-EPOCHS = 18  # 2-3 s an epoch at two workers: c stood by after 4 epochs alone here; under load, 2-3x that
+EPOCHS = 24  # 2-3 s an epoch at two workers: c stood by after 4 epochs alone here; beside the soak, 2-4x that
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1"]
 
 

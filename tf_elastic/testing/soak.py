@@ -20,7 +20,6 @@ The workers, and the fault-free reference run, run the trainer module the caller
 """
 import dataclasses
 import fcntl
-import functools
 import glob
 import os
 import random
@@ -340,8 +339,9 @@ def _start_fault_free(root: Path, epochs: int, seed: int, trainer: str) -> subpr
     argv = [sys.executable, "-m", trainer, *[a for a in TRAIN if not a.startswith("--per_replica")],
             "--per_replica_batch_size=32", f"--epochs={epochs}", f"--seed={seed}", f"--run_dir={root / 'run'}"]
     with open(root / "train.log", "ab") as log:
-        return subprocess.Popen(argv, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=functools.partial(os.nice, 19))
+        process = subprocess.Popen(argv, cwd=REPO, env=repo_env(), stdout=log, stderr=subprocess.STDOUT)
+    os.setpriority(os.PRIO_PROCESS, process.pid, 19)  # (a preexec_fn is unsafe beside a parent's threads)
+    return process
 
 
 def _fault_free_accuracy(root: Path, process: subprocess.Popen) -> float:
@@ -412,9 +412,10 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
     epochs = epochs or (EPOCHS_PER_FAULT if wait_for_spares else 10) * faults
     etcd = EtcdServer().start() if rdzv == "etcd" else None
     (root / "soak").mkdir(parents=True)
-    soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
-    reference = _start_fault_free(root / "reference", epochs, seed, trainer)
+    soak = reference = None
     try:
+        soak = Soak(root / "soak", epochs, faults, seed, rng, etcd, max_gap, wait_for_spares, trainer)
+        reference = _start_fault_free(root / "reference", epochs, seed, trainer)
         soak.start_host()
         soak.start_host()
         began = soak.job.first_step_after(0, world_size=2, timeout=300)["time"]
@@ -428,12 +429,13 @@ def run_soak(root: Path, faults: int, seed: int, rdzv: str, epochs: Optional[int
             soak.job.agents[host].wait(timeout=1800)
         accuracy = _fault_free_accuracy(root / "reference", reference)
     finally:
-        soak.job.cleanup()
-        if etcd:
-            etcd.close()
-        if reference.poll() is None:
+        if reference is not None and reference.poll() is None:  # first: it trains on alone otherwise
             reference.kill()
             reference.wait()
+        if soak is not None:
+            soak.job.cleanup()
+        if etcd:
+            etcd.close()
     return {"faults": [dataclasses.asdict(f) for f in soak.faults], "faults_asked": faults, "epochs": epochs,
             "checks": _checks(soak, epochs, accuracy)}
 

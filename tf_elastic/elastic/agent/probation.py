@@ -46,6 +46,7 @@ def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, tim
     deadline, stop = time.monotonic() + timeout, False
     while any(p.poll() is None for p in processes) and time.monotonic() < deadline and not (stop := cancelled()):
         time.sleep(0.1)
+    stop = stop or cancelled()  # a notice in the last look's interval is a notice, not a late slot
     late = not stop and any(p.poll() is None for p in processes)
     for process in processes:
         workers.kill(process)  # ends one that ran past the timeout (and what it started); reaps the rest
