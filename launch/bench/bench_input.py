@@ -18,6 +18,7 @@
    a pass in, of the pipeline alone (tf.data restores it) and of two copies mixed by `sample_from_datasets`
    (replayed up to the commit: TensorFlow 2.21 restores such a mix wrongly).
 """
+import functools
 import os
 import subprocess
 import sys
@@ -46,6 +47,10 @@ flags.DEFINE_integer("pipeline_repeats", 2, "Runs of each (workers, method) of t
 flags.DEFINE_list("shuffle_buffers", ["1000", "10000"], "Shuffle buffers whose committed state is measured.")
 flags.DEFINE_string("work_dir", None, "Where to generate data (default: a temp dir, removed after).")
 FLAGS = flags.FLAGS
+# The restart section resumes half an epoch in at 2 workers: each must still have a whole batch to read.
+flags.register_multi_flags_validator(
+    ["examples", "batch_size"], lambda f: f["examples"] >= 4 * f["batch_size"],
+    message="--examples must be at least 4 x --batch_size (half an epoch, split over 2 workers, is a batch each)")
 
 
 def _images(count: int, size: int) -> List[bytes]:
@@ -237,14 +242,18 @@ def pipeline_rates(root: Path, world: int, mode: str) -> float:
     return float(outputs[0][0].split("steps_per_second ")[-1].split()[0])
 
 
+def _state_pipeline(root: Path, buffer: int):
+    """The user's pipeline over the records of the state measurements, with a shuffle buffer of `buffer`."""
+    return user_pipeline(str(root / "state" / "train-*"), FLAGS.batch_size, buffer, FLAGS.image_size)
+
+
 def pipeline_state(root: Path, buffer: int) -> tuple:
     """(state MB, buffer MB, seconds to make the state, seconds from it to a restarted feed's first batch)."""
     import tensorflow as tf
 
     from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 
-    make = lambda: user_pipeline(str(root / "state" / "train-*"), FLAGS.batch_size, buffer,  # noqa: E731
-                                 FLAGS.image_size)
+    make = functools.partial(_state_pipeline, root, buffer)
     feed = DatasetFeed(make())
     feed.start(b"", 0)
     for _ in range(3):
@@ -269,8 +278,7 @@ def replay_cost(root: Path, buffer: int) -> List[tuple]:
 
     from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 
-    one = lambda: user_pipeline(str(root / "state" / "train-*"), FLAGS.batch_size, buffer,  # noqa: E731
-                                FLAGS.image_size)
+    one = functools.partial(_state_pipeline, root, buffer)
     makers = {"alone": one, "mixed (replayed)": lambda: tf.data.Dataset.sample_from_datasets(
         [one(), one()], weights=[0.5, 0.5], seed=1)}
     rows = []
