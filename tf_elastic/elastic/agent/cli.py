@@ -37,6 +37,8 @@ flags.DEFINE_string("rdzv_key", None, "TLS: client key for etcd (with --rdzv_cer
 flags.DEFINE_float("rdzv_request_timeout", None, "Seconds per store request (and file-store lock wait) before an "
                    "endpoint counts as down; at most --host_ttl / (6 x endpoints), so that a lease renewal ends "
                    "inside the lease (default: that).", lower_bound=0.01)
+flags.DEFINE_float("rdzv_login_timeout", StoreOptions.login_timeout, "Seconds for an etcd password login (once per "
+                   "token): etcd checks passwords with bcrypt, slow on a busy server.", lower_bound=0.01)
 flags.DEFINE_string("job_token", None, f"Shared secret every agent of the job presents; an agent with another "
                     f"token is refused. Prefer {Env.JOB_TOKEN}: a flag's value is visible to every user in ps.")
 flags.DEFINE_string("job_id", None, "Job id: every store key lives under it.")
@@ -257,7 +259,8 @@ def main(argv: List[str]) -> int:
                            password=FLAGS.rdzv_password or os.environ.get(Env.RDZV_PASSWORD),
                            ca_cert=FLAGS.rdzv_ca_cert, cert=FLAGS.rdzv_cert, key=FLAGS.rdzv_key,
                            request_timeout=FLAGS.rdzv_request_timeout or decisions.request_timeout_limit(
-                               FLAGS.host_ttl, _endpoints(FLAGS.rdzv)))
+                               FLAGS.host_ttl, _endpoints(FLAGS.rdzv)),
+                           login_timeout=FLAGS.rdzv_login_timeout)
     try:
         store = open_store(FLAGS.rdzv, options)
     except (ValueError, StoreError) as error:
