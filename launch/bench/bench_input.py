@@ -10,12 +10,14 @@
 3. time from a restart to the first batch at a mid-epoch position, for each source kind (TFRecords with
    and without the index cache of an earlier start);
 4. a user's own tf.data pipeline (TFRecord + parse + shuffle + batch): steps/s under `elastic.fit` (every
-   worker reads the whole pipeline) against plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA
-   and by FILE, and the same records as a `TFRecordSource` under `elastic.fit` (each worker reads only its
-   share, by index), at 1, 2 and 4 workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed
-   position (`DatasetFeed.state`) with shuffle buffers of 1k and 10k images: its bytes against the
-   buffer's, the time to make it, and a restart's time from the state to its first batch; and a restart half
-   a pass in, of the pipeline alone (tf.data restores it) and of two copies mixed by `sample_from_datasets`
+   worker reads the whole pipeline; commits at the epochs' ends, and again with one every
+   `--commit_every_steps`: an epoch here is under a second, so that cadence is a commit every ~0.3 s)
+   against plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA and by FILE, and the same records
+   as a `TFRecordSource` under `elastic.fit` (each worker reads only its share, by index), at 1, 2 and 4
+   workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed position (`DatasetFeed.state`)
+   with shuffle buffers of 1k and 10k images: its bytes against the buffer's, the time to make it, and a
+   restart's time from the state to its first batch; and a restart half a pass in, of the pipeline alone
+   (tf.data restores it) and of two copies mixed by `sample_from_datasets`
    (replayed up to the commit: TensorFlow 2.21 restores such a mix wrongly).
 """
 import functools
@@ -44,6 +46,9 @@ flags.DEFINE_list("pipeline_workers", ["1", "2", "4"], "World sizes of the tf.da
 flags.DEFINE_integer("pipeline_examples", 6000, "Images of the tf.data comparison's TFRecords.", lower_bound=640)
 flags.DEFINE_integer("pipeline_repeats", 2, "Runs of each (workers, method) of the comparison, taking turns; the "
                      "best counts.", lower_bound=1)
+flags.DEFINE_integer("commit_every_steps", 50, "elastic.fit's commits besides the epochs' ends, every this many steps, "
+                     "in the comparison's second elastic.fit column (the first commits at the epochs' ends only, "
+                     "plain model.fit never): what commits cost at that cadence. 0: none.", lower_bound=0)
 flags.DEFINE_list("shuffle_buffers", ["1000", "10000"], "Shuffle buffers whose committed state is measured.")
 flags.DEFINE_string("work_dir", None, "Where to generate data (default: a temp dir, removed after).")
 FLAGS = flags.FLAGS
@@ -218,7 +223,7 @@ def user_pipeline(records: str, batch: int, shuffle: int, size: int, auto_shard:
     return dataset
 
 
-def pipeline_rates(root: Path, world: int, mode: str) -> float:
+def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 0) -> float:
     """The chief's steps/s in the second epoch of `pipeline_worker` at `world` workers."""
     import json
     import socket
@@ -231,7 +236,8 @@ def pipeline_rates(root: Path, world: int, mode: str) -> float:
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     run_dir = tempfile.mkdtemp(dir=root, prefix=f"run-{mode}-{world}-")  # each run a fresh one: no resume
     procs = [subprocess.Popen([sys.executable, "-m", "launch.bench.pipeline_worker", f"--mode={mode}",
-                               f"--records={root / 'pipeline' / 'train-*'}", f"--run_dir={run_dir}"],
+                               f"--records={root / 'pipeline' / 'train-*'}", f"--run_dir={run_dir}",
+                               f"--commit_every_steps={commit_every_steps}"],
                               env={**repo_env(), "TF_CONFIG": json.dumps({"cluster": cluster, "task": {
                                   "type": "worker", "index": index}})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for index in range(world)]
@@ -301,16 +307,19 @@ def print_pipeline_tables(root: Path) -> None:
     if FLAGS.pipeline_workers:
         print(f"\nA tf.data pipeline (TFRecord + parse + shuffle 1000 + batch {FLAGS.batch_size}, "
               f"{FLAGS.pipeline_examples} images), steps/s of the second epoch, side by side")
-        print("| workers | elastic.fit, pipeline read whole | plain DATA | plain FILE | elastic / DATA | "
-              "elastic / FILE | elastic.fit, TFRecordSource (share only) | source / FILE |\n"
-              "|---|---|---|---|---|---|---|---|")
+        print(f"| workers | elastic.fit, pipeline read whole | the same, a commit every {FLAGS.commit_every_steps} "
+              "steps | plain DATA | plain FILE | elastic / DATA | elastic / FILE | elastic.fit, TFRecordSource "
+              "(share only) | source / FILE |\n|---|---|---|---|---|---|---|---|---|")
+        runs = {"elastic": ("elastic", 0), "commits": ("elastic", FLAGS.commit_every_steps), "data": ("data", 0),
+                "file": ("file", 0), "source": ("source", 0)}
         for world in [int(w) for w in FLAGS.pipeline_workers]:
-            rates = {mode: 0.0 for mode in ("elastic", "data", "file", "source")}
+            rates = dict.fromkeys(runs, 0.0)
             for _ in range(FLAGS.pipeline_repeats):
-                rates = {mode: max(rate, pipeline_rates(root, world, mode)) for mode, rate in rates.items()}
-            print(f"| {world} | {rates['elastic']:.2f} | {rates['data']:.2f} | {rates['file']:.2f} | "
-                  f"{rates['elastic'] / rates['data']:.2f}x | {rates['elastic'] / rates['file']:.2f}x | "
-                  f"{rates['source']:.2f} | {rates['source'] / rates['file']:.2f}x |", flush=True)
+                rates = {name: max(rate, pipeline_rates(root, world, *runs[name])) for name, rate in rates.items()}
+            print(f"| {world} | {rates['elastic']:.2f} | {rates['commits']:.2f} | {rates['data']:.2f} | "
+                  f"{rates['file']:.2f} | {rates['elastic'] / rates['data']:.2f}x | "
+                  f"{rates['elastic'] / rates['file']:.2f}x | {rates['source']:.2f} | "
+                  f"{rates['source'] / rates['file']:.2f}x |", flush=True)
     buffers = [int(b) for b in FLAGS.shuffle_buffers]
     write_tfrecords(root / "state", max(buffers, default=0) + 4 * FLAGS.batch_size, FLAGS.image_size)
     print("\nThe committed position of that pipeline, its shuffle buffer full (DatasetFeed.state, float32 images)")

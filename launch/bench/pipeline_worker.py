@@ -1,5 +1,6 @@
 """One worker of `bench_input`'s tf.data comparison: a TFRecord + parse + shuffle + batch pipeline trained for
-two epochs under `elastic.fit` (every worker reads it whole), or under plain MultiWorkerMirroredStrategy
+two epochs under `elastic.fit` (every worker reads it whole; commits at the epochs' ends, and every
+`--commit_every_steps`), or under plain MultiWorkerMirroredStrategy
 `model.fit` with `AutoShardPolicy.DATA` or `FILE`; or the same records as a `data.TFRecordSource` under
 `elastic.fit` (each worker reads only its share, by index); the world comes from `TF_CONFIG`. The chief
 prints `steps_per_second S` for the second epoch (the first traces and fills buffers).
@@ -13,7 +14,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from absl import app, flags  # noqa: E402
 
-from launch.bench.bench_input import user_pipeline  # noqa: E402  (its flags: --batch_size, --image_size)
+# bench_input's flags are this worker's too: --batch_size, --image_size, --commit_every_steps.
+from launch.bench.bench_input import user_pipeline  # noqa: E402
 
 flags.DEFINE_enum("mode", "elastic", ["elastic", "source", "data", "file"], "elastic.fit of the pipeline, "
                   "elastic.fit of a TFRecordSource, or plain model.fit sharded by DATA or by FILE.")
@@ -74,7 +76,8 @@ def main(argv):
             given = dict(x=data.TFRecordSource(FLAGS.records, parse=_labels_from_zero), batch_size=FLAGS.batch_size) \
                 if FLAGS.mode == "source" else dict(x=_pipeline())
             elastic.fit(model(), **given, epochs=2, verbose=0, callbacks=[timing],
-                        config=elastic.FitConfig(commit_every_steps=50, durable_every_commits=0))
+                        config=elastic.FitConfig(commit_every_steps=FLAGS.commit_every_steps,
+                                                     durable_every_commits=0))
             report()
 
         elastic.run(train, run_dir=FLAGS.run_dir)
