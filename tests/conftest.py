@@ -93,8 +93,9 @@ def pytest_collection_modifyitems(items):
     kinds, groups = collections.defaultdict(list), collections.defaultdict(list)
     for item in items:
         marker = item.get_closest_marker
-        if marker("xdist_group"):
-            groups[marker("xdist_group").args[0]].append(item)
+        group = marker("xdist_group")
+        if group:
+            groups[group.args[0] if group.args else group.kwargs["name"]].append(item)
         else:
             kinds["alone" if marker("alone") else "long" if marker("long") else "slow" if marker("slow") else
                   "quick"].append(item)

@@ -13,7 +13,7 @@ from tf_elastic.testing import soak
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 from tf_elastic.testing.throttle import Throttle
 
-EPOCHS = 50  # about 35 are trained before c is back (its probation while throttled takes 7-25 s)
+EPOCHS = 55  # about 35 are trained before c is back (its probation while throttled takes 7-25 s)
 # A factor of 3: the three hosts share two cores, so c's probation pass, timed beside a's and b's training,
 # ran 1.4-2.3x the median of their probes (timed together, the training paused) once c was no longer
 # throttled; throttled, 8x. (On hosts of their own nothing runs beside the pass.)
@@ -93,7 +93,7 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
     """Three hosts of one worker; c's agent and workers get 0.15 of a core (the cgroup cpu controller, else a
     SIGSTOP/SIGCONT duty cycle): its probe names it, its agent writes the event and, with
     --evict_stragglers, leaves gracefully; a and b train on; c times its own pass on probation after its
-    hold-off, still throttled, and stays out; unthrottled, it finds its pass back within the factor of the
+    hold-off, still throttled (to 0.1), and stays out; unthrottled, it finds its pass back within the factor of the
     group's median, rejoins and is not evicted again. Every example once per epoch; every round's replicas
     hold the same bits."""
     job = LocalJob(tmp_path, [*soak.TRAIN, f"--epochs={EPOCHS}"], AGENT, trainer="launch.train")
@@ -106,6 +106,9 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
             throttle.set(0.15)
             evicted = job.wait_for(lambda: job.events(Event.EVICTED), timeout=120,
                                    what=f"an eviction ({throttle.kind})")
+            # Slower still on probation: beside other tests the group's median rose and c's pass at 0.15 of a
+            # core measured 3.9x, close to the factor (6.8x alone).
+            throttle.set(0.1)
             two = job.first_step_after(evicted[0]["time"], world_size=2)
             job.wait_for(lambda: job.events(Event.PROBATION), timeout=120, what="c's probation while throttled")
             throttle.set(None)
@@ -118,10 +121,11 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
     assert reported[0]["slowness"] >= 3 and reported[0]["cause"] == "compute"
     assert [e["host"] for e in job.events(Event.EVICTED)] == ["c"], "evicted once, and not again once it recovered"
     assert job.events(Event.EVICTED)[0]["hold_off"] == 4.0
-    # Still throttled, c's first probation kept it out (its pass too slow, or not done by --startup_timeout);
-    # it rejoined once its own pass, timed on probation, was back within the factor (the event's figures).
+    # Still throttled, c's first probation timed its pass (a late one, at --startup_timeout's 120 s, would
+    # leave c out past the job's end) and kept it out; it rejoined once its own pass, timed on probation,
+    # was back within the factor (the event's figures).
     first, last = job.events(Event.PROBATION)[0], job.events(Event.PROBATION)[-1]
-    assert not first["back"] and (first["late"] or first["seconds"] / first["median"] >= 3), first
+    assert not first["back"] and not first["late"] and first["seconds"] / first["median"] >= 3, first
     assert last["back"] and last["seconds"] / last["median"] < 3 and last["time"] < back["time"], last  # timing-ok
     for round_, size in ((two["round"], 2), (back["round"], 3)):
         assert_replicas_identical(job, round_, size=size)

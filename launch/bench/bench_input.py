@@ -237,7 +237,8 @@ def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 
     run_dir = tempfile.mkdtemp(dir=root, prefix=f"run-{mode}-{world}-")  # each run a fresh one: no resume
     procs = [subprocess.Popen([sys.executable, "-m", "launch.bench.pipeline_worker", f"--mode={mode}",
                                f"--records={root / 'pipeline' / 'train-*'}", f"--run_dir={run_dir}",
-                               f"--commit_every_steps={commit_every_steps}"],
+                               f"--commit_every_steps={commit_every_steps}", f"--batch_size={FLAGS.batch_size}",
+                               f"--image_size={FLAGS.image_size}"],
                               env={**repo_env(), "TF_CONFIG": json.dumps({"cluster": cluster, "task": {
                                   "type": "worker", "index": index}})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for index in range(world)]
@@ -302,24 +303,34 @@ def replay_cost(root: Path, buffer: int) -> List[tuple]:
     return rows
 
 
+def print_pipeline_comparison(root: Path) -> None:
+    """Section 4's table: best of `--pipeline_repeats` runs of each method, taking turns, at each world size."""
+    commits = FLAGS.commit_every_steps
+    runs = {"elastic": ("elastic", 0), "data": ("data", 0), "file": ("file", 0), "source": ("source", 0)}
+    header = ["workers", "elastic.fit, pipeline read whole", "plain DATA", "plain FILE", "elastic / DATA",
+              "elastic / FILE", "elastic.fit, TFRecordSource (share only)", "source / FILE"]
+    if commits:
+        runs["commits"] = ("elastic", commits)
+        header += [f"elastic.fit, a commit every {commits} steps", "with / without those commits"]
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for world in [int(w) for w in FLAGS.pipeline_workers]:
+        rates = dict.fromkeys(runs, 0.0)
+        for _ in range(FLAGS.pipeline_repeats):
+            rates = {name: max(rate, pipeline_rates(root, world, *runs[name])) for name, rate in rates.items()}
+        cells = [f"{world}", f"{rates['elastic']:.2f}", f"{rates['data']:.2f}", f"{rates['file']:.2f}",
+                 f"{rates['elastic'] / rates['data']:.2f}x", f"{rates['elastic'] / rates['file']:.2f}x",
+                 f"{rates['source']:.2f}", f"{rates['source'] / rates['file']:.2f}x"]
+        if commits:
+            cells += [f"{rates['commits']:.2f}", f"{rates['commits'] / rates['elastic']:.2f}x"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+
+
 def print_pipeline_tables(root: Path) -> None:
     write_tfrecords(root / "pipeline", FLAGS.pipeline_examples, FLAGS.image_size)
     if FLAGS.pipeline_workers:
         print(f"\nA tf.data pipeline (TFRecord + parse + shuffle 1000 + batch {FLAGS.batch_size}, "
               f"{FLAGS.pipeline_examples} images), steps/s of the second epoch, side by side")
-        print(f"| workers | elastic.fit, pipeline read whole | the same, a commit every {FLAGS.commit_every_steps} "
-              "steps | plain DATA | plain FILE | elastic / DATA | elastic / FILE | elastic.fit, TFRecordSource "
-              "(share only) | source / FILE |\n|---|---|---|---|---|---|---|---|---|")
-        runs = {"elastic": ("elastic", 0), "commits": ("elastic", FLAGS.commit_every_steps), "data": ("data", 0),
-                "file": ("file", 0), "source": ("source", 0)}
-        for world in [int(w) for w in FLAGS.pipeline_workers]:
-            rates = dict.fromkeys(runs, 0.0)
-            for _ in range(FLAGS.pipeline_repeats):
-                rates = {name: max(rate, pipeline_rates(root, world, *runs[name])) for name, rate in rates.items()}
-            print(f"| {world} | {rates['elastic']:.2f} | {rates['commits']:.2f} | {rates['data']:.2f} | "
-                  f"{rates['file']:.2f} | {rates['elastic'] / rates['data']:.2f}x | "
-                  f"{rates['elastic'] / rates['file']:.2f}x | {rates['source']:.2f} | "
-                  f"{rates['source'] / rates['file']:.2f}x |", flush=True)
+        print_pipeline_comparison(root)
     buffers = [int(b) for b in FLAGS.shuffle_buffers]
     write_tfrecords(root / "state", max(buffers, default=0) + 4 * FLAGS.batch_size, FLAGS.image_size)
     print("\nThe committed position of that pipeline, its shuffle buffer full (DatasetFeed.state, float32 images)")

@@ -25,9 +25,11 @@ class StoreOptions:
     # Seconds per request before an endpoint counts as unreachable: at most a sixth of the host TTL per
     # endpoint (`decisions.request_timeout_limit`; the agent's CLI checks it), here for the default 1 s.
     request_timeout: float = 1.0 / 6
-    # Seconds for a password login. etcd checks a password with bcrypt, tens of milliseconds of its CPU
-    # each, which a busy server or hundreds of hosts starting at once push far past `request_timeout`; a
-    # client logs in once per token (etcd's simple tokens live 5 minutes).
+    # Seconds for a password login's answer (its connection gets `request_timeout`, so a dead endpoint
+    # still fails fast). etcd checks a password with bcrypt, tens of milliseconds of its CPU each, which a
+    # busy server or hundreds of hosts starting at once push far past `request_timeout`; a client logs in
+    # once per token (etcd's simple tokens live 5 minutes), and a renewal that needs a new token can then
+    # outlast its lease.
     login_timeout: float = 5.0
 
 

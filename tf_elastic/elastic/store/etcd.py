@@ -245,7 +245,7 @@ class EtcdStore(Store):
 
     def _authenticate(self, endpoint: str) -> str:
         response = self._session.post(self._url("/v3/auth/authenticate", endpoint),
-                                      timeout=self.options.login_timeout,
+                                      timeout=(self.options.request_timeout, self.options.login_timeout),
                                       json={"name": self.options.user, "password": self.options.password or ""},
                                       **self._tls)
         try:
