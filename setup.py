@@ -32,9 +32,8 @@ setup(
         # gcp-storage-emulator (pinned: the harness works around one of its bugs) and cryptography: gs:// durable
         # copies against a local emulator (tf_elastic.testing.gcs);
         # wheel: tests/test_packaging.py builds the wheel without build isolation; moto[server]: a local S3 API
-        # for the s3:// tests (tf_elastic.testing.s3); pytest-xdist: two tests at once (pytest.ini;
-        # 3.8 brought --no-loadscope-reorder).
-        "test": ["pytest", "pytest-xdist>=3.8", "jax", "optax", "matplotlib", "scipy", "tensorflow-datasets>=4.9",
+        # for the s3:// tests (tf_elastic.testing.s3); pytest-xdist: two tests at once (pytest.ini).
+        "test": ["pytest", "pytest-xdist", "jax", "optax", "matplotlib", "scipy", "tensorflow-datasets>=4.9",
                  "importlib_resources", "ruff", "gcp-storage-emulator==2026.7.19", "cryptography", "wheel",
                  "boto3>=1.28", "moto[server]>=5"],
         # s3:// durable copies (--checkpoint_dir=s3://bucket/prefix) through boto3; 1.28 reads AWS_ENDPOINT_URL.

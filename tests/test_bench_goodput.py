@@ -70,7 +70,6 @@ def test_bad_flags_end_the_bench_before_it_starts_anything(tmp_path, argument, f
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_quick_replays_the_trace_as_given_and_every_method_trains_the_same_samples(tmp_path):
     """Host 1 leaves on a notice and comes back; then host 0 goes without one (the elastic group may be left
     with no host and resume from the durable copies) and comes back. No result is asserted, only the design."""

@@ -101,7 +101,6 @@ def _committed_steps(job) -> dict:
     return kept
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("pipeline", ["dataset", "pydataset"])
 def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path,
                                                                                                        pipeline):

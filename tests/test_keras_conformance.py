@@ -742,7 +742,6 @@ def test_whole_step_xla_matches_eager_with_ema_and_accumulation(jit_compile):
 
 
 @pytest.mark.slow
-@pytest.mark.long
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="started from the TensorFlow session")
 def test_conformance_on_jax_backend():
     """This module on Keras's JAX backend with two host CPU devices (for DataParallel), in a fresh process."""

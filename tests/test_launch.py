@@ -13,7 +13,6 @@ from tf_elastic.testing.net import bindable, free_port
 
 
 @pytest.mark.slow
-@pytest.mark.long
 def test_reproduce_dynamic_sgd_quick(tmp_path, mnist_dir):
     """Every configuration, the momentum transition included, runs on the same seeds; the ramp finishes inside its
     phase and reaches the immediate run's rate; the equal-LR control jumps at once yet trains each phase at the
