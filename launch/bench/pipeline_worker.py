@@ -1,9 +1,9 @@
 """One worker of `bench_input`'s tf.data comparison: a TFRecord + parse + shuffle + batch pipeline trained for
 two epochs under `elastic.fit` (every worker reads it whole; commits at the epochs' ends, and every
-`--commit_every_steps`), or under plain MultiWorkerMirroredStrategy
-`model.fit` with `AutoShardPolicy.DATA` or `FILE`; or the same records as a `data.TFRecordSource` under
-`elastic.fit` (each worker reads only its share, by index); the world comes from `TF_CONFIG`. The chief
-prints `steps_per_second S` for the second epoch (the first traces and fills buffers).
+`--commit_every_steps`), or under plain MultiWorkerMirroredStrategy `model.fit` with `AutoShardPolicy.DATA`
+or `FILE`; or the same records as a `data.TFRecordSource` under `elastic.fit` (each worker reads only its
+share, by index); the world comes from `TF_CONFIG`. The chief prints `steps_per_second S` for the second
+epoch (the first traces and fills buffers).
 
     TF_CONFIG=... python -m launch.bench.pipeline_worker --mode=elastic --records='DIR/train-*'
 """
@@ -77,7 +77,7 @@ def main(argv):
                 if FLAGS.mode == "source" else dict(x=_pipeline())
             elastic.fit(model(), **given, epochs=2, verbose=0, callbacks=[timing],
                         config=elastic.FitConfig(commit_every_steps=FLAGS.commit_every_steps,
-                                                     durable_every_commits=0))
+                                                 durable_every_commits=0))
             report()
 
         elastic.run(train, run_dir=FLAGS.run_dir)
