@@ -109,11 +109,12 @@ def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_emp
     pipeline that mixes, by sample_from_datasets with weights, TFRecord shards with a shuffle buffer,
     `image_dataset_from_directory` over PNGs (unseeded) and `tfds.load`, each filtered; or a PyDataset
     reshuffled every epoch. a and b (2 workers), the chief's host SIGKILLed (1), c joins with an empty disk
-    (2), and once that round committed, a SIGTERM to every agent stops the job. Every committed step trained
-    the global batch a single process without faults trained at that step, in its order; replicas agree."""
+    (2), and once that round committed past an epoch's end, a SIGTERM to every agent stops the job. Every
+    committed step trained the global batch a single process without faults trained at that step, in its
+    order; replicas agree."""
     # About 6 epochs are trained before c joins; beside another slow test c's cold start once outlasted the
     # 17 epochs a trained alone (26 s) and c never joined: 30 leave it ~40 s. The rest of the 30 (up to two
-    # minutes beside the chaos soak) is not trained: the job stops at the joined round's first commit.
+    # minutes beside the chaos soak) is not trained: the job stops after the joined round's first epoch end.
     epochs, data_dir = 30, tmp_path / "data"
     id_trainer.write_pipeline_data(data_dir, EXAMPLES)
     clean = tmp_path / "clean"
@@ -135,7 +136,10 @@ def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_emp
     (tmp_path / "job").mkdir()
     try:
         two, _, again = _two_then_one_then_two(job, lose="chief")
-        job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == again["round"]], what="a commit of c")
+        # The joined round trains past an epoch's end (its reshuffle after a transferred state) and commits.
+        restored = job.events("restore", round=again["round"], rank=0)[0]["epoch"]
+        job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == again["round"]
+                              and e["epoch"] > restored], what="the joined round's commit past an epoch's end")
         for agent in job.agents.values():
             if agent.poll() is None:
                 agent.send_signal(signal.SIGTERM)  # a graceful leave of every host: the job stops where it committed
