@@ -20,6 +20,7 @@ from absl import logging
 from tf_elastic.elastic.events import EventLog
 from tf_elastic.elastic.protocol import Env, Event, ExitCode, RunDir, error_line
 from tf_elastic.elastic.worker import consumed, entry, keras_compat
+from tf_elastic.elastic.worker.cadence import AgreementCadence
 from tf_elastic.elastic.worker.commit import CommittedState
 from tf_elastic.elastic.worker.durable import NO_COMMIT, DurableCopies
 from tf_elastic.elastic.worker.data import (ArraySource, ImageFiles, Preprocess, Source, describe_error, evaluation,
@@ -41,7 +42,9 @@ class FitConfig:
     """How `fit` commits and agrees, beyond what `model.fit` takes.
 
     Commits happen every `commit_every_steps` (0: only at epoch ends) and, if set, once
-    `commit_every_seconds` passed; workers agree on stops and time-based commits every `sync_every_steps`.
+    `commit_every_seconds` passed; workers agree on stops and time-based commits every `sync_every_steps`
+    steps, or about every `sync_every_seconds` where steps are quicker (an agreement is a collective of its
+    own: see `cadence`; None: every `sync_every_steps`).
     `seed` orders the data. The chief copies every `durable_every_commits`-th commit (0: none) and the last
     one to `checkpoint_dir` (any `tf.io.gfile` filesystem; default `RUN_DIR/durable`), for a restart of the
     whole job.
@@ -49,6 +52,7 @@ class FitConfig:
     commit_every_steps: int = 100
     commit_every_seconds: Optional[float] = None
     sync_every_steps: int = 5
+    sync_every_seconds: Optional[float] = 0.5
     seed: int = 0
     checkpoint_dir: Optional[str] = None
     durable_every_commits: int = 10
@@ -58,8 +62,9 @@ class FitConfig:
             raise ConfigurationError(f"commit_every_steps >= 0, sync_every_steps >= 1 and durable_every_commits >= 0 "
                                      f"are needed; got {self.commit_every_steps}, {self.sync_every_steps}, "
                                      f"{self.durable_every_commits}.")
-        if self.commit_every_seconds is not None and not self.commit_every_seconds > 0:
-            raise ConfigurationError(f"commit_every_seconds must be > 0 (or None); got {self.commit_every_seconds}.")
+        for name in ("commit_every_seconds", "sync_every_seconds"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ConfigurationError(f"{name} must be > 0 (or None); got {getattr(self, name)}.")
 
 
 class ProgressCallback(keras.callbacks.Callback):
@@ -142,6 +147,9 @@ class _ElasticTrainer:
         self.first_step_logged = False
         self.last_loss = None
         self.probe = GroupProbe(model, strategy, world, ProbeSettings.from_text(world.probe))
+        # Alone, an agreement is no collective: every `sync_every_steps` costs nothing.
+        self.cadence = AgreementCadence(config.sync_every_steps, config.sync_every_seconds if world.size > 1 else None,
+                                        world.is_chief)
 
     @property
     def epoch(self) -> int:
@@ -172,6 +180,7 @@ class _ElasticTrainer:
                 f"{_data_text(*data)}, the commit {_data_text(*committed)}: "
                 "restart on the same data, or start a new run (another run dir) for new data.")
         self.step = self.state.step
+        self.cadence.start(self.step)
         saved = self.state.input_state.numpy() if self.state.input_state is not None else b""
         if self.state.input_state is not None and not saved and self.group is not None and self.world.size > 1:
             # Nothing committed: the chief's fresh pipeline (its shuffles' seeds) for all, seeded or not.
@@ -217,7 +226,7 @@ class _ElasticTrainer:
                               global_batch=self.global_batch)
             self.probe.first_step(self.global_batch // self.strategy.num_replicas_in_sync)
         commit = _crossed(before, self.step, self.config.commit_every_steps)
-        if _crossed(before, self.step, self.config.sync_every_steps):
+        if self.cadence.due(self.step):
             stop, due = self._agree(self.stop_requested, self._commit_due())
             commit, self.stopped = commit or due or stop, stop
         # The epoch's last step commits at the epoch's end (a stop too): its validation and end come first.
@@ -287,9 +296,11 @@ class _ElasticTrainer:
     def _agree(self, stop: bool, commit: bool) -> Tuple[bool, bool]:
         """If any worker wants to stop or commit, all do, at this same step. The same sum carries each worker's
         newest commit in force (a slot per rank), so the chief can announce the commits every host holds,
-        and the straggler probe: whether one is due, and the times of the last one (`probe.GroupProbe`)."""
-        probe = self.probe.slots()
-        stops, commits, due, *probed = self._sum_with_in_force([float(stop), float(commit), self.probe.due()] + probe)
+        and the straggler probe: whether one is due, and the times of the last one (`probe.GroupProbe`), and
+        the chief's interval to the next agreement (`cadence`)."""
+        values = [float(stop), float(commit), self.probe.due(), self.cadence.proposal(self.step)]
+        stops, commits, due, interval, *probed = self._sum_with_in_force(values + self.probe.slots())
+        self.cadence.agreed(self.step, interval)
         self.probe.after_agreement(due > 0, probed)
         return stops > 0, commits > 0
 
