@@ -7,21 +7,26 @@ An agreement is a collective of its own between two steps, where every worker wa
 where steps are quick the group agrees about every `seconds` instead of every `fewest` steps. No rank's
 clock decides alone: the chief measures its own steps since the last agreement and adds the interval it
 proposes to the agreement's sum (every other rank adds 0), so every rank learns the same next step.
+
+A stop (SIGTERM) waits for the next agreement: about `seconds` at the pace last measured, longer if steps
+then slow down. So the interval at most doubles from one agreement to the next (one window of quick steps,
+after a round's start, does not make it jump), and never exceeds MOST_STEPS.
 """
 import math
 import time
 from typing import Callable, Optional
 
 # However quick the steps, the group agrees at least this often (in steps).
-MOST_STEPS = 1000
+MOST_STEPS = 200
 
 
 def steps_between(fewest: int, seconds: Optional[float], elapsed: float, steps: int) -> int:
     """Steps to the next agreement: `fewest`, or as many as take `seconds` at the pace of `steps` steps in
-    `elapsed` seconds where that is more (at most MOST_STEPS); `fewest` when nothing was measured."""
+    `elapsed` seconds where that is more (at most twice `steps`, the last interval, and MOST_STEPS);
+    `fewest` when nothing was measured."""
     if not seconds or steps <= 0 or elapsed <= 0:
         return fewest
-    return max(fewest, min(MOST_STEPS, math.floor(seconds * steps / elapsed)))
+    return max(fewest, min(MOST_STEPS, 2 * steps, math.floor(seconds * steps / elapsed)))
 
 
 class AgreementCadence:
