@@ -2,7 +2,7 @@
 force everywhere).
 
 An agreement is a collective of its own between two steps, where every worker waits for the slowest. Every
-5 steps it cost a 2-worker job of 15 ms steps 4.7 % of its rate here (1.7 % at 4 workers of 35 ms steps,
+5 steps it cost a 2-worker job of 15 ms steps 4.7 % of its rate here (1.6 % at 4 workers of 33 ms steps,
 `bench_input`'s pipeline), and in a job of hundreds of hosts it is one more barrier over all of them. So
 where steps are quick the group agrees about every `seconds` instead of every `fewest` steps. No rank's
 clock decides alone: the chief measures its own steps since the last agreement and adds the interval it
