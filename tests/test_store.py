@@ -1,15 +1,20 @@
-"""Tests `tf_elastic/elastic/store/` (the file store, and the store URLs `open_store` reads)."""
+"""Tests `tf_elastic/elastic/store/` (the file store, the etcd store's watches, and the store URLs `open_store`
+reads)."""
 import errno
 import fcntl
+import gc
 import json
 import os
 import pathlib
+import random
+import threading
 import time
 
 import pytest
 
 from tf_elastic.elastic.agent.round import Round
 from tf_elastic.elastic.store import StoreError, open_store
+from tf_elastic.elastic.store import etcd as etcd_store
 from tf_elastic.elastic.store.file import FileStore
 
 
@@ -175,3 +180,31 @@ def test_a_write_syncs_its_file_before_it_takes_the_lock(tmp_path, monkeypatch):
     store.set("/job/k", "y")
     assert free_while_syncing == [True, True, True] and store.get("/job/k") == "y"
     assert not list((tmp_path / "rdzv" / "job").glob(".*.tmp")), "a staged file not published is removed"
+
+
+def _watch_threads(key):
+    return [t for t in threading.enumerate() if t.name == f"etcd-watch{etcd_store.ROOT}{key}"]
+
+
+def test_etcd_watches_leave_the_processs_random_alone_and_end_with_a_dropped_store(etcd, monkeypatch):
+    """A watch thread's jitter comes from its own stream: the process's `random` (which
+    `keras.utils.set_random_seed` seeds, and Keras's initializers draw from) stays where the user's seed left
+    it while watches open stream after stream. A store dropped without `close` takes its watches with it."""
+    monkeypatch.setattr(etcd_store._Watch, "_STREAM_SECONDS", (0.05, 0.1))  # a new stream every ~0.2 s
+    drawn = []
+    monkeypatch.setattr(etcd_store._JITTER, "uniform", lambda *bounds: drawn.append(bounds) or bounds[0])
+    key = f"/t{time.time_ns()}/k"
+    random.seed(7)
+    seeded = random.getstate()
+    store = open_store(etcd.url)
+    store.wait([key], 0.1)
+    deadline = time.monotonic() + 10
+    while len(drawn) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(drawn) >= 3, drawn  # the watch opened three streams
+    assert random.getstate() == seeded
+    [thread] = _watch_threads(key)
+    del store
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()

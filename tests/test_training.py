@@ -480,11 +480,15 @@ def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit
         tf.random.set_seed(3)  # what elastic.run does: the unseeded shuffle repeats
         return dict(x=tf.data.Dataset.from_tensor_slices(arrays).shuffle(60).batch(8))
 
-    def run(run_dir, preempt_at=None):
+    trained = {}  # run -> {optimizer step: the first kernel's sum}: a failure names the step where runs part
+
+    def run(run_dir, preempt_at=None, name=None):
         model, seen = _two_output_model(), [0]
+        sums = trained.setdefault(name or run_dir.name, {})
 
         def count(batch, logs=None):
             seen[0] += 1
+            sums[int(model.optimizer.iterations.numpy())] = float(np.sum(model.weights[0].numpy()))
             if seen[0] == preempt_at:
                 os.kill(os.getpid(), signal.SIGTERM)
 
@@ -496,7 +500,11 @@ def test_a_dict_feature_two_output_model_with_weights_resumes_from_a_sigterm_bit
     never_stopped = run(tmp_path / "whole")
     with pytest.raises(elastic.StopRequested, match="after committing step 12"):
         run(tmp_path / "stopped", preempt_at=11)  # epoch 1 (8 steps an epoch), agreed at step 12
-    resumed = run(tmp_path / "stopped")
+    resumed = run(tmp_path / "stopped", name="resumed")
+    whole = trained["whole"]
+    parted = {name: min((step for step, value in sums.items() if whole.get(step) != value), default=None)
+              for name, sums in trained.items() if name != "whole"}
+    assert parted == {"stopped": None, "resumed": None}, f"the first step where each run parts from 'whole': {parted}"
     steps = 3 * (60 // 8 if kind == "arrays" else 60 // 8 + 1)  # arrays: whole global batches, as planned
     assert int(resumed.optimizer.iterations.numpy()) == int(never_stopped.optimizer.iterations.numpy()) == steps
     for mine, theirs in zip(resumed.weights, never_stopped.weights):

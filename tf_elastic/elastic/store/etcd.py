@@ -18,6 +18,7 @@ import random
 import threading
 import time
 import urllib.parse
+import weakref
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import requests
@@ -28,6 +29,10 @@ from tf_elastic.elastic.store.base import Store, StoreError, StoreOptions
 ROOT = "/tf_elastic"  # every key of every job lives under this prefix
 _IDLE_SECONDS = 60.0  # a watch no wait named for this long is stopped
 _READ_FRESH_SECONDS = 10.0  # a watch starts after a read this recent (older: a long history to replay)
+# The watches' own random stream. The process's `random` is the user's: `keras.utils.set_random_seed` seeds it
+# and Keras's initializers draw their seeds from it, so a draw from a watch thread changed a seeded model's
+# initial weights (found in the test suite: in-process agents' watches beside seeded training).
+_JITTER = random.Random()
 
 
 def _b64(text: str) -> str:
@@ -264,7 +269,8 @@ class _Watch:
 
     A stream ends after `_STREAM_SECONDS` without a line (drawn anew for each stream, so that agents that
     started together do not all start their next streams in the same second) and the next resumes after
-    the last revision seen, so no change is missed."""
+    the last revision seen, so no change is missed. A store dropped without `close` ends its watches at
+    their streams' ends (they hold it weakly)."""
 
     _STREAM_SECONDS = (20.0, 40.0)
 
@@ -273,7 +279,7 @@ class _Watch:
         """`after`: a revision the store's client saw before this watch began; it reports every change
         after it (a stream that began later would miss a change made in between). `unknown_before`: the
         client never read the key at `after`, so the first wait reports it as changed."""
-        self.store, self.key, self._changed, self._deletions = store, key, changed, deletions
+        self._store, self.key, self._changed, self._deletions = weakref.ref(store), key, changed, deletions
         self._after = after
         self.changes, self.seen = int(unknown_before), 0
         self.named = time.monotonic()  # when a wait last named it
@@ -302,28 +308,37 @@ class _Watch:
     def _run(self) -> None:
         revision = self._after  # the last revision seen; the next stream starts after it
         while not self._stopped:
-            try:
-                with self.store.stream("/v3/watch", self._request(revision),
-                                       random.uniform(*self._STREAM_SECONDS)) as response:
-                    for line in response.iter_lines():
-                        result = json.loads(line).get("result", {}) if line else {}
-                        if result.get("compact_revision"):
-                            # History we needed is gone: waiters read afresh, and the next stream starts
-                            # at the oldest revision kept (not the newest: a change meanwhile would be lost).
-                            revision = int(result["compact_revision"]) - 1
-                            self._notify()
-                            break
-                        events = result.get("events", [])
-                        if events:
-                            revision = max(int(e["kv"]["mod_revision"]) for e in events)
-                            self._notify()
-                        if self._stopped:
-                            break
-            except (requests.RequestException, ValueError, KeyError):
-                # The stream's read timeout, or etcd down (the readers see that themselves): a
-                # short pause; the next stream resumes after `revision`, so nothing is missed meanwhile.
+            store = self._store()
+            if store is None:
+                return
+            revision, streamed = self._stream(store, revision)
+            del store  # held only while a stream is open
+            if not streamed:
+                # The stream's read timeout, or etcd down (the readers see that themselves): a short pause;
+                # the next stream resumes after `revision`, so nothing is missed meanwhile.
                 time.sleep(0.1)
 
+    def _stream(self, store: EtcdStore, revision: int) -> Tuple[int, bool]:
+        """Follows one stream until it ends: (the last revision seen, whether it ended without an error)."""
+        try:
+            with store.stream("/v3/watch", self._request(revision), _JITTER.uniform(*self._STREAM_SECONDS)) \
+                    as response:
+                for line in response.iter_lines():
+                    result = json.loads(line).get("result", {}) if line else {}
+                    if result.get("compact_revision"):
+                        # History we needed is gone: waiters read afresh, and the next stream starts
+                        # at the oldest revision kept (not the newest: a change meanwhile would be lost).
+                        self._notify()
+                        return int(result["compact_revision"]) - 1, True
+                    events = result.get("events", [])
+                    if events:
+                        revision = max(int(e["kv"]["mod_revision"]) for e in events)
+                        self._notify()
+                    if self._stopped:
+                        break
+        except (requests.RequestException, ValueError, KeyError):
+            return revision, False
+        return revision, True
 
 def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
     endpoints = [e for e in url.netloc.split(",") if e]
