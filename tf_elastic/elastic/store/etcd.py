@@ -340,6 +340,7 @@ class _Watch:
             return revision, False
         return revision, True
 
+
 def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
     endpoints = [e for e in url.netloc.split(",") if e]
     if not endpoints or url.path not in ("", "/") or any(":" not in e for e in endpoints):
