@@ -2,6 +2,8 @@
 and a real job whose throttled host is reported, evicted and readmitted."""
 import math
 import os
+import signal
+import time
 
 import pytest
 
@@ -13,7 +15,10 @@ from tf_elastic.testing import soak
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 from tf_elastic.testing.throttle import Throttle
 
-EPOCHS = 55  # c rejoined ~50 s after its eviction alone (its probation throttled to 0.1), ~35 s of training left
+# More than the job trains: it is stopped RETURNED_SECONDS after c trains in the group again (c rejoined ~50 s
+# after its eviction alone, its probation throttled to 0.1; longer beside other tests).
+EPOCHS = 500
+RETURNED_SECONDS = 10.0  # five probes' cadence (--probe_every_seconds=2), over a whole window of 3: no new eviction
 # A factor of 3: the three hosts share two cores, so c's probation pass, timed beside a's and b's training,
 # ran 1.4-2.3x the median of their probes (timed together, the training paused) once c was no longer
 # throttled; throttled to 0.1 of a core, 11-12x. (On hosts of their own nothing runs beside the pass.)
@@ -94,8 +99,9 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
     SIGSTOP/SIGCONT duty cycle): its probe names it, its agent writes the event and, with
     --evict_stragglers, leaves gracefully; a and b train on; c times its own pass on probation after its
     hold-off, still throttled (to 0.1), and stays out; unthrottled, it finds its pass back within the factor
-    of the group's median, rejoins and is not evicted again. Every example once per epoch; every round's
-    replicas hold the same bits."""
+    of the group's median, rejoins and is not evicted again in the RETURNED_SECONDS it then trains, after
+    which a SIGTERM to every agent stops the job (each host leaves at an agreed step). Every example once per
+    epoch (the last one up to the stop); every round's replicas hold the same bits."""
     job = LocalJob(tmp_path, [*soak.TRAIN, f"--epochs={EPOCHS}"], AGENT, trainer="launch.train")
     try:
         with Throttle(f"tf_elastic-test-{os.getpid()}") as throttle:
@@ -113,6 +119,10 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
             job.wait_for(lambda: job.events(Event.PROBATION), timeout=120, what="c's probation while throttled")
             throttle.set(None)
         back = job.first_step_after(two["time"], world_size=3)
+        job.wait_for(lambda: job.events(Event.COMMIT, round=back["round"]) and time.time() > back["time"] +
+                     RETURNED_SECONDS, timeout=120, what=f"{RETURNED_SECONDS} s of training with c back")
+        for agent in job.agents.values():
+            agent.send_signal(signal.SIGTERM)
         assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
     finally:
         job.cleanup()
@@ -131,5 +141,9 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
         assert_replicas_identical(job, round_, size=size)
     assert three["round"] < two["round"] < back["round"]
     examples = three["examples"]
-    counts = audit.exactly_once(job.run_dir, examples, 16 * 3)
-    assert counts == {"epochs": EPOCHS, "repeated": 0, "skipped": 0, "off_plan": 0}, counts
+    final = job.events(Event.COMMIT)[-1]
+    assert final["round"] >= back["round"], final
+    assert {e["host"] for e in job.events("leave") if e["time"] > back["time"]} == {"a", "b", "c"}
+    counts = audit.exactly_once(job.run_dir, examples, 16 * 3, stopped=True)
+    reached = final["epoch"] + (final["samples"] > 0)  # the stop's commit, mid-epoch or at an epoch's end
+    assert counts == {"epochs": reached, "repeated": 0, "skipped": 0, "off_plan": 0}, counts

@@ -329,6 +329,31 @@ def test_the_audit_sees_a_step_that_trained_other_examples_than_planned(tmp_path
     assert audit.exactly_once(str(tmp_path), 8, 4) == {"epochs": 1, "repeated": 0, "skipped": 0, "off_plan": 0}
 
 
+def test_the_audit_of_a_job_stopped_mid_epoch_leaves_out_only_that_epochs_missing_rest(tmp_path):
+    """`stopped=True` (every host left before the end): the last epoch's untrained rest is no skip, but its
+    repeats still count, and so does what an earlier epoch missed."""
+    from tf_elastic.elastic import audit
+    from tf_elastic.elastic.protocol import RunDir
+
+    layout = RunDir(tmp_path)
+    layout.indices.mkdir(parents=True)
+
+    def steps(*epochs_and_indices):
+        layout.index_log(0, 0).write_text("".join(
+            json.dumps({"round": 0, "rank": 0, "epoch": epoch, "step": n + 1, "indices": indices}) + "\n"
+            for n, (epoch, indices) in enumerate(epochs_and_indices)))
+        layout.consumed_log(0, 0).write_text("".join(
+            f"{n + 1} [{' '.join(map(str, indices))}]\n" for n, (_, indices) in enumerate(epochs_and_indices)))
+
+    steps((0, [0, 1, 2, 3]), (0, [4, 5, 6, 7]), (1, [4, 5, 6, 7]))  # epoch 1 stopped after its first step
+    assert audit.exactly_once(str(tmp_path), 8, 4) == {"epochs": 2, "repeated": 0, "skipped": 1, "off_plan": 0}
+    assert audit.exactly_once(str(tmp_path), 8, 4, stopped=True) == {"epochs": 2, "repeated": 0, "skipped": 0,
+                                                                        "off_plan": 0}
+    steps((0, [0, 1, 2, 3]), (1, [4, 5, 6, 7]), (1, [4, 5, 6, 7]))  # epoch 0 misses 4 examples; 1 repeats them
+    assert audit.exactly_once(str(tmp_path), 8, 4, stopped=True) == {"epochs": 2, "repeated": 4, "skipped": 1,
+                                                                        "off_plan": 0}
+
+
 def test_a_stop_agreed_at_an_epochs_last_step_keeps_that_epochs_validation_and_end(tmp_path):
     """SIGTERM at the third of four steps of epoch 1, agreed at step 8 (the epoch's last): the epoch ends
     with its validation and an epoch-end commit before the stop, and the restart trains epoch 2."""

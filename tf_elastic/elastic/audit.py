@@ -86,14 +86,17 @@ def _extra_uses(by_epoch: Dict[int, collections.Counter]) -> int:
     return sum(c - 1 for counts in by_epoch.values() for c in counts.values() if c > 1)
 
 
-def exactly_once(run_dir: RunDirs, num_examples: int, largest_global_batch: int) -> Dict[str, int]:
+def exactly_once(run_dir: RunDirs, num_examples: int, largest_global_batch: int,
+                 stopped: bool = False) -> Dict[str, int]:
     """Counts, over committed work, examples trained more than once in an epoch, examples an epoch missed
     beyond its final remainder (each smaller than one global batch is allowed), and `off_plan`: steps
-    whose replicas trained other examples than the plan gave them (or that the trainer never counted)."""
+    whose replicas trained other examples than the plan gave them (or that the trainer never counted).
+    `stopped`: the job was stopped before its end (every host left), so its last epoch may be partial."""
     committed = committed_records(run_dir)
     by_epoch = _uses_by_epoch(committed)
     repeated = _extra_uses(by_epoch)
-    skipped = sum(max(0, num_examples - len(counts) - (largest_global_batch - 1)) for counts in by_epoch.values())
+    whole = [counts for epoch, counts in by_epoch.items() if not (stopped and epoch == max(by_epoch))]
+    skipped = sum(max(0, num_examples - len(counts) - (largest_global_batch - 1)) for counts in whole)
     off_plan = sum(sorted(r["indices"]) != sorted(r["planned"]) for r in committed)
     return {"epochs": len(by_epoch), "repeated": repeated, "skipped": skipped, "off_plan": off_plan}
 
