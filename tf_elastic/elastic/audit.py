@@ -95,7 +95,8 @@ def exactly_once(run_dir: RunDirs, num_examples: int, largest_global_batch: int,
     committed = committed_records(run_dir)
     by_epoch = _uses_by_epoch(committed)
     repeated = _extra_uses(by_epoch)
-    whole = [counts for epoch, counts in by_epoch.items() if not (stopped and epoch == max(by_epoch))]
+    partial = max(by_epoch, default=None) if stopped else None
+    whole = [counts for epoch, counts in by_epoch.items() if epoch != partial]
     skipped = sum(max(0, num_examples - len(counts) - (largest_global_batch - 1)) for counts in whole)
     off_plan = sum(sorted(r["indices"]) != sorted(r["planned"]) for r in committed)
     return {"epochs": len(by_epoch), "repeated": repeated, "skipped": skipped, "off_plan": off_plan}
