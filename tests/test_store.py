@@ -191,9 +191,11 @@ def test_etcd_watches_leave_the_processs_random_alone_and_end_with_a_dropped_sto
     `keras.utils.set_random_seed` seeds, and Keras's initializers draw from) stays where the user's seed left
     it while watches open stream after stream. A store dropped without `close` takes its watches with it."""
     monkeypatch.setattr(etcd_store._Watch, "_STREAM_SECONDS", (0.05, 0.1))  # a new stream every ~0.2 s
-    drawn = []
-    monkeypatch.setattr(etcd_store._JITTER, "uniform", lambda *bounds: drawn.append(bounds) or bounds[0])
     key = f"/t{time.time_ns()}/k"
+    drawn = []  # this watch's draws (other tests' watches may live on in this process too)
+    mine = f"etcd-watch{etcd_store.ROOT}{key}"
+    monkeypatch.setattr(etcd_store._JITTER, "uniform", lambda *bounds: drawn.extend(
+        [bounds] if threading.current_thread().name == mine else []) or bounds[0])
     random.seed(7)
     seeded = random.getstate()
     store = open_store(etcd.url)
@@ -206,5 +208,21 @@ def test_etcd_watches_leave_the_processs_random_alone_and_end_with_a_dropped_sto
     [thread] = _watch_threads(key)
     del store
     gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_a_dropped_stores_watch_ends_while_etcd_is_down():
+    """A failed stream's traceback (urllib3 keeps its error in a frame of it: a cycle) must not keep a
+    dropped store, and its watch thread, alive while etcd cannot be reached."""
+    from tf_elastic.testing.etcd_server import EtcdServer
+
+    key = f"/t{time.time_ns()}/k"
+    with EtcdServer() as server:
+        store = open_store(server.url)
+        store.wait([key], 0.1)
+        [thread] = _watch_threads(key)
+    time.sleep(1.0)  # etcd is gone: streams fail, one every 0.1 s
+    del store  # no gc.collect(): nothing but a cycle could keep it
     thread.join(timeout=5)
     assert not thread.is_alive()

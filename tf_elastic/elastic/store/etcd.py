@@ -14,9 +14,11 @@ shorter `--election-timeout` for less).
 import base64
 import json
 import math
+import os
 import random
 import threading
 import time
+import traceback
 import urllib.parse
 import weakref
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -33,6 +35,7 @@ _READ_FRESH_SECONDS = 10.0  # a watch starts after a read this recent (older: a 
 # and Keras's initializers draw their seeds from it, so a draw from a watch thread changed a seeded model's
 # initial weights (found in the test suite: in-process agents' watches beside seeded training).
 _JITTER = random.Random()
+os.register_at_fork(after_in_child=_JITTER.seed)  # a forked agent draws its own jitter, as `random` does
 
 
 def _b64(text: str) -> str:
@@ -336,9 +339,21 @@ class _Watch:
                         self._notify()
                     if self._stopped:
                         break
-        except (requests.RequestException, ValueError, KeyError):
+        except (requests.RequestException, ValueError, KeyError) as error:
+            _release_frames(error)
             return revision, False
         return revision, True
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clears the finished frames of `error`'s traceback and of the errors it chains: urllib3 keeps a raised
+    error in a local of a frame of its traceback, a cycle only the collector frees, and the frames above hold
+    the store, which would outlive its last user by as long."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def from_url(url: urllib.parse.ParseResult, options: StoreOptions) -> Store:
