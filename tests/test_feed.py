@@ -148,9 +148,7 @@ def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_emp
             job.agents[host].send_signal(signal.SIGTERM)
         codes = job.wait_agents(timeout=400)
         assert sorted(codes.values()) == [-9, 0, 0], job.describe()  # the chief's host killed, the others left
-        # each left gracefully (a `leave`, or, when another's leave opened a round first, its exit's reason)
-        assert sorted(e["host"] for e in job.events("exit") if e["reason"].startswith("left the job gracefully")) \
-            == sorted(stopping), job.events("exit")
+        assert job.left_gracefully() == sorted(stopping), job.events("exit")
         assert job.events("state_transfer", round=again["round"]), "c joined with an empty disk: it receives the state"
         for round_ in (two["round"], again["round"]):
             assert_replicas_identical(job, round_)

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Set
 
 from tf_elastic.elastic import proc as procfs
 from tf_elastic.elastic.agent.job_record import JobKeys
@@ -30,6 +30,12 @@ def repo_env(**extra: str) -> Dict[str, str]:
     """The environment for a module of this checkout run as a script (the agent, a trainer such as
     `launch.train`), TensorFlow's log quieted."""
     return dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="2", **extra)
+
+
+def graceful_exits(events: List[Dict]) -> Set[str]:
+    """The hosts whose agent's `exit` event says it left the job gracefully: after its own `leave`, or while
+    waiting for a round that another host's leave had opened (it writes no `leave` event then)."""
+    return {e["host"] for e in events if e["event"] == Event.EXIT and "left the job gracefully" in e["reason"]}
 
 
 class LocalJob:
@@ -101,6 +107,10 @@ class LocalJob:
                                      f"{self.describe()}")
             time.sleep(0.05)
         raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{self.describe()}")
+
+    def left_gracefully(self) -> List[str]:
+        """The hosts whose agents left the job gracefully (`graceful_exits`), sorted."""
+        return sorted(graceful_exits(self.events()))
 
     def exit_reasons(self) -> Dict[str, str]:
         """Each agent's exit code and the reason it logged."""

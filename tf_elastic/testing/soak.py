@@ -37,7 +37,7 @@ from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic.worker import datasets
 from tf_elastic.elastic import audit
 from tf_elastic.testing.etcd_server import EtcdServer
-from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, running, signal_pid
+from tf_elastic.testing.local_job import REPO, LocalJob, graceful_exits, repo_env, running, signal_pid
 from tf_elastic.testing.net import bindable
 
 
@@ -379,7 +379,7 @@ def _checks(soak: Soak, epochs: int, reference: float) -> Dict[str, object]:
     bound = [addr for e in events if e["event"] == Event.RENDEZVOUS for addr in e.get("cluster") or []
              if not bindable(*_host_port(addr))]
     # A host that left gracefully must never be a round's lost host (a counted restart for a leave).
-    graceful = {e["host"] for e in events if e["event"] == Event.EXIT and "left the job gracefully" in e["reason"]}
+    graceful = graceful_exits(events)
     leaves_lost = sorted({(e["round"], host) for e in events if e["event"] == Event.RENDEZVOUS
                           for host in e.get("lost") or [] if host in graceful})
     accuracy = [e["test_accuracy"] for e in events if e["event"] == Event.EVALUATION]
