@@ -225,3 +225,74 @@ def test_a_mix_of_datasets_resumes_from_every_position_of_a_pass():
     read at the pass's end never returns (here from a commit after 4 of 6 batches). The feed replays the
     epoch instead. In a process of its own, with a time limit: a hung read never ends."""
     assert "ok" in run_python(_MIX, timeout=60).stdout
+
+
+def _reader_threads() -> set:
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("dataset-feed-reader-")}
+
+
+def _within(seconds: float, read):
+    """`read()`'s result, or a failure if it has not returned within `seconds` (a reader waiting for ever:
+    left behind in a daemon thread)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["value"] = read()
+        except Exception as error:  # raised below, in the test's thread
+            out["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"the read did not return within {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def test_each_reader_has_a_thread_of_its_own_that_ends_when_a_newer_one_opens_or_the_feed_closes():
+    before = _reader_threads()
+    feed = _feed()
+    feed.start(b"", 0)
+    dropped = iter(feed.replica_dataset(1, 0, 1))
+    first = _ids([next(dropped)])  # read for a model build, never trained
+    (opened,) = _reader_threads() - before
+    reader = iter(feed.replica_dataset(1, 0, 1))
+    assert _ids([next(reader)]) == first  # the untrained batch again, first
+    opened.join(30)
+    assert not opened.is_alive()
+    feed.trained(1)
+    (current,) = _reader_threads() - before
+    feed.close()
+    current.join(30)
+    assert not _reader_threads() - before
+
+
+def test_a_call_of_several_steps_reads_them_all_before_its_end_and_an_error_reaches_the_reader():
+    """`steps_per_call` global batches are handed before any is trained (one call of a multi-step training
+    function reads them all first); an error of the user's pipeline is raised where the reader reads."""
+    feed = _feed()
+    feed.start(b"", 0)
+    reader = iter(feed.replica_dataset(1, 0, 1, steps_per_call=5))
+    assert len(_within(20, lambda: [_ids([next(reader)]) for _ in range(5)])) == 5
+
+    def checked(i):
+        with tf.control_dependencies([tf.debugging.assert_less(i, tf.constant(10, tf.int64), message="bad id")]):
+            return tf.identity(i)
+
+    failing = DatasetFeed(tf.data.Dataset.range(20).map(checked).batch(4))
+    failing.start(b"", 0)
+    reader = iter(failing.replica_dataset(1, 0, 1))
+
+    def read_all():
+        for _ in reader:
+            failing.trained(1)
+
+    with pytest.raises(tf.errors.OpError, match="bad id"):
+        _within(20, read_all)

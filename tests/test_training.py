@@ -311,6 +311,38 @@ def test_steps_per_execution_counts_every_step_and_steps_train_what_was_planned(
     assert steps[0]["indices"] != steps[8]["indices"]  # epoch 1 is not epoch 0 again
 
 
+def test_a_pipeline_under_steps_per_execution_trains_as_plain_model_fit(tmp_path):
+    """`compile(steps_per_execution=5)` over a user's tf.data pipeline (23 batches an epoch: the last call
+    short): a call reads 5 global batches before its end, more than the feed keeps ahead of the trained
+    ones unless told (a hang, ended here by a traceback and the process's exit); the weights are plain
+    `model.fit`'s over the same pipeline, bit for bit."""
+    import faulthandler
+
+    from tf_elastic import elastic
+
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((92, 3)).astype(np.float32), rng.standard_normal((92, 2)).astype(np.float32)
+
+    def model():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        net.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", steps_per_execution=5)
+        return net
+
+    plain, mine = model(), model()
+    plain.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=2, verbose=0)
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        elastic.fit(mine, tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=2, verbose=0, world=World(),
+                    strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
+                    config=elastic.FitConfig(durable_every_commits=0))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert int(mine.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 46
+    for theirs, ours in zip(plain.weights, mine.weights):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
 def test_the_audit_sees_a_step_that_trained_other_examples_than_planned(tmp_path):
     """The index log's audit counts what steps consumed: a consumption record that is not the plan's (as
     when a strategy re-split a worker's batch) shows as off_plan and as skipped examples."""

@@ -336,6 +336,8 @@ class _ElasticTrainer:
     def close(self) -> None:
         if getattr(self.feed, "index_log", None) is not None:
             self.feed.index_log.close()
+        if isinstance(self.feed, DatasetFeed):
+            self.feed.close()  # its last reader's thread, which a stop mid-epoch leaves waiting
 
 
 def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int]]], y: Optional[np.ndarray] = None,
@@ -446,8 +448,9 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
                     keras_compat.iterations_that_count_steps(model.optimizer, lambda: trainer.step, steps is None):
                 # A pipeline of unknown length ends its epoch by running out, as `model.fit` expects it to.
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
-                model.fit(trainer.feed.distributed(trainer.strategy), epochs=epoch + 1, initial_epoch=epoch,
-                          shuffle=False, steps_per_epoch=steps, callbacks=callbacks, **fit_args)
+                epoch_input = trainer.feed.distributed(trainer.strategy, model.steps_per_execution)
+                model.fit(epoch_input, epochs=epoch + 1, initial_epoch=epoch, shuffle=False, steps_per_epoch=steps,
+                          callbacks=callbacks, **fit_args)
         callbacks.end()
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()

@@ -27,14 +27,14 @@ pipeline with `deterministic=False`) is refused before the first step (`Configur
 """
 import collections
 import threading
-from typing import Any, Deque, Iterator, Optional, Tuple
+from typing import Any, Deque, Iterator, List, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 from google.protobuf.message import DecodeError
 from tensorflow.python.data.ops import options as options_lib
-from tensorflow.python.ops import gen_dataset_ops
+from tensorflow.python.ops import gen_data_flow_ops, gen_dataset_ops
 
 from tf_elastic.elastic.worker.data.feed import local_replicas
 from tf_elastic.elastic.worker.data.source import digest
@@ -43,6 +43,7 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 _FAIL_ON_EXTERNAL_STATE = options_lib.ExternalStatePolicy.FAIL.value
 # sample_from_datasets' and choose_from_datasets' op: restored wrongly unless it stops at its first empty input.
 _MIXES = ("DirectedInterleaveDataset", "ExperimentalDirectedInterleaveDataset")
+_BATCH, _END, _FAILED = 1, 0, -1  # what a reader's queue hands it: a batch, the pass's end, the pipeline's error
 
 
 class DatasetFeed:
@@ -51,7 +52,7 @@ class DatasetFeed:
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
         self._replay = _check_pipeline(dataset)  # a mix TensorFlow restores wrongly: replay the epoch instead
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
-        self._flat_specs = tf.nest.flatten(dataset.element_spec, expand_composites=True)
+        self._flat_specs = tf.nest.flatten(any_rows(dataset.element_spec), expand_composites=True)
         self._lock = threading.Lock()  # the queue and counts: held briefly (a step's callback takes it)
         self._pulling = threading.Lock()  # the iterator: held while the user's pipeline makes a batch
         self._iterator: Optional[Iterator] = None
@@ -60,6 +61,9 @@ class DatasetFeed:
         self._queue: Deque[Any] = collections.deque()  # pulled (or restored) global batches not yet trained
         self._handed = 0  # of the queue, those the newest reader handed to the replicas
         self._readers = self._popped = 0  # readers opened; batches trained (and dropped from the queue) in all
+        self._room = threading.Condition(self._lock)  # a reader's thread waits for trained batches
+        self._made = 0  # datasets made for readers (`replica_dataset`): one a `model.fit`
+        self._failure: Optional[Exception] = None  # the user's pipeline failed under a reader (`_pump`)
         self.batches = self.trained_examples = 0  # trained in this epoch
         self.examples = None  # in an epoch: not known before it is read
         self.epoch = 0
@@ -88,6 +92,7 @@ class DatasetFeed:
     def start(self, state: bytes, epoch: int) -> None:
         """Positions the feed where a commit left it (`state`; empty: the start of `epoch` with nothing
         committed, after `epoch` fresh iterators as a run without faults made them)."""
+        self.close()
         for _ in range(0 if state else epoch):
             iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
         self._queue.clear()
@@ -145,30 +150,103 @@ class DatasetFeed:
         """Examples of the epoch trained."""
         return self.trained_examples
 
-    def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
-        """This worker's replicas' rows of each global batch, dealt to its replicas in order."""
+    def distributed(self, strategy: tf.distribute.Strategy,
+                    steps_per_call: int = 1) -> tf.distribute.DistributedDataset:
+        """This worker's replicas' rows of each global batch, dealt to its replicas in order; one call of
+        the training step reads `steps_per_call` global batches (`compile(steps_per_execution=...)`)."""
         local = local_replicas(strategy, self.world_size)
-        return strategy.distribute_datasets_from_function(
-            lambda context: self.replica_dataset(local * self.world_size, self.rank * local, local))
+        return strategy.distribute_datasets_from_function(lambda context: self.replica_dataset(
+            local * self.world_size, self.rank * local, local, steps_per_call))
 
-    def replica_dataset(self, replicas: int, first: int, count: int) -> tf.data.Dataset:
+    def replica_dataset(self, replicas: int, first: int, count: int, steps_per_call: int = 1) -> tf.data.Dataset:
         """Per-replica batches for this worker's replicas `first`..`first+count-1` of `replicas`, `count` for
-        each global batch in turn, up to the epoch's end."""
-        def split():
-            for batch in self._global_batches():
-                for q in range(first, first + count):
-                    yield replica_share(batch, q, replicas)
+        each global batch in turn, up to the epoch's end.
 
-        return tf.data.Dataset.from_generator(split, output_signature=any_rows(self.dataset.element_spec))
-
-    def _global_batches(self):
-        """The untrained batches in order, then new ones. Each reader starts at the first untrained batch:
-        one Keras opens to read a batch for its model build and drops must not cost a batch."""
+        Each reader (an iterator Keras makes of it) has a queue of its own, which a thread of ours fills with
+        the global batches (`_pump`), `steps_per_call` and two more ahead of the trained ones (fewer would
+        leave a call waiting for batches that only its end lets in); the rows are cut in the graph. No Python
+        runs on tf.data's threads for a batch, as it did in a `Dataset.from_generator` (measured: a
+        millisecond of CPU less a step)."""
+        kinds = [tf.int32] + [spec.dtype for spec in self._flat_specs]  # the status (`_BATCH`...), the batch
+        ahead = steps_per_call + 2
         with self._lock:
-            self._readers += 1
-            me, at, self._handed = self._readers, self._popped, 0  # `at`: absolute index of the next batch
+            self._made += 1
+            made = self._made
+
+        def reader(_):
+            queue = gen_data_flow_ops.fifo_queue_v2(component_types=kinds, capacity=ahead + 1)  # never full
+            opened = tf.py_function(lambda handle: self._open_reader(handle, ahead, made), [queue], tf.int64)
+            handed = tf.data.Dataset.from_tensors(opened).repeat().map(
+                lambda _: tuple(gen_data_flow_ops.queue_dequeue_v2(queue, kinds)))
+            return handed.take_while(lambda status, *_: status != _END).flat_map(shares)
+
+        def shares(status, *flat):
+            failed = tf.cond(status == _FAILED, lambda: tf.py_function(self._raise_failure, [], tf.bool),
+                             lambda: tf.constant(False))
+            with tf.control_dependencies([failed]):
+                flat = [tf.identity(part) for part in flat]
+            for part, spec in zip(flat, self._flat_specs):
+                part.set_shape(spec.shape)
+            batch = tf.nest.pack_sequence_as(self.dataset.element_spec, flat, expand_composites=True)
+            return tf.data.Dataset.range(first, first + count).map(lambda q: replica_share(batch, q, replicas))
+
+        return tf.data.Dataset.range(1).flat_map(reader)
+
+    def _open_reader(self, queue: tf.Tensor, ahead: int, made: int) -> int:
+        """A reader's start: its thread hands it the untrained batches, then new ones. The reader before it
+        (one Keras dropped) is done: its thread ends. A reader of an older dataset (`made`: one
+        `model.fit` made it) that tf.data opens only now, as the last epoch's `model.fit` ended, is never
+        read: it must not end the newest reader."""
+        with self._lock:
+            if made != self._made:
+                return 0
+            me = self._supersede()
+        threading.Thread(target=self._pump, args=(me, queue, ahead), name=f"dataset-feed-reader-{me}",
+                         daemon=True).start()
+        return me
+
+    def close(self) -> None:
+        """Ends the newest reader's thread (the epoch is over, or training is)."""
+        with self._lock:
+            self._supersede()
+
+    def _supersede(self) -> int:
+        """(The lock held.) A new newest reader's number: the thread of the one before ends."""
+        self._readers += 1
+        self._handed = 0
+        self._room.notify_all()
+        return self._readers
+
+    def _pump(self, me: int, queue: tf.Tensor, ahead: int) -> None:
+        """Hands reader `me` its batches through `queue`, then the end; an error of the user's pipeline is
+        kept and raised in the reader (`_raise_failure`), where Keras reads it. It never waits in the queue
+        (which TensorFlow deletes with the reader) but for room ahead of the trained batches (`_global_batches`)."""
+        try:
+            for batch in self._global_batches(me, ahead):
+                if not _hand(queue, [_BATCH, *tf.nest.flatten(batch, expand_composites=True)]):
+                    return
+            status = _END
+        except Exception as error:
+            self._failure, status = error, _FAILED
+        if me == self._readers:
+            _hand(queue, [status, *(tf.zeros([d or 0 for d in spec.shape] if spec.shape.rank is not None else [],
+                                             spec.dtype) for spec in self._flat_specs)])
+
+    def _raise_failure(self) -> bool:
+        raise self._failure
+
+    def _global_batches(self, me: int, ahead: int):
+        """Reader `me`'s batches, at most `ahead` of them handed and not trained: the untrained ones in
+        order, then new ones. Each reader starts at the first untrained batch: one Keras opens to read a
+        batch for its model build and drops must not cost one. Ends when a newer reader opens."""
+        with self._lock:
+            at = self._popped  # the absolute index of the next batch
         limit = self.steps()
         while limit is None or at - self._popped < limit:
+            with self._room:
+                self._room.wait_for(lambda: me != self._readers or at - self._popped < ahead)
+                if me != self._readers:
+                    return
             batch = self._batch(at)
             if batch is None:
                 return
@@ -217,10 +295,12 @@ class DatasetFeed:
                 self.batches += 1
             self._handed -= steps
             self._popped += steps
+            self._room.notify_all()
         return steps
 
     def next_epoch(self) -> None:
         """The epoch is trained: the next one is a new pass, with a fresh iterator."""
+        self.close()
         with self._pulling, self._lock:
             self._new_iterator()
             self.batches = self.trained_examples = 0
@@ -276,6 +356,15 @@ def _check_pipeline(dataset: tf.data.Dataset) -> bool:
         raise ConfigurationError("x: the tf.data pipeline repeats (.repeat()): an epoch is one pass over it (give "
                                  "epochs), and TensorFlow restores a repeated reshuffle wrongly at some positions.")
     return any(node.op in _MIXES and not node.attr["stop_on_empty_dataset"].b for node in nodes)
+
+
+def _hand(queue: tf.Tensor, parts: List[Any]) -> bool:
+    """Puts `parts` in a reader's queue; False when the reader is gone (TensorFlow deleted its queue)."""
+    try:
+        gen_data_flow_ops.queue_enqueue_v2(queue, parts)
+        return True
+    except (tf.errors.CancelledError, tf.errors.NotFoundError):
+        return False
 
 
 def _save(iterator) -> bytes:

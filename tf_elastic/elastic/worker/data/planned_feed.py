@@ -52,9 +52,12 @@ class PlannedFeed:
     def steps(self) -> Optional[int]:
         return len(self.batches)
 
-    def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
+    def distributed(self, strategy: tf.distribute.Strategy,
+                    steps_per_call: int = 1) -> tf.distribute.DistributedDataset:
         """This worker's planned batches, read by the source in the tf.data graph and split over its local
-        replicas as the plan splits them (see `data.feed`)."""
+        replicas as the plan splits them (see `data.feed`); tf.data reads them as the steps ask, however
+        many a call takes."""
+        del steps_per_call
         indices = np.concatenate(self.batches) if self.batches else np.zeros([0], np.int64)
         return feed.to_replicas(strategy, self.world.size, self.worker_batch,
                                 lambda per_replica: self.pipeline(indices, per_replica))

@@ -69,7 +69,10 @@ class PyDatasetFeed:
     def steps(self) -> Optional[int]:
         return self.num_batches - self.batches
 
-    def distributed(self, strategy: tf.distribute.Strategy) -> tf.distribute.DistributedDataset:
+    def distributed(self, strategy: tf.distribute.Strategy,
+                    steps_per_call: int = 1) -> tf.distribute.DistributedDataset:
+        """Read as the steps ask (a generator on tf.data's thread), however many a call takes."""
+        del steps_per_call
         local = local_replicas(strategy, self.world_size)
         return strategy.distribute_datasets_from_function(
             lambda context: self.replica_dataset(local * self.world_size, self.rank * local, local))
