@@ -36,19 +36,46 @@ def _bytes(pieces) -> bytes:
     return b"".join(tf.io.serialize_tensor(tf.concat([f[k] for f in flat], 0)).numpy() for k in range(len(flat[0])))
 
 
+def _within(seconds: float, read):
+    """`read()`'s result, or a failure if it has not returned within `seconds` (a reader waiting for ever:
+    left behind in a daemon thread)."""
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["value"] = read()
+        except Exception as error:  # raised below, in the test's thread
+            out["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"the read did not return within {seconds} s")
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
 def _train(feed, steps: int, replicas: int, read, ahead: int = 2) -> list:
     """Trains up to `steps` global batches over `replicas` replicas (`read` each back from its pieces), then
-    lets a strategy's prefetch pull `ahead` more: what it pulled must not be lost."""
-    trained, share = [], iter(feed.replica_dataset(replicas, 0, replicas))
-    for _ in range(steps):
-        pieces = [next(share, None) for _ in range(replicas)]
-        if pieces[0] is None:
-            break
-        trained.append(read(pieces))
-        feed.trained(1)
-    for _ in range(ahead * replicas):
-        next(share, None)
-    return trained
+    lets a strategy's prefetch pull `ahead` more: what it pulled must not be lost. A read that waits for
+    ever fails the test (`_within`)."""
+    def run():
+        trained, share = [], iter(feed.replica_dataset(replicas, 0, replicas))
+        for _ in range(steps):
+            pieces = [next(share, None) for _ in range(replicas)]
+            if pieces[0] is None:
+                break
+            trained.append(read(pieces))
+            feed.trained(1)
+        for _ in range(ahead * replicas):
+            next(share, None)
+        return trained
+
+    return _within(120, run)
 
 
 def _epochs(make_feed, epochs: int, plan, read=_ids) -> list:
@@ -233,44 +260,30 @@ def _reader_threads() -> set:
     return {t for t in threading.enumerate() if t.name.startswith("dataset-feed-reader-")}
 
 
-def _within(seconds: float, read):
-    """`read()`'s result, or a failure if it has not returned within `seconds` (a reader waiting for ever:
-    left behind in a daemon thread)."""
-    import threading
-
-    out = {}
-
-    def run():
-        try:
-            out["value"] = read()
-        except Exception as error:  # raised below, in the test's thread
-            out["error"] = error
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        pytest.fail(f"the read did not return within {seconds} s")
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
-
-
 def test_each_reader_has_a_thread_of_its_own_that_ends_when_a_newer_one_opens_or_the_feed_closes():
+    """Two iterators of one dataset, as Keras makes them (one to build the model, then the epoch's): the
+    second starts at the untrained batch; the first, superseded, fails when read instead of waiting. A
+    reader of a dataset made before `close` gets no thread."""
     before = _reader_threads()
     feed = _feed()
     feed.start(b"", 0)
-    dropped = iter(feed.replica_dataset(1, 0, 1))
-    first = _ids([next(dropped)])  # read for a model build, never trained
+    dataset = feed.replica_dataset(1, 0, 1)
+    dropped = iter(dataset)
+    first = _within(30, lambda: _ids([next(dropped)]))  # read for a model build, never trained
     (opened,) = _reader_threads() - before
-    reader = iter(feed.replica_dataset(1, 0, 1))
-    assert _ids([next(reader)]) == first  # the untrained batch again, first
+    reader = iter(dataset)
+    assert _within(30, lambda: _ids([next(reader)])) == first  # the untrained batch again, first
     opened.join(30)
     assert not opened.is_alive()
+    with pytest.raises(tf.errors.OpError):
+        _within(30, lambda: [next(dropped) for _ in range(10)])
     feed.trained(1)
     (current,) = _reader_threads() - before
     feed.close()
     current.join(30)
+    assert not _reader_threads() - before
+    with pytest.raises(tf.errors.OpError):
+        _within(30, lambda: next(iter(dataset)))
     assert not _reader_threads() - before
 
 

@@ -331,7 +331,7 @@ def test_a_pipeline_under_steps_per_execution_trains_as_plain_model_fit(tmp_path
 
     plain, mine = model(), model()
     plain.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=2, verbose=0)
-    faulthandler.dump_traceback_later(120, exit=True)
+    faulthandler.dump_traceback_later(300, exit=True)
     try:
         elastic.fit(mine, tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=2, verbose=0, world=World(),
                     strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),

@@ -5,9 +5,10 @@ that whole pipeline (the semantics of `AutoShardPolicy.DATA`) and trains only it
 global batch, so every worker's iterator stands at the same position whatever the world's size, and a
 restart at any size goes on with the batch after the last commit. What is committed (`state`) is
 tf.data's own iterator checkpoint (shuffle buffers, interleave cursors, filter positions, random seeds)
-plus the global batches the strategy's prefetch pulled ahead of the last step trained: with them the
-next round trains exactly the batches a run without faults would, in its order. Rows are dealt to the
-replicas of the moment as evenly as possible (replica q of R takes rows [q*n//R, (q+1)*n//R)).
+plus the global batches handed ahead of the last step trained (at most `steps_per_execution` + 2, see
+`replica_dataset`): with them the next round trains exactly the batches a run without faults would, in
+its order. Rows are dealt to the replicas of the moment as evenly as possible (replica q of R takes rows
+[q*n//R, (q+1)*n//R)).
 
 Each epoch is one pass over the dataset with an iterator of its own, as `model.fit` makes them. TensorFlow
 restores a mid-epoch iterator exactly, but one saved after its shuffle's input ran out leaves the
@@ -174,7 +175,8 @@ class DatasetFeed:
             made = self._made
 
         def reader(_):
-            queue = gen_data_flow_ops.fifo_queue_v2(component_types=kinds, capacity=ahead + 1)  # never full
+            # Never full: at most `ahead` batches are handed and not trained, and then the end.
+            queue = gen_data_flow_ops.fifo_queue_v2(component_types=kinds, capacity=ahead + 1)
             opened = tf.py_function(lambda handle: self._open_reader(handle, ahead, made), [queue], tf.int64)
             handed = tf.data.Dataset.from_tensors(opened).repeat().map(
                 lambda _: tuple(gen_data_flow_ops.queue_dequeue_v2(queue, kinds)))
@@ -194,21 +196,25 @@ class DatasetFeed:
 
     def _open_reader(self, queue: tf.Tensor, ahead: int, made: int) -> int:
         """A reader's start: its thread hands it the untrained batches, then new ones. The reader before it
-        (one Keras dropped) is done: its thread ends. A reader of an older dataset (`made`: one
-        `model.fit` made it) that tf.data opens only now, as the last epoch's `model.fit` ended, is never
-        read: it must not end the newest reader."""
+        (one Keras dropped) is done: its thread ends. A reader of a dataset made before the last `close`
+        (one `model.fit` made it), which tf.data may open as that `model.fit` ends, is never read: it must
+        not end the newest reader, and a read of it fails at once (its queue closed)."""
         with self._lock:
-            if made != self._made:
-                return 0
-            me = self._supersede()
-        threading.Thread(target=self._pump, args=(me, queue, ahead), name=f"dataset-feed-reader-{me}",
-                         daemon=True).start()
+            stale = made != self._made
+            me = 0 if stale else self._supersede()
+        if stale:
+            _close(queue)
+        else:
+            threading.Thread(target=self._pump, args=(me, queue, ahead), name=f"dataset-feed-reader-{me}",
+                             daemon=True).start()
         return me
 
     def close(self) -> None:
-        """Ends the newest reader's thread (the epoch is over, or training is)."""
+        """Ends the newest reader's thread (the epoch is over, or training is); the datasets made so far
+        open no reader."""
         with self._lock:
             self._supersede()
+            self._made += 1
 
     def _supersede(self) -> int:
         """(The lock held.) A new newest reader's number: the thread of the one before ends."""
@@ -220,7 +226,8 @@ class DatasetFeed:
     def _pump(self, me: int, queue: tf.Tensor, ahead: int) -> None:
         """Hands reader `me` its batches through `queue`, then the end; an error of the user's pipeline is
         kept and raised in the reader (`_raise_failure`), where Keras reads it. It never waits in the queue
-        (which TensorFlow deletes with the reader) but for room ahead of the trained batches (`_global_batches`)."""
+        (which TensorFlow deletes with the reader) but for room ahead of the trained batches (`_global_batches`).
+        A reader it cannot end (a newer one opened) has its queue closed: a read of it fails, never waits."""
         try:
             for batch in self._global_batches(me, ahead):
                 if not _hand(queue, [_BATCH, *tf.nest.flatten(batch, expand_composites=True)]):
@@ -228,9 +235,14 @@ class DatasetFeed:
             status = _END
         except Exception as error:
             self._failure, status = error, _FAILED
-        if me == self._readers:
-            _hand(queue, [status, *(tf.zeros([d or 0 for d in spec.shape] if spec.shape.rank is not None else [],
-                                             spec.dtype) for spec in self._flat_specs)])
+        end = [tf.zeros([d or 0 for d in spec.shape] if spec.shape.rank is not None else [], spec.dtype)
+               for spec in self._flat_specs]
+        try:
+            ended = me == self._readers and _hand(queue, [status, *end])
+        except tf.errors.OpError:
+            ended = False
+        if not ended:
+            _close(queue)
 
     def _raise_failure(self) -> bool:
         raise self._failure
@@ -365,6 +377,14 @@ def _hand(queue: tf.Tensor, parts: List[Any]) -> bool:
         return True
     except (tf.errors.CancelledError, tf.errors.NotFoundError):
         return False
+
+
+def _close(queue: tf.Tensor) -> None:
+    """Closes a reader's queue (unless TensorFlow deleted it with the reader): its reads fail once empty."""
+    try:
+        gen_data_flow_ops.queue_close_v2(queue)
+    except tf.errors.NotFoundError:
+        pass
 
 
 def _save(iterator) -> bytes:
