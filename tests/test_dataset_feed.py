@@ -289,7 +289,9 @@ def test_each_reader_has_a_thread_of_its_own_that_ends_when_a_newer_one_opens_or
 
 def test_a_call_of_several_steps_reads_them_all_before_its_end_and_an_error_reaches_the_reader():
     """`steps_per_call` global batches are handed before any is trained (one call of a multi-step training
-    function reads them all first); an error of the user's pipeline is raised where the reader reads."""
+    function reads them all first); an error of the user's pipeline is raised where the reader reads, is
+    the feed's `failure`, and no state is saved after it (the iterator is past the rows of the failed
+    read: a restart from it would skip them)."""
     feed = _feed()
     feed.start(b"", 0)
     reader = iter(feed.replica_dataset(1, 0, 1, steps_per_call=5))
@@ -309,3 +311,6 @@ def test_a_call_of_several_steps_reads_them_all_before_its_end_and_an_error_reac
 
     with pytest.raises(tf.errors.OpError, match="bad id"):
         _within(20, read_all)
+    assert isinstance(failing.failure, tf.errors.InvalidArgumentError) and "bad id" in failing.failure.message
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bad id"):
+        failing.state()

@@ -126,6 +126,8 @@ class _EpochEndCommit(keras.callbacks.Callback):
 
 # What a worker's steps read: one small interface (see planned_feed.py).
 Feed = Union[PlannedFeed, DatasetFeed, PyDatasetFeed]
+# Errors of the input that a restart would meet again: `fit` ends with `ConfigurationError` (exit 78).
+BAD_INPUT = (tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError, tf.errors.UnauthenticatedError)
 
 
 class _ElasticTrainer:
@@ -459,10 +461,14 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
                      step=trainer.step)
         logging.error("collective failure at step %d: %s", trainer.step, error_line(error, 300))
         raise PeerFailure(trainer.step, error_line(error, 300)) from None
-    except (tf.errors.InvalidArgumentError, tf.errors.PermissionDeniedError, tf.errors.UnauthenticatedError) as error:
+    except tf.errors.OpError as error:
         # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
-        # may not read: the error names the file; a restart would only meet it again (on every host).
-        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(error)}") from error
+        # may not read: the error names the file; a restart would only meet it again (on every host). A
+        # user's tf.data pipeline fails in the feed's thread, which keeps its own error (`failure`).
+        cause = (isinstance(trainer.feed, DatasetFeed) and trainer.feed.failure) or error
+        if not isinstance(cause, BAD_INPUT):
+            raise
+        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(cause)}") from error
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

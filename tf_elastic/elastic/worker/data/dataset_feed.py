@@ -38,6 +38,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.ops import gen_data_flow_ops, gen_dataset_ops
 
 from tf_elastic.elastic.worker.data.feed import local_replicas
+from tf_elastic.elastic.worker.data.iterator_state import held_error
 from tf_elastic.elastic.worker.data.source import digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -106,8 +107,10 @@ class DatasetFeed:
 
     def state(self) -> bytes:
         """The iterator's checkpoint, the epoch's fresh one, the batches pulled but not trained and the
-        epoch's counts, in one string."""
+        epoch's counts, in one string; once the pipeline failed, its error instead."""
         with self._pulling, self._lock:
+            if self._failure is not None:  # the iterator is past a failed read, or holds its error: a restart
+                raise self._failure        # from it would skip those rows, or fail for ever
             parts = [_save(self._iterator), self._epoch_start,
                      f"{self.batches} {self.trained_examples} {int(self._exhausted)} {self.global_batch}".encode()]
             for batch in self._queue:
@@ -244,6 +247,12 @@ class DatasetFeed:
         if not ended:
             _close(queue)
 
+    @property
+    def failure(self) -> Optional[Exception]:
+        """The user's pipeline's own error, if it failed: Keras sees it as `UnknownError`, the type a Python
+        function's error takes in a graph, which would hide whether it was bad data or a failed read."""
+        return self._failure
+
     def _raise_failure(self) -> bool:
         """The user's pipeline's error, raised in the reader's graph (a `py_function`)."""
         raise self._failure
@@ -292,6 +301,9 @@ class DatasetFeed:
                 batch = next(self._iterator)
             except StopIteration:
                 batch = None
+            except Exception as error:
+                self._failure = error  # no state of this iterator may be committed now (`state`)
+                raise
             with self._lock:
                 if batch is None:
                     self._exhausted = True
@@ -389,10 +401,15 @@ def _close(queue: tf.Tensor) -> None:
 
 
 def _save(iterator) -> bytes:
-    """tf.data's checkpoint of `iterator`, refusing state outside TensorFlow (FailedPreconditionError)."""
+    """tf.data's checkpoint of `iterator`, refusing state outside TensorFlow (FailedPreconditionError) and
+    raising the error of a read ahead it would hold (`iterator_state.held_error`): never committed."""
     saved = gen_dataset_ops.serialize_iterator(iterator._iterator_resource,
                                                external_state_policy=_FAIL_ON_EXTERNAL_STATE)
-    return tf.io.serialize_tensor(saved).numpy()
+    saved = tf.io.serialize_tensor(saved).numpy()
+    error = held_error(saved)
+    if error is not None:
+        raise error
+    return saved
 
 
 def _restored(dataset: tf.data.Dataset, saved: bytes):

@@ -9,6 +9,7 @@ step redone after a restart sees the same data. Random augmentation gets a state
 (seed, epoch, example index) for the same reason.
 """
 import hashlib
+import re
 from typing import Callable, Dict, Optional, Tuple
 
 import keras
@@ -274,9 +275,10 @@ def evaluation(source: Source, batch_size: int, preprocess: Optional[Preprocess]
                     drop_remainder=False, shard=tf.data.experimental.AutoShardPolicy.DATA)
 
 
-def describe_error(error: tf.errors.InvalidArgumentError) -> str:
+def describe_error(error: tf.errors.OpError) -> str:
     """What a failed input assertion says (it names the file), without TensorFlow's node and stack context."""
-    lines = [line.strip() for line in str(error.message).splitlines() if line.strip()]
+    lines = [re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", line.strip()) for line in str(error.message).splitlines()]
+    lines = [line for line in lines if line and not line.startswith("[[")]  # "[[{{node ...}}]] [Op:...]"
     for line in lines:
         if "assertion failed:" in line:
             return line.split("assertion failed:", 1)[1].strip()[:500]

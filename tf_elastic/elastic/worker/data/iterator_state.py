@@ -1,0 +1,82 @@
+"""Whether a tf.data iterator's checkpoint holds an error, which restoring it would raise on every restart.
+
+tf.data's ops read ahead of the consumer (`prefetch`, a fused `map` and `batch`, a parallel `batch`) and save
+what they read ahead with the checkpoint, a failed read included: its status code and message. Restored,
+the iterator raises that error again when it reaches it, however the data or the storage are since. So a
+commit must never hold such a checkpoint: a transient read error (a storage hiccup) caught in a buffer
+would fail every restart from it, and a mended file would still fail. `held_error` finds it.
+
+The format read here is TensorFlow's (checked with 2.21): `SerializeIterator`'s variant tensor, serialized,
+packs one `VariantTensorDataProto` per saved part in `tensor_content` (their sizes as varints, then the
+parts); a part's `metadata` is its name and its keys joined by "@@"; its values are one tensor a key, or
+(as 2.21 writes them) one `CompressedElement` whose components are the values in the keys' order. An op
+that failed to make an element writes a message key beside its status code: "status.error_message" beside
+"status.code" (`prefetch` and most ops), "X_status_msg" beside "X_status_code" (map-and-batch, parallel
+batch). Only the parts with such a key are decompressed.
+"""
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+from absl import logging
+from google.protobuf.message import DecodeError
+from tensorflow.core.framework import dataset_pb2, tensor_pb2, types_pb2
+from tensorflow.python.framework import errors_impl
+from tensorflow.python.ops import gen_experimental_dataset_ops
+
+# A message key's suffix, and its status code key's suffix in its place.
+_MESSAGE_KEYS = {b"status.error_message": b"status.code", b"_status_msg": b"_status_code"}
+
+
+def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
+    """The error `saved` (a serialized iterator checkpoint) holds for an element read ahead, or None. A
+    checkpoint whose layout is not the one described above is taken as holding none (logged once)."""
+    if not any(key in saved for key in _MESSAGE_KEYS):  # cheap, and true for almost every checkpoint
+        return None
+    try:
+        for keys, tensors in _parts(saved):
+            for at, key in enumerate(keys):
+                suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
+                if suffix is not None:
+                    values = dict(zip(keys, _values(tensors)))
+                    code, text = int(values[key[:-len(suffix)] + _MESSAGE_KEYS[suffix]]), values[key]
+                    error = errors_impl.exception_type_from_error_code(code)
+                    return error(None, None, text.decode(errors="replace"))
+    except (DecodeError, KeyError, IndexError, ValueError, TypeError, tf.errors.OpError) as error:
+        logging.log_first_n(logging.WARNING, "the tf.data checkpoint's layout is not the one known (%s): it is "
+                            "not checked for a held error", 1, error)
+    return None
+
+
+def _parts(saved: bytes) -> Iterator[Tuple[List[bytes], Sequence[tensor_pb2.TensorProto]]]:
+    """Each saved part's keys and tensors."""
+    proto = tensor_pb2.TensorProto.FromString(saved)
+    content, at = proto.tensor_content, 0
+    sizes = []
+    for _ in range(proto.tensor_shape.dim[0].size):
+        size, at = _varint(content, at)
+        sizes.append(size)
+    for size in sizes:
+        part = tensor_pb2.VariantTensorDataProto.FromString(content[at:at + size])
+        at += size
+        yield [key for key in part.metadata.split(b"@@")[1:] if key], part.tensors
+
+
+def _values(tensors: Sequence[tensor_pb2.TensorProto]) -> List:
+    """A part's values, one a key: its tensors, or the components of the one compressed element it holds."""
+    if len(tensors) != 1 or tensors[0].dtype != types_pb2.DT_VARIANT:
+        return [tf.make_ndarray(t) for t in tensors]
+    element = dataset_pb2.CompressedElement.FromString(tensors[0].variant_val[0].metadata)
+    components = gen_experimental_dataset_ops.uncompress_element(
+        tf.io.parse_tensor(tensors[0].SerializeToString(), tf.variant),
+        output_types=[c.dtype for c in element.component_metadata],
+        output_shapes=[tf.TensorShape(c.tensor_shape) for c in element.component_metadata])
+    return [c.numpy() for c in components]
+
+
+def _varint(data: bytes, at: int) -> Tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        value, shift, at = value | (byte & 0x7F) << shift, shift + 7, at + 1
+        if byte < 0x80:
+            return value, at
