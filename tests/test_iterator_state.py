@@ -41,3 +41,7 @@ def test_data_that_spells_the_keys_is_no_error():
     words = tf.data.Dataset.from_tensor_slices(["status.error_message", "x_status_msg"] * 8).batch(2).prefetch(4)
     saved = _saved_after(words, 2)
     assert b"status.error_message" in saved and held_error(saved) is None
+
+
+def test_a_checkpoint_of_another_layout_is_taken_as_holding_no_error():
+    assert held_error(b"\x0a\x05not a checkpoint") is None and held_error(b"") is None

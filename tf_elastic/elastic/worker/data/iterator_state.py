@@ -12,14 +12,14 @@ parts); a part's `metadata` is its name and its keys joined by "@@"; its values 
 (as 2.21 writes them) one `CompressedElement` whose components are the values in the keys' order. An op
 that failed to make an element writes a message key beside its status code: "status.error_message" beside
 "status.code" (`prefetch` and most ops), "X_status_msg" beside "X_status_code" (map-and-batch, parallel
-batch). Only the parts with such a key are decompressed.
+batch). Only the parts' keys are read, and only a part with such a key is decoded.
 """
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from absl import logging
 from google.protobuf.message import DecodeError
-from tensorflow.core.framework import dataset_pb2, tensor_pb2, types_pb2
+from tensorflow.core.framework import dataset_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 from tensorflow.python.framework import errors_impl
 from tensorflow.python.ops import gen_experimental_dataset_ops
 
@@ -28,16 +28,15 @@ _MESSAGE_KEYS = {b"status.error_message": b"status.code", b"_status_msg": b"_sta
 
 
 def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
-    """The error `saved` (a serialized iterator checkpoint) holds for an element read ahead, or None. A
-    checkpoint whose layout is not the one described above is taken as holding none (logged once)."""
-    if not any(key in saved for key in _MESSAGE_KEYS):  # cheap, and true for almost every checkpoint
-        return None
+    """The error `saved` (a serialized iterator checkpoint) holds for an element read ahead, or None. Reads
+    the parts' keys only (a shuffle buffer's megabytes are skipped, not copied). A checkpoint whose layout
+    is not the one described above is taken as holding none (logged once)."""
     try:
-        for keys, tensors in _parts(saved):
-            for at, key in enumerate(keys):
+        for keys, part in _parts(memoryview(saved)):
+            for key in keys:
                 suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
                 if suffix is not None:
-                    values = dict(zip(keys, _values(tensors)))
+                    values = dict(zip(keys, _values(tensor_pb2.VariantTensorDataProto.FromString(bytes(part)).tensors)))
                     code, text = int(values[key[:-len(suffix)] + _MESSAGE_KEYS[suffix]]), values[key]
                     error = errors_impl.exception_type_from_error_code(code)
                     return error(None, None, text.decode(errors="replace"))
@@ -47,18 +46,35 @@ def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
     return None
 
 
-def _parts(saved: bytes) -> Iterator[Tuple[List[bytes], Sequence[tensor_pb2.TensorProto]]]:
-    """Each saved part's keys and tensors."""
-    proto = tensor_pb2.TensorProto.FromString(saved)
-    content, at = proto.tensor_content, 0
+def _parts(saved: memoryview) -> Iterator[Tuple[List[bytes], memoryview]]:
+    """Each saved part's keys and its serialized `VariantTensorDataProto`."""
+    fields = dict(_fields(saved))  # TensorProto: 2 its shape, 4 its tensor_content
+    content, at = fields[4], 0
     sizes = []
-    for _ in range(proto.tensor_shape.dim[0].size):
+    for _ in range(tensor_shape_pb2.TensorShapeProto.FromString(bytes(fields[2])).dim[0].size):
         size, at = _varint(content, at)
         sizes.append(size)
     for size in sizes:
-        part = tensor_pb2.VariantTensorDataProto.FromString(content[at:at + size])
+        part = content[at:at + size]
         at += size
-        yield [key for key in part.metadata.split(b"@@")[1:] if key], part.tensors
+        metadata = bytes(dict(_fields(part)).get(2, b""))  # VariantTensorDataProto: 2 its metadata
+        yield [key for key in metadata.split(b"@@")[1:] if key], part
+
+
+def _fields(message: memoryview) -> Iterator[Tuple[int, memoryview]]:
+    """The length-delimited fields of a serialized protobuf message (number, bytes); others are skipped."""
+    at = 0
+    while at < len(message):
+        tag, at = _varint(message, at)
+        kind = tag & 7
+        if kind == 2:
+            size, at = _varint(message, at)
+            yield tag >> 3, message[at:at + size]
+            at += size
+        elif kind in (0, 1, 5):
+            at = _varint(message, at)[1] if kind == 0 else at + (8 if kind == 1 else 4)
+        else:
+            raise ValueError(f"protobuf wire type {kind}")
 
 
 def _values(tensors: Sequence[tensor_pb2.TensorProto]) -> List:
