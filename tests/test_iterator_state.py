@@ -22,18 +22,37 @@ def _saved_after(pipeline: tf.data.Dataset, batches: int) -> bytes:
 def _numbers(bad: str) -> tf.data.Dataset:
     text = [str(i) for i in range(40)]
     text[21] = bad
-    return tf.data.Dataset.from_tensor_slices(text).map(tf.strings.to_number)
+    return tf.data.Dataset.from_tensor_slices(text)
+
+
+def _unbatched(pipeline: tf.data.Dataset) -> tf.data.Dataset:
+    """`pipeline` with no optimization: no prefetch injected at its end, no map fused into a batch."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.apply_default_optimizations = False
+    options.experimental_optimization.inject_prefetch = False
+    return pipeline.with_options(options)
 
 
 @pytest.mark.parametrize("shape", [
-    lambda d: d.batch(4).prefetch(3),  # map and batch fused, then prefetch: the message beside status.code
-    lambda d: d.batch(4),  # the fused map and batch alone: X_status_msg beside X_status_code
-    lambda d: d.batch(4, num_parallel_calls=2, deterministic=True)])
+    lambda d: d.map(tf.strings.to_number).batch(4).prefetch(3),  # fused map and batch, then prefetch
+    lambda d: d.map(tf.strings.to_number).batch(4),  # the fused map and batch alone: X_status_msg
+    lambda d: d.map(tf.strings.to_number).batch(4, num_parallel_calls=2, deterministic=True),
+    lambda d: _unbatched(d.map(tf.strings.to_number, num_parallel_calls=4, deterministic=True).batch(4)),
+    lambda d: _unbatched(tf.data.Dataset.range(2).interleave(
+        lambda i: d.shard(2, i).map(tf.strings.to_number), cycle_length=2, num_parallel_calls=2,
+        deterministic=True).batch(4))])
 def test_an_error_read_ahead_is_found_with_its_type_and_message_and_a_clean_checkpoint_holds_none(shape):
     error = held_error(_saved_after(shape(_numbers("twenty-one")), 5))  # the next batch fails
     assert isinstance(error, tf.errors.InvalidArgumentError), error
     assert "could not correctly convert string: twenty-one" in error.message
     assert held_error(_saved_after(shape(_numbers("21")), 5)) is None
+
+
+def test_an_error_read_ahead_under_ignore_errors_is_none_held():
+    """`ignore_errors` skips the failed element when it reaches it: restored, the pipeline reads on."""
+    pipeline = _numbers("twenty-one").map(tf.strings.to_number).batch(4).prefetch(3).ignore_errors()
+    assert held_error(_saved_after(pipeline, 5)) is None
 
 
 def test_data_that_spells_the_keys_is_no_error():

@@ -456,19 +456,20 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
         callbacks.end()
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
-    except COLLECTIVE_FAILURES as error:
-        events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
-                     step=trainer.step)
-        logging.error("collective failure at step %d: %s", trainer.step, error_line(error, 300))
-        raise PeerFailure(trainer.step, error_line(error, 300)) from None
     except tf.errors.OpError as error:
+        failure = trainer.feed.failure if isinstance(trainer.feed, DatasetFeed) else None
+        if failure is None and isinstance(error, COLLECTIVE_FAILURES):
+            events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
+                         step=trainer.step)
+            logging.error("collective failure at step %d: %s", trainer.step, error_line(error, 300))
+            raise PeerFailure(trainer.step, error_line(error, 300)) from None
         # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
         # may not read: the error names the file; a restart would only meet it again (on every host). A
-        # user's tf.data pipeline fails in the feed's thread, which keeps its own error (`failure`).
-        cause = (isinstance(trainer.feed, DatasetFeed) and trainer.feed.failure) or error
-        if not isinstance(cause, BAD_INPUT):
+        # user's tf.data pipeline fails in the feed's thread (or in a buffer a commit found), and the feed
+        # keeps its own error (`failure`): Keras saw UnknownError, and no failure of it is a peer's.
+        if not isinstance(failure or error, BAD_INPUT):
             raise
-        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(cause)}") from error
+        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(failure or error)}") from error
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -103,7 +103,16 @@ class DatasetFeed:
 
     def _new_iterator(self) -> None:
         self._iterator, self._exhausted = iter(self.dataset), False
-        self._epoch_start = _save(self._iterator)
+        self._epoch_start = self._checkpoint()
+
+    def _checkpoint(self) -> bytes:
+        """tf.data's checkpoint of the iterator. One that holds an error read ahead (`held_error`) is never
+        committed: that error becomes the feed's failure, raised here and by every later `state`."""
+        saved = _save(self._iterator)
+        self._failure = self._failure or held_error(saved)
+        if self._failure is not None:
+            raise self._failure
+        return saved
 
     def state(self) -> bytes:
         """The iterator's checkpoint, the epoch's fresh one, the batches pulled but not trained and the
@@ -111,7 +120,7 @@ class DatasetFeed:
         with self._pulling, self._lock:
             if self._failure is not None:  # the iterator is past a failed read, or holds its error: a restart
                 raise self._failure        # from it would skip those rows, or fail for ever
-            parts = [_save(self._iterator), self._epoch_start,
+            parts = [self._checkpoint(), self._epoch_start,
                      f"{self.batches} {self.trained_examples} {int(self._exhausted)} {self.global_batch}".encode()]
             for batch in self._queue:
                 parts += [tf.io.serialize_tensor(t).numpy() for t in tf.nest.flatten(batch, expand_composites=True)]
@@ -401,15 +410,10 @@ def _close(queue: tf.Tensor) -> None:
 
 
 def _save(iterator) -> bytes:
-    """tf.data's checkpoint of `iterator`, refusing state outside TensorFlow (FailedPreconditionError) and
-    raising the error of a read ahead it would hold (`iterator_state.held_error`): never committed."""
+    """tf.data's checkpoint of `iterator`, refusing state outside TensorFlow (FailedPreconditionError)."""
     saved = gen_dataset_ops.serialize_iterator(iterator._iterator_resource,
                                                external_state_policy=_FAIL_ON_EXTERNAL_STATE)
-    saved = tf.io.serialize_tensor(saved).numpy()
-    error = held_error(saved)
-    if error is not None:
-        raise error
-    return saved
+    return tf.io.serialize_tensor(saved).numpy()
 
 
 def _restored(dataset: tf.data.Dataset, saved: bytes):

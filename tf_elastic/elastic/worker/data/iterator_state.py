@@ -10,12 +10,15 @@ The format read here is TensorFlow's (checked with 2.21): `SerializeIterator`'s 
 packs one `VariantTensorDataProto` per saved part in `tensor_content` (their sizes as varints, then the
 parts); a part's `metadata` is its name and its keys joined by "@@"; its values are one tensor a key, or
 (as 2.21 writes them) one `CompressedElement` whose components are the values in the keys' order. An op
-that failed to make an element writes a message key beside its status code: "status.error_message" beside
-"status.code" (`prefetch` and most ops), "X_status_msg" beside "X_status_code" (map-and-batch, parallel
-batch). Only the parts' keys are read, and only a part with such a key is decoded.
+that failed to make an element writes a message key beside its status code: "X.error_message" or
+"X_error_message" beside "X.code" or "X_code" (`prefetch`, parallel `map` and `interleave`, most ops),
+"X_status_msg" beside "X_status_code" (map-and-batch, parallel batch); one under `ignore_errors` is skipped
+when reached, so it holds nothing. Only the parts' keys are read, and only a part with such a key is
+decoded.
 """
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 from absl import logging
 from google.protobuf.message import DecodeError
@@ -24,7 +27,9 @@ from tensorflow.python.framework import errors_impl
 from tensorflow.python.ops import gen_experimental_dataset_ops
 
 # A message key's suffix, and its status code key's suffix in its place.
-_MESSAGE_KEYS = {b"status.error_message": b"status.code", b"_status_msg": b"_status_code"}
+_MESSAGE_KEYS = {b"error_message": b"code", b"_status_msg": b"_status_code"}
+# An error read ahead under this op is skipped when it is reached: no error to hold.
+_SKIPS_ERRORS = b"::IgnoreErrors::"
 
 
 def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
@@ -32,22 +37,24 @@ def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
     the parts' keys only (a shuffle buffer's megabytes are skipped, not copied). A checkpoint whose layout
     is not the one described above is taken as holding none (logged once)."""
     try:
-        for keys, part in _parts(memoryview(saved)):
+        for name, keys, part in _parts(memoryview(saved)):
             for key in keys:
                 suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
-                if suffix is not None:
-                    values = dict(zip(keys, _values(tensor_pb2.VariantTensorDataProto.FromString(bytes(part)).tensors)))
-                    code, text = int(values[key[:-len(suffix)] + _MESSAGE_KEYS[suffix]]), values[key]
-                    error = errors_impl.exception_type_from_error_code(code)
-                    return error(None, None, text.decode(errors="replace"))
-    except (DecodeError, KeyError, IndexError, ValueError, TypeError, tf.errors.OpError) as error:
+                if suffix is None or _SKIPS_ERRORS in name + key:
+                    continue
+                values = dict(zip(keys, _values(tensor_pb2.VariantTensorDataProto.FromString(bytes(part)).tensors)))
+                code = int(np.asarray(values[key[:-len(suffix)] + _MESSAGE_KEYS[suffix]]))
+                text = np.asarray(values[key]).item().decode(errors="replace")
+                return errors_impl.exception_type_from_error_code(code)(None, None, text)
+    except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
         logging.log_first_n(logging.WARNING, "the tf.data checkpoint's layout is not the one known (%s): it is "
                             "not checked for a held error", 1, error)
     return None
 
 
-def _parts(saved: memoryview) -> Iterator[Tuple[List[bytes], memoryview]]:
-    """Each saved part's keys and its serialized `VariantTensorDataProto`."""
+def _parts(saved: memoryview) -> Iterator[Tuple[bytes, List[bytes], memoryview]]:
+    """Each saved part's name (its iterator's path, "Iterator::Root::..."), keys and serialized
+    `VariantTensorDataProto`."""
     fields = dict(_fields(saved))  # TensorProto: 2 its shape, 4 its tensor_content
     content, at = fields[4], 0
     sizes = []
@@ -58,7 +65,8 @@ def _parts(saved: memoryview) -> Iterator[Tuple[List[bytes], memoryview]]:
         part = content[at:at + size]
         at += size
         metadata = bytes(dict(_fields(part)).get(2, b""))  # VariantTensorDataProto: 2 its metadata
-        yield [key for key in metadata.split(b"@@")[1:] if key], part
+        name, *keys = metadata.split(b"@@")
+        yield name, [key for key in keys if key], part
 
 
 def _fields(message: memoryview) -> Iterator[Tuple[int, memoryview]]:
