@@ -18,14 +18,14 @@ import os
 import statistics
 import time
 import zlib
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import keras
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, worth_evicting
+from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, cause, paces, worth_evicting
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
@@ -50,6 +50,9 @@ class GroupProbe:
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
         self.spent = 0.0  # seconds of probes on the training path since `take_spent`
         self.batch = 0  # rows a replica of the probe's pass
+        self.input_wait: Callable[[], float] = float  # seconds the step waited for input since the last call
+        self.waiting = 0.0  # the share of the time it waited, between the last two probes
+        self._waits_since = time.monotonic()
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
 
@@ -61,7 +64,8 @@ class GroupProbe:
         """The round trains: its start's cost is known, and the model's inputs (the pass is built here; it is
         traced at the first probe, so that a round shorter than the cadence never pays for it)."""
         self.round_seconds = seconds_in_round()
-        self.last = time.monotonic()
+        self.last = self._waits_since = time.monotonic()
+        self.input_wait()  # the round's start is not a wait for input
         if self.settings.every_seconds > 0 and self.world.size > 1:
             self.batch = max(1, per_replica_batch)
             self._pass = _forward_and_backward(self.model, self.strategy, self.batch)
@@ -75,18 +79,22 @@ class GroupProbe:
         rank knows that alike: they all probed at the same step)."""
         if not self.pending:
             return []
-        slots = [0.0] * (2 * self.world.size)
-        slots[self.world.rank] = self.seconds
-        slots[self.world.size + self.world.rank] = _host_key(self.world.host_id, self.world.rank)
+        size, rank = self.world.size, self.world.rank
+        slots = [0.0] * (3 * size)
+        slots[rank], slots[size + rank] = self.seconds, _host_key(self.world.host_id, rank)
+        slots[2 * size + rank] = self.waiting
         return slots
 
     def after_agreement(self, due: bool, total: Sequence[float]) -> None:
         """`total`: what `slots` summed to over the group. Reads it, then probes if the group agreed to."""
         if self.pending:
             self.pending = False
-            self._read(list(total[:self.world.size]), list(total[self.world.size:]))
+            size = self.world.size
+            self._read(list(total[:size]), list(total[size:2 * size]), list(total[2 * size:]))
         if due and self.enabled:
-            began = time.perf_counter()
+            now = time.monotonic()
+            self.waiting = self.input_wait() / max(now - self._waits_since, 1e-9)
+            self._waits_since, began = now, time.perf_counter()
             if self._warm:
                 self.seconds, self.pending = self._pass(self.settings.seconds)[0], True
             else:  # the round's first probe traces the pass, on every rank at once: it times nothing
@@ -99,24 +107,27 @@ class GroupProbe:
         spent, self.spent = self.spent, 0.0
         return spent
 
-    def _read(self, seconds: List[float], hosts: List[float]) -> None:
-        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
-        agent writes the event and the log line) and whether its host is worth evicting."""
-        began, ended = self.watch.observe(seconds)
+    def _read(self, seconds: List[float], hosts: List[float], waiting: List[float]) -> None:
+        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler and
+        why (its agent writes the event and the log line) and whether its host is worth evicting."""
+        pace = paces(seconds, waiting)
+        began, ended = self.watch.observe(pace)
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
         PULSE.median, PULSE.batch = median, self.batch
         if self.world.is_chief:
             for rank in began:
-                logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs", rank,
-                                self.watch.stragglers[rank], median)
+                logging.warning("rank %d is a straggler: it goes %.2fx slower than the median rank (%s; its probe "
+                                "%.4fs, the median's %.4fs; waiting for input %.0f%% of the time)", rank,
+                                self.watch.stragglers[rank], cause(seconds, waiting, rank), seconds[rank], median,
+                                100 * waiting[rank])
             for rank in ended:
                 logging.info("rank %d is no longer a straggler", rank)
         mine = self.watch.stragglers.get(self.world.rank, 0.0)
         leaving = {rank for rank, key in enumerate(hosts) if key == hosts[self.world.rank]}
-        PULSE.slow = mine
+        PULSE.slow, PULSE.input = mine, bool(mine) and cause(seconds, waiting, self.world.rank) == "input"
         PULSE.evict = bool(mine) and self.round_seconds is not None and worth_evicting(
-            seconds, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
+            pace, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
 
 
 def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings) -> float:

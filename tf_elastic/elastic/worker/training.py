@@ -149,6 +149,8 @@ class _ElasticTrainer:
         self.first_step_logged = False
         self.last_loss = None
         self.probe = GroupProbe(model, strategy, world, ProbeSettings.from_text(world.probe))
+        if isinstance(feed, DatasetFeed):  # the feed that hands batches itself knows when the step waits for them
+            self.probe.input_wait = feed.take_input_wait
         # Alone, an agreement is no collective: every `sync_every_steps` costs nothing.
         self.cadence = AgreementCadence(config.sync_every_steps, config.sync_every_seconds if world.size > 1 else None,
                                         world.is_chief)

@@ -28,6 +28,7 @@ pipeline with `deterministic=False`) is refused before the first step (`Configur
 """
 import collections
 import threading
+import time
 from typing import Any, Deque, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -66,6 +67,8 @@ class DatasetFeed:
         self._room = threading.Condition(self._lock)  # a reader's thread waits for trained batches
         self._made = 0  # advanced by each dataset made (`replica_dataset`: one a `model.fit`) and by `close`
         self._failure: Optional[Exception] = None  # the user's pipeline failed under a reader (`_pump`)
+        self._starved_since: Optional[float] = None  # every handed batch was trained: the step waits for input
+        self._input_wait = 0.0  # seconds the step waited for a batch, since `take_input_wait`
         self.batches = self.trained_examples = 0  # trained in this epoch
         self.examples = None  # in an epoch: not known before it is read
         self.epoch = 0
@@ -228,10 +231,19 @@ class DatasetFeed:
             self._supersede()
             self._made += 1
 
+    def take_input_wait(self) -> float:
+        """Seconds the training step waited for this worker's own input since the last call: from a step's
+        end with no batch handed ahead to the next batch handed (a reader's first batch not counted: it
+        waits for the start, not for the pipeline). What the straggler probe weighs besides compute."""
+        with self._lock:
+            waited, self._input_wait = self._input_wait, 0.0
+        return waited
+
     def _supersede(self) -> int:
         """(The lock held.) A new newest reader's number: the thread of the one before ends."""
         self._readers += 1
         self._handed = 0
+        self._starved_since = None
         self._room.notify_all()
         return self._readers
 
@@ -285,6 +297,9 @@ class DatasetFeed:
             with self._lock:
                 if me == self._readers:
                     self._handed = at - self._popped
+                    if self._starved_since is not None:
+                        self._input_wait += time.monotonic() - self._starved_since
+                        self._starved_since = None
             yield batch
 
     def _batch(self, at: int) -> Any:
@@ -329,6 +344,8 @@ class DatasetFeed:
                 self.batches += 1
             self._handed -= steps
             self._popped += steps
+            if steps and not self._handed:
+                self._starved_since = time.monotonic()
             self._room.notify_all()
         return steps
 
