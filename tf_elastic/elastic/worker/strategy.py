@@ -2,8 +2,10 @@
 from typing import Optional
 
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 from tf_elastic.choices import COLLECTIVES, STRATEGIES
+from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 
 
@@ -23,6 +25,13 @@ def make_strategy(world: World, kind: str = "auto", collective: str = "auto",
         raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}.")
     if world.size > 1 and kind not in ("auto", "mwms"):
         raise ValueError(f"--strategy={kind} is single-worker, but this world has {world.size} workers; use mwms.")
+    if world.elastic and kind in ("auto", "mwms") and context.context()._initialized:
+        # Under the agent any round may have several workers, and MWMS configures TensorFlow's collectives,
+        # which TensorFlow takes only before the process's first op: refused in every round, not only in the
+        # first with several workers (where it would fail on every try, with TensorFlow's own words).
+        raise ConfigurationError("TensorFlow ran an op before elastic.run made the strategy (a tensor, a dataset or "
+                                 "a model built at import or before elastic.run): build them in the function you "
+                                 "pass to elastic.run, which TensorFlow's collectives must precede.")
     # Physical devices only: listing logical ones initialises the runtime, after which MWMS can no
     # longer configure its collectives.
     several_gpus = len(tf.config.list_physical_devices("GPU")) > 1
@@ -41,8 +50,6 @@ def make_strategy(world: World, kind: str = "auto", collective: str = "auto",
     if kind == "auto" and world.size == 1:
         return tf.distribute.MirroredStrategy() if several_gpus else tf.distribute.get_strategy()
     if world.size > 1:
-        from tensorflow.python.eager import context
-
         CoordinatedJob = context.coordination_config_pb2.CoordinatedJob  # wherever this TF version keeps it
         context.context().configure_coordination_service(
             "standalone", service_leader="/job:worker/replica:0/task:0",
