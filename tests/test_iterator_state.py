@@ -49,10 +49,15 @@ def test_an_error_read_ahead_is_found_with_its_type_and_message_and_a_clean_chec
     assert held_error(_saved_after(shape(_numbers("21")), 5)) is None
 
 
-def test_an_error_read_ahead_under_ignore_errors_is_none_held():
-    """`ignore_errors` skips the failed element when it reaches it: restored, the pipeline reads on."""
-    pipeline = _numbers("twenty-one").map(tf.strings.to_number).batch(4).prefetch(3).ignore_errors()
-    assert held_error(_saved_after(pipeline, 5)) is None
+@pytest.mark.parametrize("shape", [
+    lambda d: d.map(tf.strings.to_number).batch(4).prefetch(3).ignore_errors(),  # skips it when reached
+    lambda d: d.map(tf.strings.to_number, num_parallel_calls=8, deterministic=True).take(20).batch(2),
+    lambda d: tf.data.Dataset.zip((d.map(tf.strings.to_number, num_parallel_calls=8, deterministic=True),
+                                   tf.data.Dataset.range(20))).batch(2)])
+def test_an_error_read_ahead_where_the_pipeline_may_never_raise_it_is_none_held(shape):
+    """Restored, these pipelines read on to their end: the element that failed is skipped, or past the
+    end of a `take` or of a `zip`'s shortest input (row 21 of 40, read ahead by a parallel map)."""
+    assert held_error(_saved_after(shape(_numbers("twenty-one")), 8)) is None
 
 
 def test_data_that_spells_the_keys_is_no_error():

@@ -12,9 +12,9 @@ parts); a part's `metadata` is its name and its keys joined by "@@"; its values 
 (as 2.21 writes them) one `CompressedElement` whose components are the values in the keys' order. An op
 that failed to make an element writes a message key beside its status code: "X.error_message" or
 "X_error_message" beside "X.code" or "X_code" (`prefetch`, parallel `map` and `interleave`, most ops),
-"X_status_msg" beside "X_status_code" (map-and-batch, parallel batch); one under `ignore_errors` is skipped
-when reached, so it holds nothing. Only the parts' keys are read, and only a part with such a key is
-decoded.
+"X_status_msg" beside "X_status_code" (map-and-batch, parallel batch); one under an op that may never raise
+it (`_MAY_NOT_RAISE`: `ignore_errors`, `take`, `zip`, ...) is not counted. Only the parts' keys are read,
+and only a part with such a key is decoded.
 """
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -28,8 +28,11 @@ from tensorflow.python.ops import gen_experimental_dataset_ops
 
 # A message key's suffix, and its status code key's suffix in its place.
 _MESSAGE_KEYS = {b"error_message": b"code", b"_status_msg": b"_status_code"}
-# An error read ahead under this op is skipped when it is reached: no error to hold.
-_SKIPS_ERRORS = b"::IgnoreErrors::"
+# An error read ahead under one of these ops may never be raised: `ignore_errors` skips it, and `take`,
+# `take_while`, `zip` (at its shortest input) and a mix's inputs may end before they reach it. Not refused:
+# a commit holding such an error restarts into it only if the pipeline would have raised it anyway.
+_MAY_NOT_RAISE = (b"::IgnoreErrors::", b"::FiniteTake::", b"::Take::", b"::TakeWhile::", b"::Zip[",
+                  b"::DirectedInterleave[")
 
 
 def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
@@ -37,19 +40,30 @@ def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
     the parts' keys only (a shuffle buffer's megabytes are skipped, not copied). A checkpoint whose layout
     is not the one described above is taken as holding none (logged once)."""
     try:
-        for name, keys, part in _parts(memoryview(saved)):
-            for key in keys:
-                suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
-                if suffix is None or _SKIPS_ERRORS in name + key:
-                    continue
+        parts = list(_parts(memoryview(saved)))
+    except (DecodeError, KeyError, IndexError, ValueError) as error:
+        parts = []
+        _unknown_layout(error)
+    for name, keys, part in parts:
+        for key in keys:
+            suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
+            if suffix is None or any(op in name + key for op in _MAY_NOT_RAISE):
+                continue
+            try:
                 values = dict(zip(keys, _values(tensor_pb2.VariantTensorDataProto.FromString(bytes(part)).tensors)))
                 code = int(np.asarray(values[key[:-len(suffix)] + _MESSAGE_KEYS[suffix]]))
                 text = np.asarray(values[key]).item().decode(errors="replace")
-                return errors_impl.exception_type_from_error_code(code)(None, None, text)
-    except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError, tf.errors.OpError) as error:
-        logging.log_first_n(logging.WARNING, "the tf.data checkpoint's layout is not the one known (%s): it is "
-                            "not checked for a held error", 1, error)
+            except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError,
+                    tf.errors.OpError) as error:
+                _unknown_layout(error)
+                continue
+            return errors_impl.exception_type_from_error_code(code)(None, None, text)
     return None
+
+
+def _unknown_layout(error: Exception) -> None:
+    logging.log_first_n(logging.WARNING, "the tf.data checkpoint's layout is not the one known (%s): it is not "
+                        "checked for a held error", 1, error)
 
 
 def _parts(saved: memoryview) -> Iterator[Tuple[bytes, List[bytes], memoryview]]:
