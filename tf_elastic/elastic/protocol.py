@@ -240,8 +240,7 @@ class Heartbeat:
     this worker's probe runs while it is a straggler (0: it is not one); `evict`: the straggler rules say
     the group would train more without this host (`stragglers.worth_evicting`); `median`: the group's
     median probe (seconds per pass, 0: none yet) at `batch` rows a replica, what a host on probation is
-    measured against (every rank knows it alike; the chief's agent publishes it); `input`: the straggler is
-    slow waiting for its own input more than computing (`stragglers.cause`)."""
+    measured against (every rank knows it alike; the chief's agent publishes it)."""
     step: int
     progress: int
     beat: int
@@ -249,24 +248,22 @@ class Heartbeat:
     evict: bool = False
     median: float = 0.0
     batch: int = 0
-    input: bool = False
 
     def to_text(self) -> str:
-        return (f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {self.median!r} "
-                f"{self.batch} {int(self.input)}")
+        return f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {self.median!r} {self.batch}"
 
     @classmethod
     def from_text(cls, text: str) -> Optional["Heartbeat"]:
-        """The heartbeat `text` says (a worker of an older version writes 3, 5 or 7 fields); None if torn."""
+        """The heartbeat `text` says (a worker of an older version writes 3 or 5 fields); None if torn."""
         parts = text.split()
-        if len(parts) not in (3, 5, 7, 8) or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:]):
+        if len(parts) not in (3, 5, 7) or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:]):
             return None  # torn or foreign content: no news
         try:
             slow, median = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"]))
         except ValueError:
             return None
         return cls(*map(int, parts[:3]), slow=slow, evict=parts[4:5] == ["1"], median=median,
-                   batch=int((parts[6:] or ["0"])[0]), input=parts[7:] == ["1"])
+                   batch=int((parts[6:] or ["0"])[0]))
 
 
 def write_heartbeat(path: Path, heartbeat: Heartbeat) -> None:

@@ -3,10 +3,10 @@ TensorFlow: the worker feeds them its group's probes, and the agent acts on what
 
 In synchronous training every rank's step takes as long as the slowest's, so step times say nothing. Every
 rank instead times the same local forward and backward pass, with no collective, at the same step
-(`worker/probe.py`), and the share of the time its step waited for its own input (where the feed hands
-batches itself: a user's tf.data pipeline); its pace is the probe stretched by that wait (`paces`). The
-group's agreement hands every rank every rank's numbers, so every rank reaches the same verdicts from them.
-A rank whose pace is `factor` times the median's for `window` probes in a row is a straggler, and stays one
+(`worker/probe.py`); the group's agreement hands every rank every rank's probe, so every rank reaches the
+same verdicts from the same numbers. Where the feed hands the batches itself (a user's tf.data pipeline),
+the agreement also carries the share of the time each rank's step waited for its own input (`input_bound`).
+A rank `factor` times slower than the median for `window` probes in a row is a straggler, and stays one
 until it is back within the factor for `window` probes in a row (hysteresis): a slowdown must last `window`
 probe intervals. A slowdown every rank shares (a slow store, a slow network) moves the median with it and
 makes no straggler. Eviction
@@ -14,8 +14,7 @@ makes no straggler. Eviction
 over the next window, paying the measured cost of a round, and never goes below `min_workers`; an evicted
 host sits out a hold-off that doubles with each eviction (`hold_off`), so a host that keeps degrading does
 not flap, and then rejoins only once its own pass, timed alone, is back within the factor of the group's
-median (`back_within`; `agent/probation.py`). Probation times compute only: a host evicted for its input
-rejoins once its hold-off is over and its compute is fine, and leaves again if its input still lags.
+median (`back_within`; `agent/probation.py`).
 """
 import dataclasses
 import math
@@ -57,22 +56,13 @@ class ProbeSettings:
         return cls(float(every), float(seconds), StragglerRules(float(factor), int(window)), int(min_workers))
 
 
-# A rank's share of the time waiting for its own input counts up to this (a rank always waiting has no pace).
-MOST_WAITING = 0.95
-
-
-def paces(seconds: Sequence[float], waiting: Sequence[float]) -> List[float]:
-    """Each rank's time for its share of a step: its probe, stretched by the share of the time its step
-    waited for its own input (`waiting`, 0 to 1): a rank that waits half the time for its input goes at half
-    the pace its compute allows. 0 where it did not probe. What `StragglerWatch` and eviction weigh."""
-    return [s / (1.0 - min(max(w, 0.0), MOST_WAITING)) if s > 0 else 0.0 for s, w in zip(seconds, waiting)]
-
-
-def cause(seconds: Sequence[float], waiting: Sequence[float], rank: int) -> str:
-    """Why `rank` (a straggler) is slow: "input" where waiting for its own input slows it more than its compute, against
-    the median rank's, slows it; else "compute"."""
-    compute = slowness(seconds)[rank]
-    return "input" if 1.0 / (1.0 - min(max(waiting[rank], 0.0), MOST_WAITING)) > compute else "compute"
+def input_bound(waiting: Sequence[float], factor: float) -> List[int]:
+    """The ranks whose step waited for their own input (`waiting`: the share of the time, 0 to 1) at least
+    1 - 1/factor of the time: the group would go `factor` times faster if their input kept up. Not a
+    straggler's verdict: every host reads the whole pipeline, and in a synchronous group the slowest
+    input does all the waiting (the others wait in the collective), however little slower it is. So it is
+    reported, never evicted for."""
+    return [rank for rank, share in enumerate(waiting) if share >= 1.0 - 1.0 / factor]
 
 
 def slowness(seconds: Sequence[float]) -> List[float]:

@@ -198,11 +198,10 @@ class ElasticAgent:
         for worker in running:
             slow = worker.last.slow if worker.last else 0.0
             if slow and worker.rank not in self._slow:
-                cause = "input" if worker.last.input else "compute"
                 self.events.write(Event.STRAGGLER, round=round_.number, host=self.host_id, rank=worker.rank,
-                                  slowness=slow, cause=cause)
-                logging.warning("round %d: rank %d on %s is a straggler: it goes %.2fx slower than the group's "
-                                "median (%s)", round_.number, worker.rank, self.host_id, slow, cause)
+                                  slowness=slow, cause="compute")
+                logging.warning("round %d: rank %d on %s is a straggler: its probe takes %.2fx the group's median "
+                                "(compute)", round_.number, worker.rank, self.host_id, slow)
             elif not slow and worker.rank in self._slow:
                 self.events.write(Event.STRAGGLER_RECOVERED, round=round_.number, host=self.host_id, rank=worker.rank)
                 logging.info("round %d: rank %d on %s is no longer a straggler", round_.number, worker.rank,

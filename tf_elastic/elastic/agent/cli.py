@@ -91,9 +91,8 @@ flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent ech
 flags.DEFINE_float("probe_every_seconds", 10.0, "Seconds between the workers' straggler probes, each a timed "
                    "local forward and backward pass at a step the group agrees on (0: no probes).", lower_bound=0.0)
 flags.DEFINE_float("probe_seconds", 0.05, "How long each probe runs its passes.", lower_bound=0.001)
-flags.DEFINE_float("straggler_factor", 1.5, "A worker whose pace (its probe, stretched by the share of the time "
-                   "its step waited for its own input) is this many times the group's median, --straggler_window "
-                   "probes in a row, is a straggler (reported; evicted with --evict_stragglers).")
+flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this many times the group's median, "
+                   "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")
 flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clear) a straggler.", lower_bound=1)
 flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
                   "faster without (never below --min_workers); after --straggler_hold_off, rejoin once "

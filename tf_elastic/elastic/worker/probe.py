@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, cause, paces, worth_evicting
+from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, input_bound, worth_evicting
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
@@ -55,6 +55,7 @@ class GroupProbe:
         self._waits_since = time.monotonic()
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
+        self._input_bound: List[int] = []  # the ranks the group waited for, for their input, at the last probe
 
     @property
     def enabled(self) -> bool:
@@ -108,26 +109,39 @@ class GroupProbe:
         return spent
 
     def _read(self, seconds: List[float], hosts: List[float], waiting: List[float]) -> None:
-        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler and
-        why (its agent writes the event and the log line) and whether its host is worth evicting."""
-        pace = paces(seconds, waiting)
-        began, ended = self.watch.observe(pace)
+        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
+        agent writes the event and the log line) and whether its host is worth evicting. The chief logs the
+        ranks whose input the group waits for (`stragglers.input_bound`)."""
+        began, ended = self.watch.observe(seconds)
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
         PULSE.median, PULSE.batch = median, self.batch
         if self.world.is_chief:
             for rank in began:
-                logging.warning("rank %d is a straggler: it goes %.2fx slower than the median rank (%s; its probe "
-                                "%.4fs, the median's %.4fs; waiting for input %.0f%% of the time)", rank,
-                                self.watch.stragglers[rank], cause(seconds, waiting, rank), seconds[rank], median,
+                logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs (its step waited "
+                                "for its input %.0f%% of the time)", rank, self.watch.stragglers[rank], median,
                                 100 * waiting[rank])
             for rank in ended:
                 logging.info("rank %d is no longer a straggler", rank)
+            self._log_input_bound(input_bound(waiting, self.settings.rules.factor), waiting)
         mine = self.watch.stragglers.get(self.world.rank, 0.0)
         leaving = {rank for rank, key in enumerate(hosts) if key == hosts[self.world.rank]}
-        PULSE.slow, PULSE.input = mine, bool(mine) and cause(seconds, waiting, self.world.rank) == "input"
+        PULSE.slow = mine
         PULSE.evict = bool(mine) and self.round_seconds is not None and worth_evicting(
-            pace, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
+            seconds, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
+
+
+    def _log_input_bound(self, ranks: List[int], waiting: List[float]) -> None:
+        """(The chief.) A line when the ranks the group waits for, for their input, change."""
+        if ranks != self._input_bound:
+            if ranks:
+                logging.warning("the group waits for the input of rank(s) %s (%s of the time since the last probe): "
+                                "every host reads the whole tf.data pipeline, and the slowest host's sets the pace; "
+                                "a quicker pipeline, or a source each worker reads its share of, would help",
+                                ", ".join(map(str, ranks)), ", ".join(f"{100 * waiting[r]:.0f} %" for r in ranks))
+            else:
+                logging.info("the group no longer waits for a rank's input")
+        self._input_bound = ranks
 
 
 def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings) -> float:

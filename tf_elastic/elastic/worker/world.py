@@ -110,7 +110,7 @@ class Pulse:
 
     def __init__(self):
         self.step, self.progress, self.beats = 0, 0, 0
-        self.slow, self.evict, self.input = 0.0, False, False  # set by the straggler probe (`probe.GroupProbe`)
+        self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
         self.median, self.batch = 0.0, 0  # the group's median probe and its rows a replica (the same)
         self.world_at: Optional[float] = None  # when a warm worker received its round (`time.time()`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
@@ -124,7 +124,7 @@ class Pulse:
             self.beats += 1
             try:
                 write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats, self.slow, self.evict,
-                                                     self.median, self.batch, self.input))
+                                                     self.median, self.batch))
                 self._failing = False
             except OSError as error:
                 # A full or vanished host-local disk: the agent hears silence and restarts this worker.

@@ -119,7 +119,9 @@ class DatasetFeed:
 
     def state(self) -> bytes:
         """The iterator's checkpoint, the epoch's fresh one, the batches pulled but not trained and the
-        epoch's counts, in one string; once the pipeline failed, its error instead."""
+        epoch's counts, in one string; once the pipeline failed, its error instead. The time it takes (it
+        stops the pump) is no wait for input."""
+        began = time.monotonic()
         with self._pulling, self._lock:
             if self._failure is not None:  # the iterator is past a failed read, or holds its error: a restart
                 raise self._failure        # from it would skip those rows, or fail for ever
@@ -127,6 +129,8 @@ class DatasetFeed:
                      f"{self.batches} {self.trained_examples} {int(self._exhausted)} {self.global_batch}".encode()]
             for batch in self._queue:
                 parts += [tf.io.serialize_tensor(t).numpy() for t in tf.nest.flatten(batch, expand_composites=True)]
+            if self._starved_since is not None:
+                self._starved_since += time.monotonic() - began
         return tf.io.serialize_tensor(tf.constant(parts, tf.string)).numpy()
 
     def _restore(self, state: bytes) -> None:
@@ -234,7 +238,9 @@ class DatasetFeed:
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call: from a step's
         end with no batch handed ahead to the next batch handed (a reader's first batch not counted: it
-        waits for the start, not for the pipeline). What the straggler probe weighs besides compute."""
+        waits for the start, not for the pipeline; a commit's `state` not counted). Approximate: the time
+        after a step in callbacks counts while nothing is handed, and a call of several steps counts only
+        the wait for its first batch. What the straggler probe reports besides compute."""
         with self._lock:
             waited, self._input_wait = self._input_wait, 0.0
         return waited
