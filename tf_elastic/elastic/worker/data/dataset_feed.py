@@ -110,9 +110,11 @@ class DatasetFeed:
 
     def _checkpoint(self) -> bytes:
         """tf.data's checkpoint of the iterator. One that holds an error read ahead (`held_error`) is never
-        committed: that error becomes the feed's failure, raised here and by every later `state`."""
-        saved = _save(self._iterator)
-        self._failure = self._failure or held_error(saved)
+        committed: that error becomes the feed's failure, raised here and by every later `state`. After a
+        failed read nothing is saved: the iterator is past the rows it failed on."""
+        if self._failure is None:
+            saved = _save(self._iterator)
+            self._failure = held_error(saved)
         if self._failure is not None:
             raise self._failure
         return saved
@@ -123,8 +125,6 @@ class DatasetFeed:
         stops the pump) is no wait for input."""
         began = time.monotonic()
         with self._pulling, self._lock:
-            if self._failure is not None:  # the iterator is past a failed read, or holds its error: a restart
-                raise self._failure        # from it would skip those rows, or fail for ever
             parts = [self._checkpoint(), self._epoch_start,
                      f"{self.batches} {self.trained_examples} {int(self._exhausted)} {self.global_batch}".encode()]
             for batch in self._queue:
