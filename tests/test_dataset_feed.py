@@ -254,6 +254,42 @@ def test_a_mix_of_datasets_resumes_from_every_position_of_a_pass():
     assert "ok" in run_python(_MIX, timeout=60).stdout
 
 
+_ANCHOR = """
+import tensorflow as tf
+from test_dataset_feed import _bytes, _train
+from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+
+def mixed():  # `short` runs out at its 28th element, the 50th of 60
+    short, long = tf.data.Dataset.range(0, 28), tf.data.Dataset.range(100, 132)
+    return tf.data.Dataset.sample_from_datasets([short, long], weights=[0.5, 0.5], seed=3).batch(4)
+
+def run(commits):
+    state, trained, replayed = b"", [], []
+    for steps in commits:
+        feed = DatasetFeed(mixed())
+        feed.restore(0, 0, state)
+        replayed.append(feed.replayed)
+        trained += _train(feed, steps, 2, _bytes)
+        state = feed.state()
+    return trained, replayed
+
+clean, _ = run([100])
+assert len(clean) == 15
+every, replayed = run([1] * 16)
+assert every == clean and replayed[:9] == [0] * 9 and max(replayed) <= 4, replayed
+late, replayed = run([3, 10, 100])
+assert late == clean and replayed[:2] == [0, 0] and replayed[2] <= 10 + 4, replayed
+print("ok")
+"""
+
+
+def test_a_mix_restores_from_its_last_commit_before_an_input_ran_out_not_from_its_pass_start():
+    """Before any input of a mix ran out TensorFlow restores it exactly: nothing is read again. After, a
+    restore reads again only the batches since the last commit before it ran out (a replay from the
+    pass's start read 10 to 15 here, a commit at every batch)."""
+    assert "ok" in run_python(_ANCHOR, timeout=90).stdout
+
+
 def _reader_threads() -> set:
     import threading
 

@@ -1,12 +1,12 @@
 """Tests `tf_elastic/elastic/worker/data/iterator_state.py`: the error a tf.data checkpoint holds for an
-element its pipeline read ahead (TensorFlow's own ops, its own checkpoints)."""
+element its pipeline read ahead, and a mix whose input ran out (TensorFlow's own ops, its own checkpoints)."""
 import time
 
 import pytest
 import tensorflow as tf
 from tensorflow.python.ops import gen_dataset_ops
 
-from tf_elastic.elastic.worker.data.iterator_state import held_error
+from tf_elastic.elastic.worker.data.iterator_state import exhausted_mix, held_error
 
 
 def _saved_after(pipeline: tf.data.Dataset, batches: int) -> bytes:
@@ -67,5 +67,29 @@ def test_data_that_spells_the_keys_is_no_error():
     assert b"status.error_message" in saved and held_error(saved) is None
 
 
-def test_a_checkpoint_of_another_layout_is_taken_as_holding_no_error():
+def test_a_checkpoint_of_another_layout_is_taken_as_holding_no_error_and_an_exhausted_mix():
     assert held_error(b"\x0a\x05not a checkpoint") is None and held_error(b"") is None
+    assert exhausted_mix(b"\x0a\x05not a checkpoint") and exhausted_mix(b"")
+
+
+@pytest.mark.parametrize("mix", ["sample_from_datasets", "choose_from_datasets"])
+def test_a_mix_is_exhausted_from_the_read_that_ran_its_first_input_out_on(mix):
+    """Nested in a batch, with an unmixed pipeline beside it (`zip`) that is never counted; the pass's end
+    (the mix no longer saved) is no exhaustion."""
+    short, long = tf.data.Dataset.range(0, 3), tf.data.Dataset.range(10, 30)
+    mixed = (tf.data.Dataset.sample_from_datasets([short, long], weights=[0.5, 0.5], seed=1)
+             if mix == "sample_from_datasets"
+             else tf.data.Dataset.choose_from_datasets([short, long], tf.data.Dataset.range(2).repeat(12),
+                                                  stop_on_empty_dataset=False))
+    pipeline = _unbatched(tf.data.Dataset.zip(mixed, tf.data.Dataset.range(100)).batch(1))
+    seen, verdicts = [], []
+    iterator = iter(pipeline)
+    for batch in iterator:
+        saved = gen_dataset_ops.serialize_iterator(iterator._iterator_resource, external_state_policy=2)
+        verdicts.append(exhausted_mix(tf.io.serialize_tensor(saved).numpy()))
+        seen.append(int(batch[0][0]))
+    # Exhausted once all of `short` was read and the next read found it empty (the mix reads an input only when
+    # its selector picks it): from the read after its last element that picked it, on.
+    last_short = max(k for k, value in enumerate(seen) if value < 10)
+    ran_out = next(k for k in range(last_short + 1, len(seen)) if verdicts[k]) if any(verdicts) else None
+    assert not any(verdicts[:last_short + 1]) and ran_out is not None and all(verdicts[ran_out:-1]), verdicts

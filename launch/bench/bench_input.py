@@ -16,9 +16,10 @@
    as a `TFRecordSource` under `elastic.fit` (each worker reads only its share, by index), at 1, 2 and 4
    workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed position (`DatasetFeed.state`)
    with shuffle buffers of 1k and 10k images: its bytes against the buffer's, the time to make it, and a
-   restart's time from the state to its first batch; and a restart half a pass in, of the pipeline alone
-   (tf.data restores it) and of two copies mixed by `sample_from_datasets`
-   (replayed up to the commit: TensorFlow 2.21 restores such a mix wrongly).
+   restart's time from the state to its first batch; and a restart three quarters of a pass in, of the
+   pipeline alone and of two copies mixed by `sample_from_datasets`, restored from the state, and of a mix
+   whose input ran out before the commit, read forward from the last commit before that (TensorFlow 2.21
+   restores such a mix wrongly).
 """
 import functools
 import os
@@ -278,29 +279,35 @@ def pipeline_state(root: Path, buffer: int) -> tuple:
 
 
 def replay_cost(root: Path, buffer: int) -> List[tuple]:
-    """(pipeline, batches read before the commit, seconds from its state to a restarted feed's first batch),
-    half a pass in: the pipeline alone, which tf.data's state restores, and two copies of it mixed by
-    `sample_from_datasets`, which `DatasetFeed` restores by replaying the pass up to the commit (TensorFlow
-    2.21 restores such a mix wrongly)."""
+    """(pipeline, batches read before the last commit, batches read again, seconds from its state to a
+    restarted feed's first batch), committed at a quarter and at three quarters of a pass: the pipeline
+    alone, which tf.data's state restores; two copies of it mixed by `sample_from_datasets`, restored from
+    the state as well while every input lasts; and a mix whose shorter input (a sixth of the batches) ran
+    out between the commits, which `DatasetFeed` restores from the first commit and reads forward
+    (TensorFlow 2.21 restores a mix wrongly once an input ran out)."""
     import tensorflow as tf
 
     from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 
     one = functools.partial(_state_pipeline, root, buffer)
-    makers = {"alone": one, "mixed (replayed)": lambda: tf.data.Dataset.sample_from_datasets(
-        [one(), one()], weights=[0.5, 0.5], seed=1)}
+    batches = sum(1 for _ in one())
+    makers = {"alone": one, "mixed, every input lasting": lambda: tf.data.Dataset.sample_from_datasets(
+        [one(), one()], weights=[0.5, 0.5], seed=1), "mixed, an input run out": lambda: (
+        tf.data.Dataset.sample_from_datasets([one(), one().take(batches // 5)], weights=[0.5, 0.5], seed=1))}
     rows = []
     for name, make in makers.items():
-        half = sum(1 for _ in make()) // 2
+        passed = sum(1 for _ in make())
         feed = DatasetFeed(make())
         feed.start(b"", 0)
-        for _ in range(half):
+        for _ in range(passed * 3 // 4):
             feed.trained(len(list(feed.replica_dataset(1, 0, 1).take(1))))
+            if feed.batches == passed // 4:
+                feed.state()
         state, started = feed.state(), time.perf_counter()
         restarted = DatasetFeed(make())
         restarted.start(state, 0)
         restarted.first_rows()
-        rows.append((name, half, time.perf_counter() - started))
+        rows.append((name, feed.batches, restarted.replayed, time.perf_counter() - started))
     return rows
 
 
@@ -350,10 +357,12 @@ def print_pipeline_tables(root: Path) -> None:
         state, held, made, restart = pipeline_state(root, buffer)
         print(f"| {buffer} | {state:.1f} | {held:.1f} | {state - held:.2f} | {made:.3f} | {restart:.3f} |", flush=True)
     if buffers:
-        print(f"\nA restart half a pass in (shuffle buffer {buffers[0]}): restored, or replayed up to the commit")
-        print("| pipeline | batches before the commit | restart to first batch s |\n|---|---|---|")
-        for name, batches, seconds in replay_cost(root, buffers[0]):
-            print(f"| {name} | {batches} | {seconds:.3f} |", flush=True)
+        print(f"\nA restart three quarters of a pass in, after commits there and at a quarter (shuffle buffer "
+              f"{buffers[0]}): restored, or a mix read forward from its last commit before an input ran out")
+        print("| pipeline | batches before the commit | batches read again | restart to first batch s |\n"
+              "|---|---|---|---|")
+        for name, batches, replayed, seconds in replay_cost(root, buffers[0]):
+            print(f"| {name} | {batches} | {replayed} | {seconds:.3f} |", flush=True)
 
 
 def main(argv):

@@ -8,7 +8,10 @@ tf.data's own iterator checkpoint (shuffle buffers, interleave cursors, filter p
 plus the global batches handed ahead of the last step trained (at most `steps_per_execution` + 2, see
 `replica_dataset`): with them the next round trains exactly the batches a run without faults would, in
 its order. Rows are dealt to the replicas of the moment as evenly as possible (replica q of R takes rows
-[q*n//R, (q+1)*n//R)).
+[q*n//R, (q+1)*n//R)). Not its share only: that needs random access (`tf.data.experimental.at`), which
+TensorFlow 2.21 refuses for file readers, `interleave`, `shuffle`, `filter`, mixes and a `map` fused into a
+`batch`, and which crashed the process (a segmentation fault) where it was allowed (slices and a `map`),
+once a dataset reading by index was iterated again or the process ended; a `Source` is the share-only path.
 
 Each epoch is one pass over the dataset with an iterator of its own, as `model.fit` makes them. TensorFlow
 restores a mid-epoch iterator exactly, but one saved after its shuffle's input ran out leaves the
@@ -17,11 +20,13 @@ shuffle restored a wrong next pass, seeded or not), so the epoch's fresh iterato
 and restored last: the next epoch's reshuffle then draws the seeds a run without faults drew.
 
 A mix of datasets (`sample_from_datasets`, `choose_from_datasets`: TensorFlow's DirectedInterleave) is
-restored wrongly by TensorFlow 2.21: the restored iterator keeps counting inputs that had run out as active,
-so once the rest run out it draws from its selector for ever and the read never returns (it stopped a
-two-worker job for good; three mixed `range`s of 32 hung at the pass's end from 2 of 14 saved positions). Such a
-pipeline is restored by replay instead: the epoch's fresh iterator state, then as many batches read again as
-the saved one had read (up to one pass of the pipeline, read and dropped).
+restored wrongly by TensorFlow 2.21 once one of its inputs ran out: the restored iterator keeps counting
+inputs that had run out as active, so once the rest run out it draws from its selector for ever and the read
+never returns (it stopped a two-worker job for good; three mixed `range`s of 32 hung at the pass's end from
+2 of 14 saved positions). Before any input ran out it restores exactly. So such a pipeline commits its newest
+checkpoint taken before an input ran out (its anchor: the epoch's fresh iterator at worst) and how many
+batches the pass had read at it; a restore reads the batches since then again (none while every input
+lasts; from the first input's end on, the batches since the last commit before it).
 
 What tf.data cannot save (a Python generator, `from_generator`, `py_function`) or cannot repeat (a
 pipeline with `deterministic=False`) is refused before the first step (`ConfigurationError`).
@@ -39,7 +44,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.ops import gen_data_flow_ops, gen_dataset_ops
 
 from tf_elastic.elastic.worker.data.feed import local_replicas
-from tf_elastic.elastic.worker.data.iterator_state import held_error
+from tf_elastic.elastic.worker.data.iterator_state import exhausted_mix, held_error
 from tf_elastic.elastic.worker.data.source import digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -53,13 +58,15 @@ class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
-        self._replay = _check_pipeline(dataset)  # a mix TensorFlow restores wrongly: replay the epoch instead
+        self._replay = _check_pipeline(dataset)  # a mix: restored from its anchor (module docstring)
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self._flat_specs = tf.nest.flatten(any_rows(dataset.element_spec), expand_composites=True)
         self._lock = threading.Lock()  # the queue and counts: held briefly (a step's callback takes it)
         self._pulling = threading.Lock()  # the iterator: held while the user's pipeline makes a batch
         self._iterator: Optional[Iterator] = None
         self._epoch_start = b""  # the epoch's iterator as it was made: its reshuffle seeds
+        self._anchor: Tuple[bytes, int] = (b"", 0)  # a mix: its restorable checkpoint, batches read at it
+        self.replayed = 0  # batches read again to restore the last committed state (a mix's, past its anchor)
         self._exhausted = False
         self._queue: Deque[Any] = collections.deque()  # pulled (or restored) global batches not yet trained
         self._handed = 0  # of the queue, those the newest reader handed to the replicas
@@ -107,6 +114,7 @@ class DatasetFeed:
     def _new_iterator(self) -> None:
         self._iterator, self._exhausted = iter(self.dataset), False
         self._epoch_start = self._checkpoint()
+        self._anchor = (self._epoch_start, 0)
 
     def _checkpoint(self) -> bytes:
         """tf.data's checkpoint of the iterator. One that holds an error read ahead (`held_error`) is never
@@ -120,13 +128,17 @@ class DatasetFeed:
         return saved
 
     def state(self) -> bytes:
-        """The iterator's checkpoint, the epoch's fresh one, the batches pulled but not trained and the
-        epoch's counts, in one string; once the pipeline failed, its error instead. The time it takes (it
-        stops the pump) is no wait for input."""
+        """The iterator's checkpoint (a mix's anchor), the epoch's fresh one, the batches pulled but not
+        trained and the epoch's counts, in one string; once the pipeline failed, its error instead. The time
+        it takes (it stops the pump) is no wait for input."""
         began = time.monotonic()
         with self._pulling, self._lock:
-            parts = [self._checkpoint(), self._epoch_start,
-                     f"{self.batches} {self.trained_examples} {int(self._exhausted)} {self.global_batch}".encode()]
+            saved, read = self._checkpoint(), self.batches + len(self._queue)
+            if self._replay and not exhausted_mix(saved):
+                self._anchor = (saved, read)
+            saved, at = self._anchor if self._replay else (saved, read)
+            parts = [saved, self._epoch_start, f"{self.batches} {self.trained_examples} {int(self._exhausted)} "
+                     f"{self.global_batch} {at}".encode()]
             for batch in self._queue:
                 parts += [tf.io.serialize_tensor(t).numpy() for t in tf.nest.flatten(batch, expand_composites=True)]
             if self._starved_since is not None:
@@ -135,20 +147,24 @@ class DatasetFeed:
 
     def _restore(self, state: bytes) -> None:
         parts = tf.io.parse_tensor(state, tf.string).numpy().tolist()
-        batches, examples, exhausted, self.global_batch = (int(n) for n in parts[2].split())
+        batches, examples, exhausted, self.global_batch, *at = (int(n) for n in parts[2].split())
         self.batches, self.trained_examples, self._exhausted = batches, examples, bool(exhausted)
         width = len(self._flat_specs)
-        for at in range(3, len(parts), width):
-            flat = [tf.io.parse_tensor(blob, spec.dtype) for blob, spec in zip(parts[at:at + width], self._flat_specs)]
+        for first in range(3, len(parts), width):
+            flat = [tf.io.parse_tensor(blob, spec.dtype)
+                    for blob, spec in zip(parts[first:first + width], self._flat_specs)]
             self._queue.append(tf.nest.pack_sequence_as(self.dataset.element_spec, flat, expand_composites=True))
-        if self._replay:  # from the epoch's start (its reshuffle seeds with it), the batches trained and queued
-            self._iterator = _restored(self.dataset, parts[1])
-            for _ in range(batches + len(self._queue)):
-                next(self._iterator, None)
-        else:
-            self._iterator = _restored(self.dataset, parts[0])
-            _restored(self.dataset, parts[1])  # last: the reshuffle seeds as the epoch's start left them
-        self._epoch_start = parts[1]
+        at = at[0] if at else 0  # a commit older than anchors: a mix replays from the epoch's start
+        anchor = parts[0] if at or not self._replay else parts[1]
+        self._iterator = _restored(self.dataset, anchor)
+        self.replayed = batches + len(self._queue) - at if self._replay else 0
+        for _ in range(self.replayed):
+            next(self._iterator, None)
+        if self.replayed:
+            logging.info("x: a mix of datasets restored by reading %d batches again (since its last commit "
+                         "before an input ran out)", self.replayed)
+        _restored(self.dataset, parts[1])  # last: the reshuffle seeds as the epoch's start left them
+        self._epoch_start, self._anchor = parts[1], (anchor, at)
 
     # Feeding --------------------------------------------------------------------------------------
     def steps(self) -> Optional[int]:

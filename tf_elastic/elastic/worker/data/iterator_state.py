@@ -1,4 +1,5 @@
-"""Whether a tf.data iterator's checkpoint holds an error, which restoring it would raise on every restart.
+"""What a tf.data iterator's checkpoint holds that restoring it would get wrong: an error it read ahead, which
+every restart would raise again (`held_error`), and a mix whose input ran out (`exhausted_mix`).
 
 tf.data's ops read ahead of the consumer (`prefetch`, a fused `map` and `batch`, a parallel `batch`) and save
 what they read ahead with the checkpoint, a failed read included: its status code and message. Restored,
@@ -39,26 +40,58 @@ def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
     """The error `saved` (a serialized iterator checkpoint) holds for an element read ahead, or None. Reads
     the parts' keys only (a shuffle buffer's megabytes are skipped, not copied). A checkpoint whose layout
     is not the one described above is taken as holding none (logged once)."""
-    try:
-        parts = list(_parts(memoryview(saved)))
-    except (DecodeError, KeyError, IndexError, ValueError) as error:
-        parts = []
-        _unknown_layout(error)
-    for name, keys, part in parts:
+    for name, keys, part in _known_parts(saved) or []:
         for key in keys:
             suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
             if suffix is None or any(op in name + key for op in _MAY_NOT_RAISE):
                 continue
             try:
-                values = dict(zip(keys, _values(tensor_pb2.VariantTensorDataProto.FromString(bytes(part)).tensors)))
+                values = _part_values(keys, part)
                 code = int(np.asarray(values[key[:-len(suffix)] + _MESSAGE_KEYS[suffix]]))
                 text = np.asarray(values[key]).item().decode(errors="replace")
-            except (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError,
-                    tf.errors.OpError) as error:
+            except _LAYOUT_ERRORS as error:
                 _unknown_layout(error)
                 continue
             return errors_impl.exception_type_from_error_code(code)(None, None, text)
     return None
+
+
+def exhausted_mix(saved: bytes) -> bool:
+    """Whether a mix of datasets in `saved` (`sample_from_datasets`, `choose_from_datasets`: the op
+    DirectedInterleave, which writes "data_input_impl_empty[i]" as 0 or 1 for each input) had an input run
+    out. TensorFlow 2.21 restores such a mix wrongly (it counts the inputs that ran out as active, see
+    `dataset_feed`), one with all its inputs exactly. True where the layout is not the one known."""
+    parts = _known_parts(saved)
+    if parts is None:
+        return True
+    for name, keys, part in parts:
+        if name.rsplit(b"::", 1)[-1] != b"DirectedInterleave":
+            continue
+        try:
+            values = _part_values(keys, part)
+            if any(int(np.asarray(value)) for key, value in values.items() if b"data_input_impl_empty[" in key):
+                return True
+        except _LAYOUT_ERRORS as error:
+            _unknown_layout(error)
+            return True
+    return False
+
+
+_LAYOUT_ERRORS = (DecodeError, KeyError, IndexError, ValueError, TypeError, AttributeError, tf.errors.OpError)
+
+
+def _known_parts(saved: bytes) -> Optional[List[Tuple[bytes, List[bytes], memoryview]]]:
+    """`_parts`, or None where the layout is not the one known (logged once)."""
+    try:
+        return list(_parts(memoryview(saved)))
+    except (DecodeError, KeyError, IndexError, ValueError) as error:
+        _unknown_layout(error)
+        return None
+
+
+def _part_values(keys: List[bytes], part: memoryview) -> dict:
+    """A part's values by key."""
+    return dict(zip(keys, _values(tensor_pb2.VariantTensorDataProto.FromString(bytes(part)).tensors)))
 
 
 def _unknown_layout(error: Exception) -> None:
