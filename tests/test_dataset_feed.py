@@ -290,6 +290,25 @@ def test_a_mix_restores_from_its_last_commit_before_an_input_ran_out_not_from_it
     assert "ok" in run_python(_ANCHOR, timeout=90).stdout
 
 
+def test_only_a_mix_that_reads_every_input_to_its_end_counts_as_draining_them():
+    """Where every mix drains its inputs, an error one of them read ahead is refused in a commit
+    (`iterator_state.held_error`); a mix that may end first, or one the Python objects do not show, not."""
+    a, b = tf.data.Dataset.range(3), tf.data.Dataset.range(10, 20)
+
+    def sample(**options):
+        return tf.data.Dataset.sample_from_datasets([a, b], seed=1, **options)
+
+    def drains(dataset) -> bool:
+        return DatasetFeed(dataset)._mixes_drain
+
+    assert drains(a.batch(2)) and drains(sample().batch(2).prefetch(1))
+    assert drains(tf.data.Dataset.sample_from_datasets([sample(), b], seed=2))
+    assert not drains(sample(stop_on_empty_dataset=True))
+    choices = tf.data.Dataset.from_tensor_slices(tf.constant([0, 1, 1, 0], tf.int64))  # ends after four
+    assert not drains(tf.data.Dataset.choose_from_datasets([a, b], choices, stop_on_empty_dataset=False))
+    assert not drains(tf.data.Dataset.range(2).interleave(lambda i: sample(), deterministic=True))
+
+
 def _reader_threads() -> set:
     import threading
 

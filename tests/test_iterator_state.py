@@ -60,6 +60,19 @@ def test_an_error_read_ahead_where_the_pipeline_may_never_raise_it_is_none_held(
     assert held_error(_saved_after(shape(_numbers("twenty-one")), 8)) is None
 
 
+def test_an_error_a_mixs_input_read_ahead_is_held_where_the_mix_reads_every_input_to_its_end():
+    """`sample_from_datasets` reads each input only when it picks it, and each to its end (its selector
+    never ends): a commit would restart into the error. Where a mix may end first, it is not counted."""
+    numbers = _numbers("twenty-one").map(tf.strings.to_number, num_parallel_calls=8, deterministic=True)
+    rest = tf.data.Dataset.range(40, 80).map(lambda i: tf.cast(i, tf.float32))
+    tf.random.set_seed(3)  # the selector's draws: 16 of the first 18 rows from `numbers` (the 22nd is row 24)
+    mix = tf.data.Dataset.sample_from_datasets([numbers, rest], [0.9, 0.1], seed=1)
+    saved = _saved_after(_unbatched(mix.batch(2)), 9)  # read ahead by the input's parallel map only
+    error = held_error(saved, mixes_drain=True)
+    assert isinstance(error, tf.errors.InvalidArgumentError) and "twenty-one" in error.message, error
+    assert held_error(saved) is None
+
+
 def test_data_that_spells_the_keys_is_no_error():
     """A string element that holds the key names TensorFlow writes for an error is data, not an error."""
     words = tf.data.Dataset.from_tensor_slices(["status.error_message", "x_status_msg"] * 8).batch(2).prefetch(4)

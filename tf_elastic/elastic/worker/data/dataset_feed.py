@@ -41,6 +41,7 @@ import tensorflow as tf
 from absl import logging
 from google.protobuf.message import DecodeError
 from tensorflow.python.data.ops import options as options_lib
+from tensorflow.python.data.ops.directed_interleave_op import _DirectedInterleaveDataset as DirectedInterleaveDataset
 from tensorflow.python.ops import gen_data_flow_ops, gen_dataset_ops
 
 from tf_elastic.elastic.worker.data.feed import local_replicas
@@ -58,7 +59,9 @@ class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
-        self._replay = _check_pipeline(dataset)  # a mix: restored from its anchor (module docstring)
+        mixes = _check_pipeline(dataset)
+        self._replay = any(not node.attr["stop_on_empty_dataset"].b for node in mixes)  # restored from its anchor
+        self._mixes_drain = _mixes_drain(dataset, len(mixes))  # an error a mix's input read ahead is raised
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         self._flat_specs = tf.nest.flatten(any_rows(dataset.element_spec), expand_composites=True)
         self._lock = threading.Lock()  # the queue and counts: held briefly (a step's callback takes it)
@@ -122,7 +125,7 @@ class DatasetFeed:
         failed read nothing is saved: the iterator is past the rows it failed on."""
         if self._failure is None:
             saved = _save(self._iterator)
-            self._failure = held_error(saved)
+            self._failure = held_error(saved, self._mixes_drain)
         if self._failure is not None:
             raise self._failure
         return saved
@@ -397,10 +400,11 @@ class DatasetFeed:
         return self._batch(at)
 
 
-def _check_pipeline(dataset: tf.data.Dataset) -> bool:
+def _check_pipeline(dataset: tf.data.Dataset) -> list:
     """Refuses, in one line, what cannot be resumed exactly: state tf.data cannot checkpoint, an order that
     is not repeatable, and repeats (found in the pipeline's graph, before any iterator is made); returns
-    whether it mixes datasets in a way TensorFlow restores wrongly (see the module's docstring). The graph
+    the graph's mixes of datasets (their `NodeDef`s: TensorFlow restores some wrongly, see the module's
+    docstring; none where the graph is not read). The graph
     holds the arrays of a `from_tensor_slices`: serializing it costs a copy of them once (22 s for 2.4 GB
     measured here), which arrays passed as x and y do not."""
     try:
@@ -416,7 +420,7 @@ def _check_pipeline(dataset: tf.data.Dataset) -> bool:
     except DecodeError:  # over protobuf's 2 GB: arrays held in the graph (`from_tensor_slices` of large arrays)
         logging.warning("x: the tf.data pipeline's graph is over 2 GB (arrays inside it?): its order and repeats "
                         "are not checked; pass large arrays as x and y instead")
-        return False
+        return []
     nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
     unordered = sorted({node.op for node in nodes if node.attr["deterministic"].s == b"false"
                         or node.attr["sloppy"].b} | ({"options"} if dataset.options().deterministic is False
@@ -428,7 +432,27 @@ def _check_pipeline(dataset: tf.data.Dataset) -> bool:
     if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY or any(node.op == "RepeatDataset" for node in nodes):
         raise ConfigurationError("x: the tf.data pipeline repeats (.repeat()): an epoch is one pass over it (give "
                                  "epochs), and TensorFlow restores a repeated reshuffle wrongly at some positions.")
-    return any(node.op in _MIXES and not node.attr["stop_on_empty_dataset"].b for node in nodes)
+    return [node for node in nodes if node.op in _MIXES]
+
+
+def _mixes_drain(dataset: tf.data.Dataset, in_graph: int) -> bool:
+    """Whether every mix of datasets in the pipeline (`in_graph` of them) reads each of its inputs to its
+    end: an error an input read ahead is then raised when the mix reaches it, as anywhere else, and a commit
+    holding it is refused (`held_error`). So `sample_from_datasets` (its selector never ends) without
+    `stop_on_empty_dataset`; not a mix that stops at its first empty input or whose selector ends
+    (`choose_from_datasets`), nor one the pipeline's Python objects do not show (built inside a function)."""
+    found, seen, stack = [], set(), [dataset]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, DirectedInterleaveDataset):
+            found.append(node)
+        stack.extend(node._inputs())
+    return len(found) == in_graph and all(
+        not mix._stop_on_empty_dataset and int(mix._selector_input.cardinality()) == tf.data.INFINITE_CARDINALITY
+        for mix in found)
 
 
 def _hand(queue: tf.Tensor, parts: List[Any]) -> bool:

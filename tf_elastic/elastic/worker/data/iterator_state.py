@@ -14,7 +14,8 @@ parts); a part's `metadata` is its name and its keys joined by "@@"; its values 
 that failed to make an element writes a message key beside its status code: "X.error_message" or
 "X_error_message" beside "X.code" or "X_code" (`prefetch`, parallel `map` and `interleave`, most ops),
 "X_status_msg" beside "X_status_code" (map-and-batch, parallel batch); one under an op that may never raise
-it (`_MAY_NOT_RAISE`: `ignore_errors`, `take`, `zip`, ...) is not counted. Only the parts' keys are read,
+it (`_MAY_NOT_RAISE`: `ignore_errors`, `take`, `zip`, ..., a mix's input unless the mix drains them
+all) is not counted. Only the parts' keys are read,
 and only a part with such a key is decoded.
 """
 from typing import Iterator, List, Optional, Sequence, Tuple
@@ -30,20 +31,23 @@ from tensorflow.python.ops import gen_experimental_dataset_ops
 # A message key's suffix, and its status code key's suffix in its place.
 _MESSAGE_KEYS = {b"error_message": b"code", b"_status_msg": b"_status_code"}
 # An error read ahead under one of these ops may never be raised: `ignore_errors` skips it, and `take`,
-# `take_while`, `zip` (at its shortest input) and a mix's inputs may end before they reach it. Not refused:
-# a commit holding such an error restarts into it only if the pipeline would have raised it anyway.
-_MAY_NOT_RAISE = (b"::IgnoreErrors::", b"::FiniteTake::", b"::Take::", b"::TakeWhile::", b"::Zip[",
-                  b"::DirectedInterleave[")
+# `take_while`, `zip` (at its shortest input) and a mix's inputs (unless it drains them all) may end before
+# they reach it. Not refused: a commit holding such an error restarts into it only if the pipeline would
+# have raised it anyway.
+_MAY_NOT_RAISE = (b"::IgnoreErrors::", b"::FiniteTake::", b"::Take::", b"::TakeWhile::", b"::Zip[")
+_MIX_INPUT = b"::DirectedInterleave["
 
 
-def held_error(saved: bytes) -> Optional[tf.errors.OpError]:
-    """The error `saved` (a serialized iterator checkpoint) holds for an element read ahead, or None. Reads
-    the parts' keys only (a shuffle buffer's megabytes are skipped, not copied). A checkpoint whose layout
-    is not the one described above is taken as holding none (logged once)."""
+def held_error(saved: bytes, mixes_drain: bool = False) -> Optional[tf.errors.OpError]:
+    """The error `saved` (a serialized iterator checkpoint) holds for an element read ahead, or None; one
+    under a mix's input only where every mix reads its inputs to their ends (`mixes_drain`). Reads the
+    parts' keys only (a shuffle buffer's megabytes are skipped, not copied). A checkpoint whose layout is
+    not the one described above is taken as holding none (logged once)."""
+    skipped = _MAY_NOT_RAISE if mixes_drain else (*_MAY_NOT_RAISE, _MIX_INPUT)
     for name, keys, part in _known_parts(saved) or []:
         for key in keys:
             suffix = next((s for s in _MESSAGE_KEYS if key.endswith(s)), None)
-            if suffix is None or any(op in name + key for op in _MAY_NOT_RAISE):
+            if suffix is None or any(op in name + key for op in skipped):
                 continue
             try:
                 values = _part_values(keys, part)
