@@ -309,6 +309,13 @@ def test_only_a_mix_that_reads_every_input_to_its_end_counts_as_draining_them():
     assert not drains(tf.data.Dataset.range(2).interleave(lambda i: sample(), deterministic=True))
 
 
+def test_the_chief_of_four_or_more_workers_says_what_reading_the_whole_pipeline_costs(caplog):
+    for size, rank, said in [(4, 0, True), (4, 1, False), (2, 0, False)]:
+        caplog.clear()
+        DatasetFeed(tf.data.Dataset.range(8).batch(4), size, rank)
+        assert ("4 times the input work of a sharded read" in caplog.text) == said, (size, rank)
+
+
 def _reader_threads() -> set:
     import threading
 
