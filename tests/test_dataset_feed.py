@@ -316,6 +316,24 @@ def test_the_chief_of_four_or_more_workers_says_what_reading_the_whole_pipeline_
         assert ("4 times the input work of a sharded read" in caplog.text) == said, (size, rank)
 
 
+def test_a_restore_while_a_reader_pulls_keeps_no_batch_of_the_iterator_before_it():
+    """The reader's thread is inside the pipeline (0.4 s a batch) when the feed is restored to a commit:
+    the batch it was making belongs to the old iterator and must not be trained after the restore."""
+    import time
+
+    from tensorflow.python.data.experimental.ops import testing
+
+    feed = DatasetFeed(tf.data.Dataset.range(6).apply(testing.sleep(400_000)).batch(1))
+    feed.restore(0, 0, b"")
+    committed = feed.state()
+    reader = iter(feed.replica_dataset(1, 0, 1))
+    assert int(_within(30, lambda: next(reader))[0]) == 0
+    feed.trained(1)
+    time.sleep(0.1)  # the reader's thread pulls the batches after it
+    feed.restore(0, 0, committed)
+    assert _train(feed, 100, 1, lambda pieces: int(pieces[0][0])) == list(range(6))
+
+
 def _reader_threads() -> set:
     import threading
 

@@ -26,7 +26,10 @@ never returns (it stopped a two-worker job for good; three mixed `range`s of 32 
 2 of 14 saved positions). Before any input ran out it restores exactly. So such a pipeline commits its newest
 checkpoint taken before an input ran out (its anchor: the epoch's fresh iterator at worst) and how many
 batches the pass had read at it; a restore reads the batches since then again (none while every input
-lasts; from the first input's end on, the batches since the last commit before it).
+lasts; from the first input's end on, the batches since the last commit before it). Inputs run out in the
+checkpoint as far ahead of the step as tf.data reads (a `shuffle` after the mix: a buffer ahead), so on
+each worker at its own time; every worker trains the same batches either way. A pipeline whose graph is
+not read (over 2 GB) is taken as such a mix.
 
 What tf.data cannot save (a Python generator, `from_generator`, `py_function`) or cannot repeat (a
 pipeline with `deterministic=False`) is refused before the first step (`ConfigurationError`).
@@ -62,9 +65,9 @@ class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
-        mixes = _check_pipeline(dataset)
-        self._replay = any(not node.attr["stop_on_empty_dataset"].b for node in mixes)  # restored from its anchor
-        self._mixes_drain = _mixes_drain(dataset, len(mixes))  # an error a mix's input read ahead is raised
+        mixes = _check_pipeline(dataset)  # None: its graph was not read (any mix in it is taken as restored wrongly)
+        self._anchored = mixes is None or any(not node.attr["stop_on_empty_dataset"].b for node in mixes)
+        self._mixes_drain = mixes is not None and _mixes_drain(dataset, len(mixes))  # a held error there is raised
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         if rank == 0 and world_size >= _SAY_WHOLE_READ_COST_FROM:
             logging.warning("x: each of the %d workers reads the whole tf.data pipeline and trains 1/%d of each "
@@ -113,13 +116,15 @@ class DatasetFeed:
     # Position -------------------------------------------------------------------------------------
     def start(self, state: bytes, epoch: int) -> None:
         """Positions the feed where a commit left it (`state`; empty: the start of `epoch` with nothing
-        committed, after `epoch` fresh iterators as a run without faults made them)."""
+        committed, after `epoch` fresh iterators as a run without faults made them). A pull of the reader
+        closed here ends first: it must not leave its batch in the new queue."""
         self.close()
-        for _ in range(0 if state else epoch):
-            iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
-        self._queue.clear()
-        self._handed = self.batches = self.trained_examples = 0
-        self._restore(state) if state else self._new_iterator()
+        with self._pulling:
+            for _ in range(0 if state else epoch):
+                iter(self.dataset)  # each draws the seeds of one epoch's reshuffle
+            self._queue.clear()
+            self._handed = self.batches = self.trained_examples = 0
+            self._restore(state) if state else self._new_iterator()
 
     def _new_iterator(self) -> None:
         self._iterator, self._exhausted = iter(self.dataset), False
@@ -144,9 +149,9 @@ class DatasetFeed:
         began = time.monotonic()
         with self._pulling, self._lock:
             saved, read = self._checkpoint(), self.batches + len(self._queue)
-            if self._replay and not exhausted_mix(saved):
+            if self._anchored and not exhausted_mix(saved):
                 self._anchor = (saved, read)
-            saved, at = self._anchor if self._replay else (saved, read)
+            saved, at = self._anchor if self._anchored else (saved, read)
             parts = [saved, self._epoch_start, f"{self.batches} {self.trained_examples} {int(self._exhausted)} "
                      f"{self.global_batch} {at}".encode()]
             for batch in self._queue:
@@ -165,9 +170,9 @@ class DatasetFeed:
                     for blob, spec in zip(parts[first:first + width], self._flat_specs)]
             self._queue.append(tf.nest.pack_sequence_as(self.dataset.element_spec, flat, expand_composites=True))
         at = at[0] if at else 0  # a commit older than anchors: a mix replays from the epoch's start
-        anchor = parts[0] if at or not self._replay else parts[1]
+        anchor = parts[0] if at or not self._anchored else parts[1]
         self._iterator = _restored(self.dataset, anchor)
-        self.replayed = batches + len(self._queue) - at if self._replay else 0
+        self.replayed = batches + len(self._queue) - at if self._anchored else 0
         for _ in range(self.replayed):
             next(self._iterator, None)
         if self.replayed:
@@ -407,11 +412,11 @@ class DatasetFeed:
         return self._batch(at)
 
 
-def _check_pipeline(dataset: tf.data.Dataset) -> list:
+def _check_pipeline(dataset: tf.data.Dataset) -> Optional[list]:
     """Refuses, in one line, what cannot be resumed exactly: state tf.data cannot checkpoint, an order that
     is not repeatable, and repeats (found in the pipeline's graph, before any iterator is made); returns
     the graph's mixes of datasets (their `NodeDef`s: TensorFlow restores some wrongly, see the module's
-    docstring; none where the graph is not read). The graph
+    docstring; None where the graph is not read). The graph
     holds the arrays of a `from_tensor_slices`: serializing it costs a copy of them once (22 s for 2.4 GB
     measured here), which arrays passed as x and y do not."""
     try:
@@ -427,7 +432,7 @@ def _check_pipeline(dataset: tf.data.Dataset) -> list:
     except DecodeError:  # over protobuf's 2 GB: arrays held in the graph (`from_tensor_slices` of large arrays)
         logging.warning("x: the tf.data pipeline's graph is over 2 GB (arrays inside it?): its order and repeats "
                         "are not checked; pass large arrays as x and y instead")
-        return []
+        return None
     nodes = [*graph.node, *(node for function in graph.library.function for node in function.node_def)]
     unordered = sorted({node.op for node in nodes if node.attr["deterministic"].s == b"false"
                         or node.attr["sloppy"].b} | ({"options"} if dataset.options().deterministic is False
