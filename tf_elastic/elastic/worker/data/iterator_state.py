@@ -14,9 +14,8 @@ parts); a part's `metadata` is its name and its keys joined by "@@"; its values 
 that failed to make an element writes a message key beside its status code: "X.error_message" or
 "X_error_message" beside "X.code" or "X_code" (`prefetch`, parallel `map` and `interleave`, most ops),
 "X_status_msg" beside "X_status_code" (map-and-batch, parallel batch); one under an op that may never raise
-it (`_MAY_NOT_RAISE`: `ignore_errors`, `take`, `zip`, ..., a mix's input unless the mix drains them
-all) is not counted. Only the parts' keys are read,
-and only a part with such a key is decoded.
+it (`_MAY_NOT_RAISE`: `ignore_errors`, `take`, `zip`, ..., and a mix's input unless every mix drains its
+inputs) is not counted. Only the parts' keys are read, and only a part with such a key is decoded.
 """
 from typing import Iterator, List, Optional, Sequence, Tuple
 
