@@ -59,6 +59,13 @@ def _two_then_one_then_two(job, lose: str = "b"):
     return two, alone, job.first_step_after(alone["time"], world_size=2, timeout=240)
 
 
+def _received_state(job, alone, again) -> list:
+    """The state transfers to a joiner after the round of one worker, up to the round of two that trained:
+    a round of two can fail after its transfer and before its first step (the suite's load once starved a
+    worker past TensorFlow's coordination heartbeat there), and the next one finds the state on c's disk."""
+    return [e for e in job.events("state_transfer") if alone["round"] < e["round"] <= again["round"]]
+
+
 def _complete_evaluations(job):
     """(round, step) -> the ids one validation pass evaluated over every worker; each once in every pass."""
     passes = id_trainer.by_step(id_trainer.read_records(job.tmp / "records", "eval"))
@@ -75,12 +82,12 @@ def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empt
     epochs = 20  # about 10 are trained before d joins (d's cold start); 30 at world size 4 took 87 s for nothing
     job = _job(tmp_path, epochs, ["--min_workers=1", "--max_workers=4", "--heartbeat_timeout=5"], step_seconds=0.1)
     try:
-        _, _, again = _two_then_one_then_two(job)
+        _, alone, again = _two_then_one_then_two(job)
         job.start_agent("d", nproc=2)
         four = job.first_step_after(again["time"], world_size=4, timeout=240)
         codes = job.wait_agents(timeout=400)
         assert {host: codes[host] for host in "acd"} == {"a": 0, "c": 0, "d": 0}, job.describe()
-        assert job.events("state_transfer", round=again["round"]), "c joined with an empty disk: it receives the state"
+        assert _received_state(job, alone, again), "c joined with an empty disk: it receives the state"
         _assert_every_id_once_per_epoch_at_the_global_batch(job, epochs)
         evaluated = _complete_evaluations(job)
         sizes = {e["round"]: e["world_size"] for e in job.events("first_step", rank=0)}
@@ -135,7 +142,7 @@ def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_emp
                step_seconds=0.1, pipeline=pipeline, data_dir=data_dir)
     (tmp_path / "job").mkdir()
     try:
-        two, _, again = _two_then_one_then_two(job, lose="chief")
+        two, alone, again = _two_then_one_then_two(job, lose="chief")
         # The joined round trains past an epoch's end (its reshuffle after a transferred state) and commits.
         restored = job.events("restore", round=again["round"], rank=0)[0]["epoch"]
         job.wait_for(lambda: [e for e in job.events("commit") if e["round"] == again["round"]
@@ -149,7 +156,7 @@ def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_emp
         codes = job.wait_agents(timeout=400)
         assert sorted(codes.values()) == [-9, 0, 0], job.describe()  # the chief's host killed, the others left
         assert job.left_gracefully() == sorted(stopping), job.events("exit")
-        assert job.events("state_transfer", round=again["round"]), "c joined with an empty disk: it receives the state"
+        assert _received_state(job, alone, again), "c joined with an empty disk: it receives the state"
         for round_ in (two["round"], again["round"]):
             assert_replicas_identical(job, round_)
         last = job.events("commit")[-1]
