@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 from absl import app, flags
 
 from tf_elastic.elastic.agent.round import why_round_began
-from tf_elastic.elastic.events import RunDirs, read_events, run_dirs
+from tf_elastic.elastic.events import RunDirs, read_events, run_dirs, straggler_key
 from tf_elastic.elastic.flag_checks import run_program
 from tf_elastic.elastic.protocol import Event, RunDir
 from tf_elastic.elastic import audit
@@ -65,7 +65,8 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
     they fall in. Training time then gives up the commits that fall in it (the chief's blocked time and the
     group check: in lockstep training every host waits for them at the next all-reduce), in a round a
     failure ended, the time of the steps the next round trained again (`_redone`), and while another
-    host's worker is a straggler `s` times slower than the median, 1 - 1/s of the time (`_straggler_spans`)."""
+    host's worker is a straggler `s` times slower than the median (by compute; by input: the group would go
+    `s` times faster if its input kept up), 1 - 1/s of the time for the slowest (`_straggler_spans`)."""
     events = read_events(run_dir)
     hosts = _host_of_worker_events(events)
     commits = [e for e in events if e["event"] == Event.COMMIT]
@@ -97,8 +98,8 @@ def time_split(run_dir: RunDirs) -> Dict[str, Dict[str, float]]:
                 lost = min(length, max(0.0, _redone(event, following["time"] - evaluating, within, reached.get(
                     event["round"]), resumed.get(event["round"] + 1)))) if failed else 0.0
                 paid = min(length - lost, sum(c.get("seconds", 0.0) + c.get("check_seconds", 0.0) for c in within))
-                waited = min(length - paid - lost, sum((1.0 - 1.0 / s) * _overlap([span], event["time"], following[
-                    "time"]) for span, other, s in slow if other != host))
+                others = [(span, s) for span, other, s in slow if other != host]
+                waited = min(length - paid - lost, _waited(others, event["time"], following["time"]))
                 causes["commits on the training path"] += paid
                 causes["redone after a failure"] += lost
                 causes["waiting for a straggler"] += waited
@@ -148,7 +149,7 @@ def _straggler_spans(events: List[Dict]) -> List[Tuple[Tuple[float, float], str,
         if e["event"] != Event.STRAGGLER:
             continue
         end = next((later["time"] for later in events[index + 1:] if (
-            later["event"] == Event.STRAGGLER_RECOVERED and (later["host"], later["rank"]) == (e["host"], e["rank"]))
+            later["event"] == Event.STRAGGLER_RECOVERED and straggler_key(later) == straggler_key(e))
             or (later["event"] == Event.EVICTED and later["host"] == e["host"])
             or (later["event"] == Event.RENDEZVOUS and later["round"] > e["round"])), events[-1]["time"])
         spans.append(((e["time"], end), e["host"], max(1.0, float(e["slowness"]))))
@@ -171,6 +172,18 @@ def _evaluations(events: List[Dict], end: float) -> List[Tuple[float, float]]:
             spans.append((begun, e["time"]))
             begun = None
     return spans + ([(begun, end)] if begun is not None else [])
+
+
+def _waited(spans: List[Tuple[Tuple[float, float], float]], begin: float, end: float) -> float:
+    """Seconds of [begin, end) the group waited for stragglers, `spans` ((from, to), slowness): at each
+    moment 1 - 1/s of the time for the slowest straggler s then (the group goes at the slowest's pace, so
+    two at once cost what the slower costs, not their sum)."""
+    cuts = sorted({begin, end, *(t for (a, b), _ in spans for t in (a, b) if begin < t < end)})
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        slowest = max((s for (first, last), s in spans if first <= a and b <= last), default=1.0)
+        total += (1.0 - 1.0 / slowest) * (b - a)
+    return total
 
 
 def _overlap(spans: List[Tuple[float, float]], begin: float, end: float) -> float:

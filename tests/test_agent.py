@@ -147,6 +147,25 @@ def test_the_derived_progress_timeout_measures_the_longest_wait_for_progress(tmp
     assert worker.longest_gap == pytest.approx(0.7)  # progress 2 -> 3: two beats apart, 0.3 + 0.4 s
 
 
+def test_each_cause_of_a_straggler_is_reported_once_and_recovers_alone_and_only_compute_makes_it_leave(
+        tmp_path, agent):
+    """A worker's heartbeat says the group waits for its input (2.5x), then its compute is slow too, then its
+    input keeps up again: one event per cause, one recovery naming its cause; only the compute rules'
+    verdict makes the host leave."""
+    worker = workers.Worker(1, subprocess.Popen(["true"]), tmp_path / "beat")
+    round_ = Round(3, "frozen", "test", 0, time.time(), [], "a")
+    leaves = []
+    for beat in (Heartbeat(5, 5, 5, input_slow=2.5), Heartbeat(6, 6, 6, slow=3.0, evict=True, input_slow=2.5),
+                 Heartbeat(7, 7, 7, slow=3.0, evict=True)):
+        worker.last = beat
+        leaves.append(agent._report_stragglers(round_, [worker]))
+    worker.process.wait()
+    assert leaves == [False, True, True]
+    said = [(e["event"], e["cause"], e.get("slowness")) for e in read_events(tmp_path / "run")
+            if e["event"] in (Event.STRAGGLER, Event.STRAGGLER_RECOVERED)]
+    assert said == [("straggler", "input", 2.5), ("straggler", "compute", 3.0), ("straggler_recovered", "input", None)]
+
+
 def test_host_dirs_of_live_agents_are_kept_whatever_their_pid(tmp_path, monkeypatch):
     """Agents in other PID namespaces (containers sharing /tmp) have PIDs this one cannot see: a dead PID
     does not make a directory dead; only a lock nobody holds does."""

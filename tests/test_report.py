@@ -139,7 +139,8 @@ def test_an_errors_line_skips_tensorflows_graph_preamble_and_op_context():
 
 def test_the_others_wait_for_a_straggler_for_1_minus_1_over_its_slowness_of_the_time(tmp_path):
     """b's worker runs 4x slower than the median from t=20 until it recovers at t=40 (a waits 3/4 of those 20 s),
-    again from t=50 until b is evicted at t=54; b's own time stays training."""
+    the group waits for its input half the time from t=36 to t=46 (a record of the compute cause's recovery
+    ends no other), again 2x slower from t=50 until b is evicted at t=54; b's own time stays training."""
     a, b = "agent:a", "agent:b"
     run = _events(tmp_path, [
         (0, "agent_start", a, {}), (0, "agent_start", b, {}),
@@ -149,7 +150,9 @@ def test_the_others_wait_for_a_straggler_for_1_minus_1_over_its_slowness_of_the_
         (10, "first_step", "worker:0", {"round": 0, "rank": 0, "step": 1, "global_batch": 64}),
         (10, "first_step", "worker:1", {"round": 0, "rank": 1, "step": 1, "global_batch": 64}),
         (20, "straggler", b, {"round": 0, "host": "b", "rank": 1, "slowness": 4.0, "cause": "compute"}),
+        (36, "straggler", b, {"round": 0, "host": "b", "rank": 1, "slowness": 2.0, "cause": "input"}),
         (40, "straggler_recovered", b, {"round": 0, "host": "b", "rank": 1}),
+        (46, "straggler_recovered", b, {"round": 0, "host": "b", "rank": 1, "cause": "input"}),
         (50, "straggler", b, {"round": 0, "host": "b", "rank": 1, "slowness": 2.0, "cause": "compute"}),
         (54, "evicted", b, {"round": 0, "host": "b", "hold_off": 30.0}),
         (55, "exit", b, {}),
@@ -157,8 +160,9 @@ def test_the_others_wait_for_a_straggler_for_1_minus_1_over_its_slowness_of_the_
         (60, "exit", a, {}),
     ])
     split = report.time_split(run)
-    assert split["a"]["waiting for a straggler"] == pytest.approx(20 * 0.75 + 4 * 0.5)
-    assert split["a"]["training"] == pytest.approx(46 - 17)
+    # 20-40 at 4x (36-40: the slower of the two counts), 40-46 at 2x by input, 50-54 at 2x.
+    assert split["a"]["waiting for a straggler"] == pytest.approx(20 * 0.75 + 6 * 0.5 + 4 * 0.5)
+    assert split["a"]["training"] == pytest.approx(46 - 20)
     assert split["b"]["waiting for a straggler"] == 0.0
     for causes in split.values():
         assert sum(causes[c] for c in report.CAUSES) == pytest.approx(causes["wall"])

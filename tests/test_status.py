@@ -36,7 +36,10 @@ def test_the_status_names_members_standbys_the_blacklist_stragglers_and_the_last
     agents["a"].write(Event.STRAGGLER, round=2, host="a", rank=0, slowness=3.0, cause="compute")
     agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=1, slowness=1.7, cause="compute")
     agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=2, slowness=2.5, cause="compute")
-    agents["c"].write(Event.STRAGGLER_RECOVERED, round=3, host="c", rank=1)
+    agents["c"].write(Event.STRAGGLER_RECOVERED, round=3, host="c", rank=1)  # a record without a cause: compute
+    agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=1, slowness=2.0, cause="input")
+    agents["c"].write(Event.STRAGGLER, round=3, host="c", rank=2, slowness=3.0, cause="input")
+    agents["c"].write(Event.STRAGGLER_RECOVERED, round=3, host="c", rank=2, cause="input")
     agents["e"].write(Event.EVICTED, round=2, host="e", hold_off=60.0, slowness=3.1, evictions=1)
     for host, back in (("f", False), ("g", True)):
         agents[host].write(Event.EVICTED, round=1, host=host, hold_off=0.0, slowness=3.1, evictions=1)
@@ -48,7 +51,7 @@ def test_the_status_names_members_standbys_the_blacklist_stragglers_and_the_last
     assert "job j: running" in text and "round 3 (frozen), world size 3, restarts 1" in text
     assert "RuntimeError: boom" in text
     assert "| a | 0 | 127.0.0.1:1000 | - |" in text, text
-    assert "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 | rank 2 2.50x (compute) |" in text, text
+    assert "| c | 1,2 | 127.0.0.2:1001 127.0.0.2:1002 | rank 1 2.00x (input), rank 2 2.50x (compute) |" in text, text
     assert "evicted as stragglers: e (may rejoin in 5" in text or "evicted as stragglers: e (may rejoin in 6" in text
     assert ", f (may rejoin in 8" in text or ", f (may rejoin in 9" in text, text
     assert "g (" not in text

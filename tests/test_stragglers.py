@@ -9,7 +9,7 @@ import pytest
 
 from tf_elastic.elastic import audit
 from tf_elastic.elastic.protocol import Event
-from tf_elastic.elastic.stragglers import (StragglerRules, StragglerWatch, back_within, hold_off, input_bound,
+from tf_elastic.elastic.stragglers import (StragglerRules, StragglerWatch, back_within, hold_off, input_slowness,
                                           slowness, worth_evicting)
 from tf_elastic.testing import soak
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
@@ -52,12 +52,18 @@ def test_a_blip_shorter_than_the_window_and_a_shared_slowdown_name_no_one():
     assert watch.stragglers == {}
 
 
-def test_the_ranks_whose_input_the_group_waits_for_are_named_at_the_factor():
-    """A rank whose step waited a third of the time or more for its input, at a factor of 1.5: the group would
-    go 1.5x faster if its input kept up. Named only; never a straggler's verdict (the slowest input does all
-    the waiting, however little slower it is)."""
-    assert input_bound([0.0, 0.02, 0.5, 0.34], 1.5) == [2, 3]
-    assert input_bound([0.0, 0.3, 0.0], 1.5) == [] and input_bound([0.6, 0.6], 2.0) == [0, 1]
+def test_a_rank_the_group_waits_for_by_its_input_is_a_straggler_by_the_same_rules_and_a_shared_wait_none():
+    """A step that waited a third of the time for its own input: the group would go 1.5x faster if that input
+    kept up. Judged against the median rank, for `window` probes in a row, as compute; when every rank waits
+    alike (a slow store they share), no rank is one."""
+    assert input_slowness([0.0, 0.5, 0.75, 1.0]) == [1.0, 2.0, 4.0, 1000.0]
+    watch = StragglerWatch(StragglerRules(factor=1.5, window=2))
+    assert watch.observe(input_slowness([0.0, 0.02, 0.5, 0.34])) == ([], [])
+    assert watch.observe(input_slowness([0.0, 0.02, 0.5, 0.3])) == ([2], [])  # 0.3: 1.43x, under the factor
+    assert watch.observe(input_slowness([0.0, 0.0, 0.0, 0.0])) == ([], [])
+    assert watch.observe(input_slowness([0.0, 0.0, 0.0, 0.0])) == ([], [2])
+    for _ in range(3):
+        assert watch.observe(input_slowness([0.6, 0.6, 0.65])) == ([], [])
 
 
 def test_eviction_pays_only_when_the_rest_outrun_the_group_over_the_window_after_the_round_change():

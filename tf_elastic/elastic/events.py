@@ -44,6 +44,12 @@ def read_events(run_dir: RunDirs) -> List[Dict[str, Any]]:
     return sorted((e for d in dirs for e in _parse(RunDir(d).events)), key=lambda e: e["time"])
 
 
+def straggler_key(record: Dict[str, Any]) -> tuple:
+    """(host, rank, cause) of a `straggler` or `straggler_recovered` record: which recovery ends which
+    straggler (a record written before causes were recorded is a compute straggler's)."""
+    return record.get("host"), record.get("rank"), record.get("cause", "compute")
+
+
 def _parse(path: Path) -> Iterator[Dict[str, Any]]:
     if not path.exists():
         return

@@ -95,7 +95,9 @@ class Event(str, enum.Enum):
     LEAVE = "leave"
     PREEMPTION_NOTICE = "preemption_notice"
     EXIT = "exit"
-    STRAGGLER = "straggler"  # a worker of this host is a straggler: its probe runs `slowness` times the median's
+    # A worker of this host is a straggler: by `cause` "compute", its probe runs `slowness` times the median's;
+    # by "input", the group waits for its input and would go `slowness` times faster if it kept up.
+    STRAGGLER = "straggler"
     STRAGGLER_RECOVERED = "straggler_recovered"
     EVICTED = "evicted"  # this host left as a straggler (`--evict_stragglers`) and sits out a hold-off
     PROBATION = "probation"  # an evicted host timed its own pass against the group's median: `back` or not
@@ -240,7 +242,9 @@ class Heartbeat:
     this worker's probe runs while it is a straggler (0: it is not one); `evict`: the straggler rules say
     the group would train more without this host (`stragglers.worth_evicting`); `median`: the group's
     median probe (seconds per pass, 0: none yet) at `batch` rows a replica, what a host on probation is
-    measured against (every rank knows it alike; the chief's agent publishes it)."""
+    measured against (every rank knows it alike; the chief's agent publishes it). `input_slow`: how many
+    times faster the group would go if this worker's input kept up, while it is a straggler by its input
+    (0: it is not one; `stragglers.input_slowness`)."""
     step: int
     progress: int
     beat: int
@@ -248,22 +252,25 @@ class Heartbeat:
     evict: bool = False
     median: float = 0.0
     batch: int = 0
+    input_slow: float = 0.0
 
     def to_text(self) -> str:
-        return f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {self.median!r} {self.batch}"
+        return (f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {self.median!r} "
+                f"{self.batch} {self.input_slow:.3f}")
 
     @classmethod
     def from_text(cls, text: str) -> Optional["Heartbeat"]:
-        """The heartbeat `text` says (a worker of an older version writes 3 or 5 fields); None if torn."""
+        """The heartbeat `text` says (a worker of an older version writes 3, 5 or 7 fields); None if torn."""
         parts = text.split()
-        if len(parts) not in (3, 5, 7) or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:]):
+        if len(parts) not in (3, 5, 7, 8) or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:7]):
             return None  # torn or foreign content: no news
         try:
-            slow, median = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"]))
+            slow, median, input_slow = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"]) +
+                                        (parts[7:8] or ["0"]))
         except ValueError:
             return None
         return cls(*map(int, parts[:3]), slow=slow, evict=parts[4:5] == ["1"], median=median,
-                   batch=int((parts[6:] or ["0"])[0]))
+                   batch=int((parts[6:7] or ["0"])[0]), input_slow=input_slow)
 
 
 def write_heartbeat(path: Path, heartbeat: Heartbeat) -> None:

@@ -5,7 +5,7 @@ In synchronous training every rank's step takes as long as the slowest's, so ste
 rank instead times the same local forward and backward pass, with no collective, at the same step
 (`worker/probe.py`); the group's agreement hands every rank every rank's probe, so every rank reaches the
 same verdicts from the same numbers. Where the feed hands the batches itself (a user's tf.data pipeline),
-the agreement also carries the share of the time each rank's step waited for its own input (`input_bound`).
+the agreement also carries the share of the time each rank's step waited for its own input (`input_slowness`).
 A rank `factor` times slower than the median for `window` probes in a row is a straggler, and stays one
 until it is back within the factor for `window` probes in a row (hysteresis): a slowdown must last `window`
 probe intervals. A slowdown every rank shares (a slow store, a slow network) moves the median with it and
@@ -56,13 +56,13 @@ class ProbeSettings:
         return cls(float(every), float(seconds), StragglerRules(float(factor), int(window)), int(min_workers))
 
 
-def input_bound(waiting: Sequence[float], factor: float) -> List[int]:
-    """The ranks whose step waited for their own input (`waiting`: the share of the time, 0 to 1) at least
-    1 - 1/factor of the time: the group would go `factor` times faster if their input kept up. Not a
-    straggler's verdict: every host reads the whole pipeline, and in a synchronous group the slowest
-    input does all the waiting (the others wait in the collective), however little slower it is. So it is
-    reported, never evicted for."""
-    return [rank for rank, share in enumerate(waiting) if share >= 1.0 - 1.0 / factor]
+def input_slowness(waiting: Sequence[float]) -> List[float]:
+    """Each rank's share of the time its step waited for its own input (0 to 1), as how many times faster
+    the group would go if that input kept up, 1 / (1 - share): what `StragglerWatch` judges for the input
+    cause (against the median rank's, so a slow store every rank waits for makes no straggler). Reported,
+    never evicted for: every host reads the whole pipeline, and in a synchronous group the slowest input
+    does all the waiting (the others wait in the collective), however little slower it is."""
+    return [1.0 / max(1e-3, 1.0 - min(1.0, max(0.0, share))) for share in waiting]
 
 
 def slowness(seconds: Sequence[float]) -> List[float]:

@@ -33,6 +33,12 @@ from tf_elastic.elastic.store import Store, StoreError
 from tf_elastic.elastic.stragglers import ProbeSettings
 
 
+# What a straggler's log line says of its slowness, by cause.
+_STRAGGLER_SAYS = {"compute": "its probe takes %.2fx the group's median",
+                   "input": "the group waits for its input and would go %.2fx faster if it kept up (reported, never "
+                            "evicted for)"}
+
+
 class RoundResult(enum.Enum):
     """How one round ended for this host."""
     SUCCEEDED = "succeeded"  # every local worker finished training
@@ -101,7 +107,7 @@ class ElasticAgent:
         self._trained = False  # a worker of this host reached a training step in this job
         self._training_round = -1  # the last round whose first training step was logged
         self._effects: Optional[Callable[[], RoundResult]] = None  # a verdict's, until the store let them through
-        self._slow: Dict[int, float] = {}  # rank -> slowness, of this host's workers the probe names stragglers
+        self._slow: Dict[Tuple[int, str], float] = {}  # (rank, cause) -> slowness, of this host's stragglers
         self._group_probe: Optional[Tuple[float, int]] = None  # the group's median probe and batch, as last seen
         self._published: Optional[Tuple[float, int]] = None  # what this agent last published of it (the chief's)
         self.evictions = 0
@@ -193,23 +199,27 @@ class ElasticAgent:
                      first.rank, first.last.step - 1, first.last.step)
 
     def _report_stragglers(self, round_: Round, running: List[Worker]) -> bool:
-        """Logs each of this host's workers that the group's probes name a straggler, once, and once more when
-        it recovers; returns whether the rules say the group would train more without this host."""
+        """Logs each of this host's workers that the group's probes name a straggler, by its compute or by its
+        input, once, and once more when it recovers; returns whether the rules say the group would train more
+        without this host (by compute only)."""
         for worker in running:
-            slow = worker.last.slow if worker.last else 0.0
-            if slow and worker.rank not in self._slow:
-                self.events.write(Event.STRAGGLER, round=round_.number, host=self.host_id, rank=worker.rank,
-                                  slowness=slow, cause="compute")
-                logging.warning("round %d: rank %d on %s is a straggler: its probe takes %.2fx the group's median "
-                                "(compute)", round_.number, worker.rank, self.host_id, slow)
-            elif not slow and worker.rank in self._slow:
-                self.events.write(Event.STRAGGLER_RECOVERED, round=round_.number, host=self.host_id, rank=worker.rank)
-                logging.info("round %d: rank %d on %s is no longer a straggler", round_.number, worker.rank,
-                             self.host_id)
-            if slow:
-                self._slow[worker.rank] = slow
-            else:
-                self._slow.pop(worker.rank, None)
+            for cause, slow in (("compute", worker.last.slow if worker.last else 0.0),
+                                ("input", worker.last.input_slow if worker.last else 0.0)):
+                key = (worker.rank, cause)
+                if slow and key not in self._slow:
+                    self.events.write(Event.STRAGGLER, round=round_.number, host=self.host_id, rank=worker.rank,
+                                      slowness=slow, cause=cause)
+                    logging.warning("round %d: rank %d on %s is a straggler: %s (%s)", round_.number, worker.rank,
+                                    self.host_id, _STRAGGLER_SAYS[cause] % slow, cause)
+                elif not slow and key in self._slow:
+                    self.events.write(Event.STRAGGLER_RECOVERED, round=round_.number, host=self.host_id,
+                                      rank=worker.rank, cause=cause)
+                    logging.info("round %d: rank %d on %s is no longer a straggler (%s)", round_.number, worker.rank,
+                                 self.host_id, cause)
+                if slow:
+                    self._slow[key] = slow
+                else:
+                    self._slow.pop(key, None)
         self._share_group_probe(running)
         return any(worker.last and worker.last.evict for worker in running)
 
@@ -524,7 +534,8 @@ class ElasticAgent:
         seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
         self._step_out(round_, running, "evict")
         self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds,
-                          slowness=round(max(self._slow.values(), default=0.0), 3), evictions=self.evictions)
+                          slowness=round(max((slow for (_, cause), slow in self._slow.items() if cause == "compute"),
+                                             default=0.0), 3), evictions=self.evictions)
         logging.warning("round %d: %s leaves as a straggler (eviction %d); it may rejoin in %.0fs", round_.number,
                         self.host_id, self.evictions, seconds)
         self._slow.clear()

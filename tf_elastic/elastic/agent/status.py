@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from tf_elastic.elastic.agent.job_record import JobKeys, JobRecord
 from tf_elastic.elastic.agent.round import Phase, Round, is_finite_number
-from tf_elastic.elastic.events import read_events
+from tf_elastic.elastic.events import read_events, straggler_key
 from tf_elastic.elastic.protocol import Event
 from tf_elastic.elastic.store import Store
 
@@ -76,14 +76,15 @@ def read_status(store: Store, job_id: str, run_dirs: Sequence[str] = (), now: Op
 def _stragglers(events: List[Dict], round_: Optional[int], now: float) -> Tuple[Dict[str, str], Dict[str, float]]:
     """The hosts whose workers are stragglers in `round_` (their agents' `straggler` events not followed by a
     recovery), and the evicted hosts still sitting out a hold-off."""
-    slow: Dict[Tuple[str, int], str] = {}
+    slow: Dict[Tuple[str, int, str], str] = {}
     for e in events:
+        key = straggler_key(e)
         if e["event"] == Event.STRAGGLER and e.get("round") == round_:
-            slow[(e["host"], e["rank"])] = f"rank {e['rank']} {e['slowness']:.2f}x ({e['cause']})"
+            slow[key] = f"rank {e['rank']} {e['slowness']:.2f}x ({e['cause']})"
         elif e["event"] == Event.STRAGGLER_RECOVERED and e.get("round") == round_:
-            slow.pop((e["host"], e["rank"]), None)
+            slow.pop(key, None)
     hosts: Dict[str, str] = {}
-    for (host, _), text in sorted(slow.items()):
+    for (host, _, _), text in sorted(slow.items()):
         hosts[host] = f"{hosts[host]}, {text}" if host in hosts else text
     # An eviction starts a hold-off; a probation that found the host still slow starts the next (one that found
     # it back, none).

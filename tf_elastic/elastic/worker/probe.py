@@ -9,10 +9,13 @@ way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 
 of the training time in `bench_straggler` on 2 shared cores (1.2-1.7 % while the loop ran past its time).
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
-event (host, rank, slowness) and a log line and, with `--evict_stragglers`, leaves when the rules say the
-group would train more without its host. Every rank's heartbeat also carries the group's median probe and
-its batch, which the chief's agent publishes: an evicted host on probation times its own pass alone
-(`time_alone`, in a worker that trains nothing) and rejoins only once it is back within the factor of it.
+event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
+say the group would train more without its host. The same rules judge, where the feed hands batches
+itself, how much of the time each rank's step waited for its own input (`stragglers.input_slowness`): a
+rank the group waits for is a straggler by its input, reported (cause `input`), never evicted for. Every
+rank's heartbeat also carries the group's median probe and its batch, which the chief's agent publishes:
+an evicted host on probation times its own pass alone (`time_alone`, in a worker that trains nothing) and
+rejoins only once it is back within the factor of it.
 """
 import os
 import statistics
@@ -25,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, input_bound, worth_evicting
+from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, input_slowness, worth_evicting
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
@@ -44,6 +47,7 @@ class GroupProbe:
     def __init__(self, model, strategy: tf.distribute.Strategy, world: World, settings: ProbeSettings):
         self.model, self.strategy, self.world, self.settings = model, strategy, world, settings
         self.watch = StragglerWatch(settings.rules)
+        self.input_watch = StragglerWatch(settings.rules)  # the same rules, on the waits for input
         self.pending = False  # probed since the last agreement: its time rides the next one
         self.seconds = 0.0
         self.last = time.monotonic()
@@ -55,7 +59,6 @@ class GroupProbe:
         self._waits_since = time.monotonic()
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
-        self._input_bound: List[int] = []  # the ranks the group waited for, for their input, at the last probe
 
     @property
     def enabled(self) -> bool:
@@ -109,10 +112,11 @@ class GroupProbe:
         return spent
 
     def _read(self, seconds: List[float], hosts: List[float], waiting: List[float]) -> None:
-        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler (its
-        agent writes the event and the log line) and whether its host is worth evicting. The chief logs the
-        ranks whose input the group waits for (`stragglers.input_bound`)."""
+        """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler, by
+        its compute or by its input (its agent writes the events and the log lines), and whether its host is
+        worth evicting (by its compute only: `stragglers.input_slowness`)."""
         began, ended = self.watch.observe(seconds)
+        input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
         PULSE.median, PULSE.batch = median, self.batch
@@ -123,25 +127,19 @@ class GroupProbe:
                                 100 * waiting[rank])
             for rank in ended:
                 logging.info("rank %d is no longer a straggler", rank)
-            self._log_input_bound(input_bound(waiting, self.settings.rules.factor), waiting)
+            for rank in input_began:
+                logging.warning("the group waits for the input of rank %d (%.0f%% of the time since the last probe): "
+                                "every host reads the whole tf.data pipeline, and the slowest host's sets the pace; "
+                                "a quicker pipeline, or a source each worker reads its share of, would help", rank,
+                                100 * waiting[rank])
+            for rank in input_ended:
+                logging.info("the group no longer waits for the input of rank %d", rank)
+        PULSE.input_slow = self.input_watch.stragglers.get(self.world.rank, 0.0)
         mine = self.watch.stragglers.get(self.world.rank, 0.0)
         leaving = {rank for rank, key in enumerate(hosts) if key == hosts[self.world.rank]}
         PULSE.slow = mine
         PULSE.evict = bool(mine) and self.round_seconds is not None and worth_evicting(
             seconds, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
-
-
-    def _log_input_bound(self, ranks: List[int], waiting: List[float]) -> None:
-        """(The chief.) A line when the ranks the group waits for, for their input, change."""
-        if ranks != self._input_bound:
-            if ranks:
-                logging.warning("the group waits for the input of rank(s) %s (%s of the time since the last probe): "
-                                "every host reads the whole tf.data pipeline, and the slowest host's sets the pace; "
-                                "a quicker pipeline, or a source each worker reads its share of, would help",
-                                ", ".join(map(str, ranks)), ", ".join(f"{100 * waiting[r]:.0f} %" for r in ranks))
-            else:
-                logging.info("the group no longer waits for a rank's input")
-        self._input_bound = ranks
 
 
 def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings) -> float:

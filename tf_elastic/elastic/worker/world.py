@@ -111,6 +111,7 @@ class Pulse:
     def __init__(self):
         self.step, self.progress, self.beats = 0, 0, 0
         self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
+        self.input_slow = 0.0  # and by its input (`stragglers.input_slowness`; 0: not a straggler by it)
         self.median, self.batch = 0.0, 0  # the group's median probe and its rows a replica (the same)
         self.world_at: Optional[float] = None  # when a warm worker received its round (`time.time()`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
@@ -124,7 +125,7 @@ class Pulse:
             self.beats += 1
             try:
                 write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats, self.slow, self.evict,
-                                                     self.median, self.batch))
+                                                     self.median, self.batch, self.input_slow))
                 self._failing = False
             except OSError as error:
                 # A full or vanished host-local disk: the agent hears silence and restarts this worker.
