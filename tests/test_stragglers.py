@@ -54,10 +54,13 @@ def test_a_blip_shorter_than_the_window_and_a_shared_slowdown_name_no_one():
 
 def test_a_rank_the_group_waits_for_by_its_input_is_a_straggler_by_the_same_rules_and_a_shared_wait_none():
     """A step that waited a third of the time for its own input: the group would go 1.5x faster if that input
-    kept up. Judged against the median rank, for `window` probes in a row, as compute; when every rank waits
-    alike (a slow store they share), no rank is one."""
+    kept up. Judged against the rank that waited least (in a group of two the median would halve it), for
+    `window` probes in a row, as compute; when every rank waits alike (a slow store they share), no rank is
+    one."""
     assert input_slowness([0.0, 0.5, 0.75, 1.0]) == [1.0, 2.0, 4.0, 1000.0]
-    watch = StragglerWatch(StragglerRules(factor=1.5, window=2))
+    two = StragglerWatch(StragglerRules(factor=1.5, window=1), baseline=min)
+    assert two.observe(input_slowness([0.0, 0.6])) == ([1], []) and two.stragglers == {1: pytest.approx(2.5)}
+    watch = StragglerWatch(StragglerRules(factor=1.5, window=2), baseline=min)
     assert watch.observe(input_slowness([0.0, 0.02, 0.5, 0.34])) == ([], [])
     assert watch.observe(input_slowness([0.0, 0.02, 0.5, 0.3])) == ([2], [])  # 0.3: 1.43x, under the factor
     assert watch.observe(input_slowness([0.0, 0.0, 0.0, 0.0])) == ([], [])

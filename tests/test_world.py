@@ -111,6 +111,7 @@ def test_the_heartbeat_carries_a_stragglers_slowness_and_the_groups_median_and_r
                                                             batch=16, input_slow=2.5)
     assert Heartbeat.from_text("7 9 11") == Heartbeat(7, 9, 11)  # workers of the versions before
     assert Heartbeat.from_text("7 9 11 2.5 1 0.01 16") == Heartbeat(7, 9, 11, 2.5, True, 0.01, 16)
+    assert Heartbeat.from_text(beat.to_text() + " 0.5 x") == Heartbeat.from_text(beat.to_text())  # a newer one
     assert Heartbeat.from_text("7 9 11 2.5 1") == Heartbeat(7, 9, 11, slow=2.5, evict=True)
     for torn in ("7 9", "7 9 11 2.3", "7 9 11 x 1", "7 9 11 2.3 y", "7 9 11 2.3 1 0.1", "7 9 11 2.3 1 x 16",
                  "7 9 11 2.3 1 0.1 1.5", "7 9 11 2.3 1 0.1 16 x", ""):

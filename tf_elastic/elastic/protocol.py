@@ -260,9 +260,10 @@ class Heartbeat:
 
     @classmethod
     def from_text(cls, text: str) -> Optional["Heartbeat"]:
-        """The heartbeat `text` says (a worker of an older version writes 3, 5 or 7 fields); None if torn."""
+        """The heartbeat `text` says (a worker of an older version writes 3, 5 or 7 fields; fields after the
+        8th, a newer version's, are left unread); None if torn."""
         parts = text.split()
-        if len(parts) not in (3, 5, 7, 8) or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:7]):
+        if len(parts) in (4, 6) or not parts[2:] or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:7]):
             return None  # torn or foreign content: no news
         try:
             slow, median, input_slow = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"]) +

@@ -19,7 +19,7 @@ median (`back_within`; `agent/probation.py`).
 import dataclasses
 import math
 import statistics
-from typing import Collection, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,28 +58,29 @@ class ProbeSettings:
 
 def input_slowness(waiting: Sequence[float]) -> List[float]:
     """Each rank's share of the time its step waited for its own input (0 to 1), as how many times faster
-    the group would go if that input kept up, 1 / (1 - share): what `StragglerWatch` judges for the input
-    cause (against the median rank's, so a slow store every rank waits for makes no straggler). Reported,
-    never evicted for: every host reads the whole pipeline, and in a synchronous group the slowest input
-    does all the waiting (the others wait in the collective), however little slower it is."""
+    the group would go if that input kept up, 1 / (1 - share): what `StragglerWatch(baseline=min)` judges
+    for the input cause, against the rank that waited least (in a synchronous group one input does the
+    waiting and the others wait in the collective, so the median of two would halve it; a slow store every
+    rank waits for makes no straggler). Reported, never evicted for: every host reads the whole pipeline,
+    and the slowest input does all the waiting, however little slower it is."""
     return [1.0 / max(1e-3, 1.0 - min(1.0, max(0.0, share))) for share in waiting]
 
 
-def slowness(seconds: Sequence[float]) -> List[float]:
-    """Each rank's probe time over the median rank's (1.0: as fast as the median). Ranks that did not probe
-    (0 or less) count as 1.0 and do not move the median."""
+def slowness(seconds: Sequence[float], baseline: Callable[[List[float]], float] = statistics.median) -> List[float]:
+    """Each rank's probe time over the median rank's (1.0: as fast as the median; or over another
+    `baseline` of them). Ranks that did not probe (0 or less) count as 1.0 and do not move the baseline."""
     measured = [s for s in seconds if s > 0]
     if not measured:
         return [1.0] * len(seconds)
-    median = statistics.median(measured)
-    return [s / median if s > 0 else 1.0 for s in seconds]
+    base = baseline(measured)
+    return [s / base if s > 0 else 1.0 for s in seconds]
 
 
 class StragglerWatch:
     """The ranks that are stragglers now, from one probe round after another (`observe`)."""
 
-    def __init__(self, rules: StragglerRules):
-        self.rules = rules
+    def __init__(self, rules: StragglerRules, baseline: Callable[[List[float]], float] = statistics.median):
+        self.rules, self.baseline = rules, baseline  # what a rank's slowness is judged against
         self.stragglers: Dict[int, float] = {}  # rank -> its slowness at the newest probe
         self._streak: Dict[int, int] = {}  # rank -> probes in a row on the other side of the factor
 
@@ -87,7 +88,7 @@ class StragglerWatch:
         """One probe of every rank (seconds, by rank); returns the ranks that became stragglers and those that
         recovered at this probe."""
         began, ended = [], []
-        for rank, slow in enumerate(slowness(seconds)):
+        for rank, slow in enumerate(slowness(seconds, self.baseline)):
             flagged = rank in self.stragglers
             crossing = (slow < self.rules.factor) if flagged else (slow >= self.rules.factor)
             self._streak[rank] = self._streak.get(rank, 0) + 1 if crossing else 0

@@ -107,7 +107,7 @@ class ElasticAgent:
         self._trained = False  # a worker of this host reached a training step in this job
         self._training_round = -1  # the last round whose first training step was logged
         self._effects: Optional[Callable[[], RoundResult]] = None  # a verdict's, until the store let them through
-        self._slow: Dict[Tuple[int, str], float] = {}  # (rank, cause) -> slowness, of this host's stragglers
+        self._slow: Dict[Tuple[int, str], float] = {}  # (rank, cause) -> slowness, this round's stragglers here
         self._group_probe: Optional[Tuple[float, int]] = None  # the group's median probe and batch, as last seen
         self._published: Optional[Tuple[float, int]] = None  # what this agent last published of it (the chief's)
         self.evictions = 0
@@ -251,6 +251,7 @@ class ElasticAgent:
 
     # One round ----------------------------------------------------------------------------------------
     def _run_round(self, round_: Round, ranks: List[int]) -> RoundResult:
+        self._slow.clear()  # a round's stragglers are its own (a rank may be another host's in the next)
         started = [self._start(rank, slot, round_) for slot, rank in enumerate(sorted(ranks))]
         try:
             return self._monitor(round_, started)

@@ -47,7 +47,7 @@ class GroupProbe:
     def __init__(self, model, strategy: tf.distribute.Strategy, world: World, settings: ProbeSettings):
         self.model, self.strategy, self.world, self.settings = model, strategy, world, settings
         self.watch = StragglerWatch(settings.rules)
-        self.input_watch = StragglerWatch(settings.rules)  # the same rules, on the waits for input
+        self.input_watch = StragglerWatch(settings.rules, baseline=min)  # on the waits for input
         self.pending = False  # probed since the last agreement: its time rides the next one
         self.seconds = 0.0
         self.last = time.monotonic()
