@@ -7,6 +7,7 @@ busy after a round's start, made its probe read 12-33x the others' on a host tha
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
 way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.91-0.96 %
 of the training time in `bench_straggler` on 2 shared cores (1.2-1.7 % while the loop ran past its time).
+Where the worker's CPU has a quota (a container's limit) a probe spans at least its period (`probe_seconds`).
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
@@ -29,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, input_slowness, worth_evicting
+from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
@@ -100,7 +102,7 @@ class GroupProbe:
             self.waiting = self.input_wait() / max(now - self._waits_since, 1e-9)
             self._waits_since, began = now, time.perf_counter()
             if self._warm:
-                self.seconds, self.pending = self._pass(self.settings.seconds)[0], True
+                self.seconds, self.pending = self._pass(probe_seconds(self.settings))[0], True
             else:  # the round's first probe traces the pass, on every rank at once: it times nothing
                 self._pass(0.0)
                 self._warm = True
@@ -152,11 +154,17 @@ def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings
     seconds = 0.0
     if timed is not None:
         timed(0.0)
-        seconds = statistics.median(timed(settings.seconds)[0] for _ in range(settings.rules.window))
+        seconds = statistics.median(timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
     with open(path + ".tmp", "w") as f:
         f.write(repr(seconds))
     os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone
     return seconds
+
+
+def probe_seconds(settings: ProbeSettings) -> float:
+    """How long a probe runs: `settings.seconds`, or a CFS period where this worker's CPU has a quota (a
+    shorter probe can end before the quota stops it, and time a throttled host as fast: `cpu_quota`)."""
+    return max(settings.seconds, quota_period_seconds())
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
