@@ -343,6 +343,45 @@ def test_a_pipeline_under_steps_per_execution_trains_as_plain_model_fit(tmp_path
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
+def test_a_restart_from_an_epoch_end_of_a_pipeline_of_unknown_length_counts_the_iterations_trained(tmp_path):
+    """Keras counts an optimizer iteration more than it trains where a pipeline of unknown length runs out
+    (`keras_compat.IterationsThatCountSteps`): taken back before the epoch-end commit, so a run that lost its
+    host at the next epoch's first step (Adam: the counter is in its bias correction) and one whose `epochs`
+    grew after its end both go on with the counter, the updates and the weights of a run without faults."""
+    def data():  # 30 examples of 40: 4 batches an epoch, the length unknown until read
+        kept = tf.data.Dataset.range(40).filter(lambda i: i % 4 != 3)
+        return kept.map(lambda i: (tf.cast(i, tf.float32)[None] / 40.0, tf.cast(i % 2, tf.float32)[None])).batch(8)
+
+    def run(run_dir, epochs=3, fail_at=None):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Adam(0.1), loss="mse")
+        begun, steps = [], [0]
+
+        def step_end(batch, logs=None):
+            steps[0] += 1
+            if steps[0] == fail_at:
+                raise RuntimeError("the host is lost")
+
+        counts = keras.callbacks.LambdaCallback(on_train_batch_end=step_end, on_epoch_begin=lambda epoch, logs=None:
+                                                begun.append((epoch, int(model.optimizer.iterations.numpy()))))
+        try:
+            elastic.fit(model, data(), epochs=epochs, verbose=0, world=World(), strategy=tf.distribute.get_strategy(),
+                        run_dir=str(tmp_path / run_dir), callbacks=[counts],
+                        config=elastic.FitConfig(commit_every_steps=0, durable_every_commits=0))
+        except RuntimeError:
+            pass
+        return model, begun
+
+    clean, begun = run("clean")
+    assert begun == [(0, 0), (1, 4), (2, 8)] and int(clean.optimizer.iterations.numpy()) == 12
+    assert run("lost", fail_at=5)[1] == [(0, 0), (1, 4)]  # committed the first epoch's end, then lost
+    for resumed, begun in (run("lost"), (run("grown", epochs=1) and run("grown", epochs=3))):
+        assert begun == [(1, 4), (2, 8)] and int(resumed.optimizer.iterations.numpy()) == 12
+        for theirs, ours in zip(clean.weights, resumed.weights):
+            np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
 def test_the_audit_sees_a_step_that_trained_other_examples_than_planned(tmp_path):
     """The index log's audit counts what steps consumed: a consumption record that is not the plan's (as
     when a strategy re-split a worker's batch) shows as off_plan and as skipped examples."""

@@ -76,24 +76,33 @@ def steps_per_execution_that_runs(model: "keras.Model", strategy) -> Iterator[No
         model.steps_per_execution = compiled
 
 
-@contextlib.contextmanager
-def iterations_that_count_steps(optimizer: "keras.optimizers.Optimizer", steps: Callable[[], int],
-                                unknown_length: bool) -> Iterator[None]:
+class IterationsThatCountSteps:
     """Keras 3 counts one optimizer iteration more than it trains at the end of every epoch of unknown length:
     the call that finds the data ended still adds 1 (measured with plain `model.fit` on a filtered dataset:
-    6 iterations per epoch of 5 batches, the weights as after 5 steps). Learning-rate schedules read that
-    counter, so that one is taken back (`steps()`: the trainer's count of steps trained); a counter that is not
-    a variable (gradient accumulation) or that moved otherwise (a loss-scale skip) is left as it is."""
-    counter = optimizer.iterations
-    if not unknown_length or not hasattr(counter, "assign_sub"):
-        yield
-        return
-    start, trained = int(counter.numpy()), steps()
-    try:
-        yield
-    finally:
-        if int(counter.numpy()) - start == steps() - trained + 1:
-            counter.assign_sub(1)
+    6 iterations per epoch of 5 batches, the weights as after 5 steps). Learning-rate schedules and Adam's
+    bias correction read that counter, so that one is taken back (`steps()`: the trainer's count of steps
+    trained), at the epoch's end (`take_back`, before the epoch-end commit saves the counter and a restart
+    from it counts one more than a run without faults) and, for a `model.fit` that ended otherwise, on
+    leaving; a counter that is not a variable (gradient accumulation) or that moved otherwise (a loss-scale
+    skip) is left as it is. Used around one `model.fit` of one epoch."""
+
+    def __init__(self, optimizer: "keras.optimizers.Optimizer", steps: Callable[[], int], unknown_length: bool):
+        self.counter, self.steps = optimizer.iterations, steps
+        self.active = unknown_length and hasattr(self.counter, "assign_sub")
+        self.start = self.trained = 0
+
+    def __enter__(self) -> "IterationsThatCountSteps":
+        if self.active:
+            self.start, self.trained = int(self.counter.numpy()), self.steps()
+        return self
+
+    def take_back(self) -> None:
+        """Takes the extra iteration back if Keras counted it (again: a no-op)."""
+        if self.active and int(self.counter.numpy()) - self.start == self.steps() - self.trained + 1:
+            self.counter.assign_sub(1)
+
+    def __exit__(self, *exc) -> None:
+        self.take_back()
 
 
 def bugs_in(trainer_source: str) -> Dict[str, bool]:

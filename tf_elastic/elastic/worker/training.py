@@ -149,6 +149,8 @@ class _ElasticTrainer:
         self.first_step_logged = False
         self.last_loss = None
         self.probe = GroupProbe(model, strategy, world, ProbeSettings.from_text(world.probe))
+        # The epoch's `model.fit` counts an optimizer iteration too many where its data runs out (`_train`).
+        self.iterations_counted = keras_compat.IterationsThatCountSteps(model.optimizer, lambda: 0, False)
         if isinstance(feed, DatasetFeed):  # the feed that hands batches itself knows when the step waits for them
             self.probe.input_wait = feed.take_input_wait
         # Alone, an agreement is no collective: every `sync_every_steps` costs nothing.
@@ -242,6 +244,7 @@ class _ElasticTrainer:
     def end_epoch(self, epoch: int, logs: Dict) -> None:
         """Keras ended the epoch (first of the callbacks): its event, and validation, whose logs the user's
         callbacks then see. The epoch-end commit comes after them (`commit_epoch`)."""
+        self.iterations_counted.take_back()  # before validation, the user's callbacks and the commit see it
         if not self.feed.finished():
             if not self.stopped:  # a callback of the user's stopped training mid-epoch (an agreed stop committed)
                 self.commit(epoch, self.feed.position(), early_stop=True)
@@ -449,7 +452,8 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
             callbacks.set_params({"verbose": fit_args["verbose"], "epochs": epochs, "steps": steps})
             with _averages_held_back(model.optimizer, hold=epoch + 1 < epochs), warnings.catch_warnings(), \
                     keras_compat.steps_per_execution_that_runs(model, trainer.strategy), \
-                    keras_compat.iterations_that_count_steps(model.optimizer, lambda: trainer.step, steps is None):
+                    keras_compat.IterationsThatCountSteps(model.optimizer, lambda: trainer.step,
+                                                          steps is None) as trainer.iterations_counted:
                 # A pipeline of unknown length ends its epoch by running out, as `model.fit` expects it to.
                 warnings.filterwarnings("ignore", message="Your input ran out of data")
                 epoch_input = trainer.feed.distributed(trainer.strategy, model.steps_per_execution)
