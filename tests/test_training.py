@@ -382,6 +382,29 @@ def test_a_restart_from_an_epoch_end_of_a_pipeline_of_unknown_length_counts_the_
             np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
 
 
+def test_an_epoch_a_users_callback_stops_mid_way_is_validated_as_model_fit_validates_it(tmp_path):
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((32, 3)).astype(np.float32), rng.standard_normal((32, 1)).astype(np.float32)
+
+    class StopAtTheSecondStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            self.model.stop_training = self.model.stop_training or batch == 1
+
+    def model():
+        keras.utils.set_random_seed(0)
+        net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        net.compile(optimizer="sgd", loss="mse")
+        return net
+
+    given = dict(epochs=2, verbose=0, validation_data=(x[:8], y[:8]), callbacks=[StopAtTheSecondStep()])
+    plain = model().fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), **given).history
+    mine = elastic.fit(model(), tf.data.Dataset.from_tensor_slices((x, y)).batch(8), **given, world=World(),
+                       strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
+                       config=elastic.FitConfig(durable_every_commits=0)).history
+    assert sorted(mine) == sorted(plain) == ["loss", "val_loss"] and len(mine["val_loss"]) == 1
+    np.testing.assert_allclose(mine["val_loss"], plain["val_loss"], rtol=1e-6)
+
+
 def test_the_audit_sees_a_step_that_trained_other_examples_than_planned(tmp_path):
     """The index log's audit counts what steps consumed: a consumption record that is not the plan's (as
     when a strategy re-split a worker's batch) shows as off_plan and as skipped examples."""

@@ -243,12 +243,22 @@ class _ElasticTrainer:
 
     def end_epoch(self, epoch: int, logs: Dict) -> None:
         """Keras ended the epoch (first of the callbacks): its event, and validation, whose logs the user's
-        callbacks then see. The epoch-end commit comes after them (`commit_epoch`)."""
+        callbacks then see, as `model.fit` validates an epoch a user's callback stopped too. The epoch-end
+        commit comes after them (`commit_epoch`); a user's stop mid-epoch commits here, an agreed stop (a
+        SIGTERM: committed at its step, its grace short) validates nothing."""
         self.iterations_counted.take_back()  # before validation, the user's callbacks and the commit see it
-        if not self.feed.finished():
-            if not self.stopped:  # a callback of the user's stopped training mid-epoch (an agreed stop committed)
-                self.commit(epoch, self.feed.position(), early_stop=True)
+        finished = self.feed.finished()
+        if self.stopped and not finished:
             return
+        if finished:
+            self._epoch_done(epoch)
+        if self.validation.due(epoch):
+            self.average_statistics()  # every worker evaluates one model
+            logs.update(self.validation.run(self.model, ProgressCallback(self.events, self.world)))
+        if not finished:  # a callback of the user's stopped training mid-epoch
+            self.commit(epoch, self.feed.position(), early_stop=True)
+
+    def _epoch_done(self, epoch: int) -> None:
         if self.world.is_chief:
             seconds = time.time() - self.epoch_began
             self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.steps_in_call,
@@ -260,9 +270,6 @@ class _ElasticTrainer:
         skipped = self.feed.skipped()
         if skipped:
             self.events.write(Event.REMAINDER_SKIPPED, epoch=epoch, samples=skipped, rank=self.world.rank)
-        if self.validation.due(epoch):
-            self.average_statistics()  # every worker evaluates one model
-            logs.update(self.validation.run(self.model, ProgressCallback(self.events, self.world)))
 
     def commit_epoch(self, epoch: int) -> None:
         """After every callback of the epoch's end: the commit holds what they decided too (a user's early
