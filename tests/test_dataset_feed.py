@@ -180,6 +180,37 @@ def test_a_pydataset_resumes_at_its_batch_and_replays_its_seeded_reshuffles():
     assert _epochs(make, 3, [(3, 2), (6, 1), (1, 4), (100, 3)], ids) == clean
 
 
+class _InOrder(keras.utils.PyDataset):
+    """Ids in batches of 8 (the last of 4), as a list `[x, y]` (Keras reads it as the tuple)."""
+
+    @property
+    def num_batches(self):
+        return -(-EXAMPLES // BATCH)
+
+    def __getitem__(self, index):
+        ids = np.arange(index * BATCH, min(EXAMPLES, (index + 1) * BATCH))
+        return [ids[:, None].astype(np.float32), ids]
+
+
+def test_a_pydataset_reads_each_epochs_batches_in_a_seeded_order_of_its_own_as_model_fit_shuffles_them():
+    """`model.fit(shuffle=True)`, its default, reads a PyDataset's batches in a new order each epoch: here one
+    drawn from the seed and the epoch, the same through restarts and resizes; no seed, in order."""
+    def firsts(epochs):
+        return [[int(batch[0]) for batch in epoch] for epoch in epochs]
+
+    ids = lambda pieces: np.concatenate([p[1] for p in pieces]).tolist()  # noqa: E731
+    clean = _epochs(lambda: PyDatasetFeed(_InOrder(), shuffle_seed=3), 3, [(100, 1)], ids)
+    orders = firsts(clean)
+    assert all(sorted(order) == list(range(0, EXAMPLES, BATCH)) for order in orders)
+    assert len({tuple(order) for order in orders}) == 3 and orders[0] != list(range(0, EXAMPLES, BATCH))
+    assert sorted(sum(clean[1], [])) == list(range(EXAMPLES))  # every example once an epoch
+    assert _epochs(lambda: PyDatasetFeed(_InOrder(), shuffle_seed=3), 3, [(3, 2), (6, 1), (1, 4), (100, 3)],
+                   ids) == clean
+    assert firsts(_epochs(lambda: PyDatasetFeed(_InOrder(), shuffle_seed=4), 1, [(100, 1)], ids)) != orders[:1]
+    assert firsts(_epochs(lambda: PyDatasetFeed(_InOrder()), 2, [(100, 2)], ids)) == [
+        list(range(0, EXAMPLES, BATCH))] * 2
+
+
 def _shapes(root):
     """Pipelines as users build them, each made anew for every round (a restarted worker builds its own)."""
     from tf_elastic.testing import data_files

@@ -558,6 +558,25 @@ class _TwoOutputs(keras.utils.PyDataset):
         return tf.nest.map_structure(lambda a: a[index * 8:(index + 1) * 8], self.arrays)
 
 
+def test_a_pydataset_is_shuffled_by_default_and_read_in_order_with_shuffle_false_as_by_model_fit(tmp_path):
+    """`shuffle=False`: the batches in order, the weights plain `model.fit(shuffle=False)`'s bit for bit; the
+    default shuffles each epoch's batches (in an order drawn from the seed: `PyDatasetFeed`)."""
+    def run(shuffle, run_dir):
+        model = _two_output_model()
+        elastic.fit(model, _TwoOutputs(_two_output_data()[:2]), shuffle=shuffle, epochs=2, verbose=0, world=World(),
+                    strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path / run_dir),
+                    config=elastic.FitConfig(durable_every_commits=0))
+        return [w.numpy() for w in model.weights]
+
+    plain = _two_output_model()
+    plain.fit(_TwoOutputs(_two_output_data()[:2]), shuffle=False, epochs=2, verbose=0)
+    for theirs, ours in zip(plain.weights, run(False, "in-order")):
+        np.testing.assert_array_equal(ours, theirs.numpy())
+    shuffled = run(True, "shuffled")
+    assert not all(np.array_equal(a, b.numpy()) for a, b in zip(shuffled, plain.weights))
+    assert all(np.array_equal(a, b) for a, b in zip(shuffled, run(True, "shuffled-again")))
+
+
 def _two_output_data():
     rng = np.random.default_rng(1)
     features = {"a": rng.standard_normal((60, 3)).astype(np.float32), "b": rng.standard_normal((60, 2)).astype(

@@ -375,8 +375,10 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     (default: the global batch), `class_weight`, `sample_weight` (with in-memory arrays: a dataset or a
     source carries its own weights), and `batch_size`, the global batch, constant at every world size (which
     must divide it); or `per_replica_batch_size`: the global batch follows the world (Dynamic SGD). Default:
-    a global batch of 32. Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `shuffle=False`
-    (ignored with a dataset, as by `model.fit`), `initial_epoch` and `steps_per_epoch`. The returned
+    a global batch of 32. `shuffle` is ignored with a tf.data dataset, as by `model.fit`; with a PyDataset
+    it reads each epoch's batches in an order drawn from `FitConfig.seed` and the epoch (False: in order).
+    Refused, in one line saying why (`_refuse_what_fit_cannot_honour`): `shuffle=False` with arrays or a
+    source, `initial_epoch` and `steps_per_epoch`. The returned
     `History` holds the epochs this process trained: after a restart, from the restored epoch on (a partial
     epoch's logs cover its rest only); `events.jsonl` has the whole run.
 
@@ -408,7 +410,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     _require_count("epochs", epochs)
     feed, global_batch = _training_feed(x, y, sample_weight, world, strategy, config.seed, batch_size=batch_size,
                                         per_replica_batch_size=per_replica_batch_size, class_weight=class_weight,
-                                        preprocess=preprocess)
+                                        preprocess=preprocess, shuffle=shuffle)
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
@@ -564,7 +566,7 @@ def _context(world: Optional[World], strategy: Optional[tf.distribute.Strategy],
 
 
 def _training_feed(x, y, sample_weight, world: World, strategy: tf.distribute.Strategy, seed: int, *, batch_size,
-                   per_replica_batch_size, class_weight, preprocess):
+                   per_replica_batch_size, class_weight, preprocess, shuffle: bool = True):
     """(the feed of `fit`'s training data, its global batch): a dataset or PyDataset read whole by every
     worker, else a source (arrays, files) of which each worker reads its share by plan."""
     if isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
@@ -573,7 +575,7 @@ def _training_feed(x, y, sample_weight, world: World, strategy: tf.distribute.St
                                preprocess=preprocess)
         if isinstance(x, tf.data.Dataset):
             return DatasetFeed(x, world.size, world.rank), _static_batch(x)
-        feed = PyDatasetFeed(x, world.size, world.rank)
+        feed = PyDatasetFeed(x, world.size, world.rank, shuffle_seed=seed if shuffle else None)
         return feed, feed.global_batch
     global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
     return _planned_feed(_training_source(x, y, sample_weight), preprocess, world, global_batch,

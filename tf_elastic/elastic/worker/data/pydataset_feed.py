@@ -1,12 +1,14 @@
 """A `keras.utils.PyDataset` of global batches, trained exactly across every resize.
 
 A PyDataset is addressed by batch index (`dataset[i]`, `num_batches`), so its position is a number: the
-batches of the epoch trained. Every worker reads each global batch (one at a time, in order) and trains its
-replicas' rows of it, as with a tf.data pipeline (`DatasetFeed`); nothing is pulled ahead that a commit
-could lose. `on_epoch_begin()` and `on_epoch_end()` bracket each epoch, and a restart at epoch e replays
-the calls of the epochs before it: whatever they reshuffle must be seeded (a reshuffle that is not would
-differ between workers, which the group's check of the next batch refuses, and between runs, which
-nothing can see).
+batches of the epoch trained. As `model.fit(shuffle=True)` (its default) does, each epoch reads the batches in
+an order of its own: here a permutation drawn from the job's seed and the epoch, the same on every worker and
+after every restart (`model.fit` draws it from Python's unseeded `random`). Every worker reads each global
+batch (one at a time, in that order) and trains its replicas' rows of it, as with a tf.data pipeline
+(`DatasetFeed`); nothing is pulled ahead that a commit could lose. `on_epoch_begin()` and `on_epoch_end()`
+bracket each epoch, and a restart at epoch e replays the calls of the epochs before it: whatever they
+reshuffle must be seeded (a reshuffle that is not would differ between workers, which the group's check of the
+next batch refuses, and between runs, which nothing can see).
 """
 from typing import Optional, Tuple
 
@@ -21,8 +23,9 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 class PyDatasetFeed:
     """Feeds this worker's replicas their rows of each batch of a `keras.utils.PyDataset`."""
 
-    def __init__(self, dataset, world_size: int = 1, rank: int = 0):
-        self.dataset, self.world_size, self.rank = dataset, world_size, rank
+    def __init__(self, dataset, world_size: int = 1, rank: int = 0, shuffle_seed: Optional[int] = None):
+        """`shuffle_seed`: each epoch's order of the batches is drawn from it and the epoch (None: in order)."""
+        self.dataset, self.world_size, self.rank, self.shuffle_seed = dataset, world_size, rank, shuffle_seed
         try:
             self.num_batches = dataset.num_batches
         except NotImplementedError:
@@ -31,11 +34,13 @@ class PyDatasetFeed:
             raise ConfigurationError(f"x: the PyDataset has num_batches={self.num_batches!r}; fit needs a finite "
                                      "number of batches an epoch (an epoch is one pass).")
         first = dataset[0]
+        first = tuple(first) if isinstance(first, list) else first  # as Keras reads `[x, y]`
         self._structure = first if isinstance(first, tuple) else (first,)
         self._flat = [np.asarray(a) for a in tf.nest.flatten(self._structure)]
         self._spec = any_rows(tf.nest.pack_sequence_as(
             self._structure, [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in self._flat]))
         self.epoch = self.batches = 0
+        self._order = np.arange(self.num_batches)  # the epoch's order of the batches (`restore`)
         self.examples = None  # an epoch's: a PyDataset says its batches, not its examples
         self._epochs_begun = self._epochs_ended = 0  # calls of on_epoch_begin and on_epoch_end made
         self.global_batch = len(self._flat[0])
@@ -45,7 +50,7 @@ class PyDatasetFeed:
         """A digest of the next batch to train, and the epoch's length: every worker must read alike."""
         if self.batches >= self.num_batches:
             return 0.0, float(self.num_batches)
-        return batch_number(self._read(self.batches)), float(self.num_batches)
+        return batch_number(self._read(int(self._order[self.batches]))), float(self.num_batches)
 
     def committed_data(self) -> Tuple[int, int]:
         return 0, self.num_batches
@@ -62,6 +67,8 @@ class PyDatasetFeed:
             self._epochs_begun += 1
         self.epoch = epoch
         self.batches = int(saved) if saved else 0
+        self._order = np.arange(self.num_batches) if self.shuffle_seed is None else \
+            np.random.default_rng([self.shuffle_seed, epoch]).permutation(self.num_batches)
 
     def state(self) -> bytes:
         return str(self.batches).encode()
@@ -81,9 +88,10 @@ class PyDatasetFeed:
         """Per-replica batches for this worker's replicas `first`..`first+count-1` of `replicas`, `count` for
         each global batch from the next untrained one to the epoch's end."""
         dtypes = [tf.as_dtype(a.dtype) for a in self._flat]
+        order = self._order  # this epoch's, whenever tf.data reads
 
         def read(index):
-            flat = tf.numpy_function(lambda i: self._read(int(i)), [index], dtypes)
+            flat = tf.numpy_function(lambda i: self._read(int(order[i])), [index], dtypes)
             for tensor, spec in zip(flat, tf.nest.flatten(self._spec)):
                 tensor.set_shape(spec.shape)
             return tf.nest.pack_sequence_as(self._structure, flat)
