@@ -93,3 +93,22 @@ def test_the_fit_fix_builds_from_the_element_spec_and_opens_no_iterator(monkeypa
     logs = model.evaluate(tf.data.Dataset.from_tensor_slices((x, y)).batch(8), verbose=0, return_dict=True)
     assert opened_before_reset == [False, False], opened_before_reset
     assert set(logs) == {"loss", "accuracy"}, logs  # the metrics built from the spec
+
+
+def test_a_round_whose_first_batch_the_local_replicas_do_not_divide_trains_it(tmp_path, two_cpu_strategy):
+    """One host of several devices (MirroredStrategy) restarted at a short last batch: Keras's build
+    MEAN-reduced the replicas' shares of 2 and 1 rows and failed ("AddN must have the same size and shape"),
+    which `fit` takes for bad input (exit 78: the job ended for good). Built from the spec, it trains them."""
+    from tf_elastic import elastic
+    from tf_elastic.elastic.worker.world import World
+
+    if not keras_compat.install_fit_fix()["symbolic_build"]:
+        return  # Keras fixed its build
+    x, y = np.arange(3, dtype=np.float32)[:, None], np.ones((3, 1), np.float32)
+    with two_cpu_strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    elastic.fit(model, tf.data.Dataset.from_tensor_slices((x, y)).batch(4), epochs=1, verbose=0, world=World(),
+                strategy=two_cpu_strategy, run_dir=str(tmp_path), config=elastic.FitConfig(durable_every_commits=0))
+    assert int(model.optimizer.iterations.numpy()) == 1 and model.weights[0].numpy().item() > 0

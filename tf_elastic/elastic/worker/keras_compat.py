@@ -3,7 +3,9 @@
 asynchronous checkpoint of Keras variables.
 
 `fit`: two failure points in Keras 3.15: `TensorFlowTrainer._maybe_symbolic_build` MEAN-reduces a tuple of
-PerReplica input batches ("Attempt to convert a value (PerReplica...) to a Tensor"), and `reduce_per_replica`
+PerReplica input batches ("Attempt to convert a value (PerReplica...) to a Tensor"; under MirroredStrategy, a
+first batch the replicas do not divide: "AddN must have the same size and shape", which ended with exit 78 a
+round restarted at a short last batch), and `reduce_per_replica`
 reduces scalar logs with `axis=0` ("Invalid reduction dimension 0 for input with 0 dimensions"). The fix
 builds from the dataset's element spec (one local replica's) and reduces scalars with `axis=None`; losses are
 then the same on every worker. Keras's own build also opens an iterator for one batch and drops it at once,
@@ -128,7 +130,9 @@ def install_fit_fix() -> Dict[str, bool]:
 
         def _maybe_symbolic_build(self, iterator=None, data_batch=None):
             strategy = self._distribute_strategy
-            if strategy is None or iterator is None or not tf_trainer._collective_all_reduce_multi_worker(strategy):
+            several = strategy is not None and (strategy.num_replicas_in_sync > 1 or
+                                                tf_trainer._collective_all_reduce_multi_worker(strategy))
+            if iterator is None or not several:
                 return original_build(self, iterator=iterator, data_batch=data_batch)
             # Shapes are all the build needs, and the dataset's element spec has them (one replica's, under
             # several local replicas). No iterator is opened to read a batch: Keras drops it at once, and
