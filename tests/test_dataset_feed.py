@@ -211,6 +211,23 @@ def test_a_pydataset_reads_each_epochs_batches_in_a_seeded_order_of_its_own_as_m
         list(range(0, EXAMPLES, BATCH))] * 2
 
 
+def test_a_batch_of_fewer_rows_than_replicas_is_said_once_a_feed_naming_the_fix(caplog):
+    """A short last batch at a large world leaves replicas with no row (BatchNormalization's statistics turn
+    NaN there, as under plain MWMS): said once, in one line naming `drop_remainder`; batches of as many rows
+    as replicas or more, nothing."""
+    def said(make_feed, replicas):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            _epochs(make_feed, 2, [(100, replicas)], read=len)
+        return [r.getMessage() for r in caplog.records if "replicas:" in r.getMessage()]
+
+    tensors = lambda: DatasetFeed(tf.data.Dataset.range(EXAMPLES).batch(BATCH))  # noqa: E731 (a last batch of 4)
+    assert said(tensors, 4) == [] and said(lambda: PyDatasetFeed(_InOrder()), 4) == []
+    for make_feed in (tensors, lambda: PyDatasetFeed(_InOrder())):
+        lines = said(make_feed, 5)
+        assert len(lines) == 1 and "4 rows for 5 replicas: 1 of them" in lines[0] and "drop_remainder" in lines[0]
+
+
 def _shapes(root):
     """Pipelines as users build them, each made anew for every round (a restarted worker builds its own)."""
     from tf_elastic.testing import data_files

@@ -86,6 +86,8 @@ class DatasetFeed:
         self._readers = self._popped = 0  # readers opened; batches trained (and dropped from the queue) in all
         self._room = threading.Condition(self._lock)  # a reader's thread waits for trained batches
         self._made = 0  # advanced by each dataset made (`replica_dataset`: one a `model.fit`) and by `close`
+        self._replicas = 1  # of the newest dataset made: a batch of fewer rows leaves some without one
+        self._said_rows_missing = False  # `rows_are_missing`, once
         self._failure: Optional[Exception] = None  # the user's pipeline failed under a reader (`_pump`)
         self._starved_since: Optional[float] = None  # every handed batch was trained: the step waits for input
         self._input_wait = 0.0  # seconds the step waited for a batch, since `take_input_wait`
@@ -220,6 +222,7 @@ class DatasetFeed:
         of CPU less a global batch)."""
         kinds = [tf.int32] + [spec.dtype for spec in self._flat_specs]  # the status (`_BATCH`...), the batch
         ahead = steps_per_call + 2
+        self._replicas = replicas
         with self._lock:
             self._made += 1
             made = self._made
@@ -330,6 +333,7 @@ class DatasetFeed:
             batch = self._batch(at)
             if batch is None:
                 return
+            self._said_rows_missing = self._said_rows_missing or rows_are_missing(rows_of(batch), self._replicas)
             at += 1
             with self._lock:
                 if me == self._readers:
@@ -510,6 +514,19 @@ def replica_share(batch: Any, q, replicas: int) -> Any:
     q = tf.cast(q, tf.int64)
     begin, end = q * rows // replicas, (q + 1) * rows // replicas
     return tf.nest.map_structure(lambda t: t[begin:end], batch)
+
+
+def rows_are_missing(rows: int, replicas: int) -> bool:
+    """Whether a global batch of `rows` leaves some of `replicas` with no row (a short last batch at a large
+    world), and if so says so: a layer of batch statistics (BatchNormalization) makes its moments, and then
+    its weights, NaN there, as it does under plain MultiWorkerMirroredStrategy. A feed says it once."""
+    if rows >= replicas:
+        return False
+    logging.warning("x: a global batch of %d rows for %d replicas: %d of them train on no row, and a layer of batch "
+                    "statistics (BatchNormalization) turns NaN there (as under plain MultiWorkerMirroredStrategy); "
+                    "batch with drop_remainder=True, or keep every batch at least as many rows as there are "
+                    "replicas", rows, replicas, replicas - rows)
+    return True
 
 
 def batch_number(batch: Any) -> float:

@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from tf_elastic.elastic.worker.data.dataset_feed import any_rows, batch_number, replica_share
+from tf_elastic.elastic.worker.data.dataset_feed import any_rows, batch_number, replica_share, rows_are_missing
 from tf_elastic.elastic.worker.data.feed import local_replicas
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -41,6 +41,7 @@ class PyDatasetFeed:
             self._structure, [tf.TensorSpec(a.shape, tf.as_dtype(a.dtype)) for a in self._flat]))
         self.epoch = self.batches = 0
         self._order = np.arange(self.num_batches)  # the epoch's order of the batches (`restore`)
+        self._said_rows_missing = False  # `rows_are_missing`, once
         self.examples = None  # an epoch's: a PyDataset says its batches, not its examples
         self._epochs_begun = self._epochs_ended = 0  # calls of on_epoch_begin and on_epoch_end made
         self.global_batch = len(self._flat[0])
@@ -90,8 +91,13 @@ class PyDatasetFeed:
         dtypes = [tf.as_dtype(a.dtype) for a in self._flat]
         order = self._order  # this epoch's, whenever tf.data reads
 
+        def read_rows(index):
+            flat = self._read(int(order[index]))
+            self._said_rows_missing = self._said_rows_missing or rows_are_missing(len(flat[0]), replicas)
+            return flat
+
         def read(index):
-            flat = tf.numpy_function(lambda i: self._read(int(order[i])), [index], dtypes)
+            flat = tf.numpy_function(read_rows, [index], dtypes)
             for tensor, spec in zip(flat, tf.nest.flatten(self._spec)):
                 tensor.set_shape(spec.shape)
             return tf.nest.pack_sequence_as(self._structure, flat)
