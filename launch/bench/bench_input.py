@@ -9,7 +9,8 @@
 2. peak resident memory of a `launch.train` worker on generated image folders of two sizes (same steps);
 3. time from a restart to the first batch at a mid-epoch position, for each source kind (TFRecords with
    and without the index cache of an earlier start);
-4. a user's own tf.data pipeline (TFRecord + parse + shuffle + batch): steps/s under `elastic.fit` (every
+4. a user's own tf.data pipeline (TFRecord + parse + shuffle + batch): steps/s (of the second epoch, from its
+   first step's end on; its first step's seconds apart, where a new pass starts) under `elastic.fit` (every
    worker reads the whole pipeline; commits at the epochs' ends, and again with one every
    `--commit_every_steps`: an epoch here is under a second, so that cadence is a commit every ~0.3 s)
    against plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA and by FILE, and the same records
@@ -225,8 +226,9 @@ def user_pipeline(records: str, batch: int, shuffle: int, size: int, auto_shard:
     return dataset
 
 
-def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 0) -> float:
-    """The chief's steps/s in the second epoch of `pipeline_worker` at `world` workers."""
+def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 0) -> Tuple[float, float]:
+    """The chief's steps/s in the second epoch of `pipeline_worker` at `world` workers, from its first step's
+    end on, and that first step's seconds."""
     import json
     import socket
 
@@ -248,7 +250,8 @@ def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 
     for proc, (_, err) in zip(procs, outputs):
         if proc.returncode:
             raise RuntimeError(f"{mode} at {world} workers failed: {err[-2000:]}")
-    return float(outputs[0][0].split("steps_per_second ")[-1].split()[0])
+    words = outputs[0][0].split("steps_per_second ")[-1].split()
+    return float(words[0]), float(words[2])
 
 
 def _state_pipeline(root: Path, buffer: int):
@@ -318,7 +321,8 @@ def print_pipeline_comparison(root: Path) -> None:
     commits = FLAGS.commit_every_steps
     runs = {"elastic": ("elastic", 0), "data": ("data", 0), "file": ("file", 0), "source": ("source", 0)}
     header = ["workers", "elastic.fit, pipeline read whole", "plain DATA", "plain FILE", "elastic / DATA",
-              "elastic / FILE", "elastic.fit, TFRecordSource (share only)", "source / FILE"]
+              "elastic / FILE", "elastic.fit, TFRecordSource (share only)", "source / FILE",
+              "epoch's first step s, elastic / DATA / FILE / source (medians)"]
     if commits:
         runs["commits"] = ("elastic", commits)
         header += [f"elastic.fit, a commit every {commits} steps", "with / without those commits"]
@@ -326,16 +330,18 @@ def print_pipeline_comparison(root: Path) -> None:
     for world in [int(w) for w in FLAGS.pipeline_workers]:
         measured = {name: [] for name in runs}
         for _ in range(FLAGS.pipeline_repeats):
-            for name, rates in measured.items():
-                rates.append(pipeline_rates(root, world, *runs[name]))
-        best = {name: max(rates) for name, rates in measured.items()}
-        median = {name: statistics.median(rates) for name, rates in measured.items()}
+            for name, results in measured.items():
+                results.append(pipeline_rates(root, world, *runs[name]))
+        best = {name: max(rate for rate, _ in results) for name, results in measured.items()}
+        median = {name: statistics.median(rate for rate, _ in results) for name, results in measured.items()}
+        first = {name: statistics.median(step for _, step in results) for name, results in measured.items()}
 
         def ratio(a: str, b: str) -> str:
             return f"{best[a] / best[b]:.2f}x / {median[a] / median[b]:.2f}x"
 
         cells = [f"{world}", f"{best['elastic']:.2f}", f"{best['data']:.2f}", f"{best['file']:.2f}",
-                 ratio("elastic", "data"), ratio("elastic", "file"), f"{best['source']:.2f}", ratio("source", "file")]
+                 ratio("elastic", "data"), ratio("elastic", "file"), f"{best['source']:.2f}", ratio("source", "file"),
+                 " / ".join(f"{first[name]:.3f}" for name in ("elastic", "data", "file", "source"))]
         if commits:
             cells += [f"{best['commits']:.2f}", ratio("commits", "elastic")]
         print("| " + " | ".join(cells) + " |", flush=True)
@@ -345,7 +351,8 @@ def print_pipeline_tables(root: Path) -> None:
     write_tfrecords(root / "pipeline", FLAGS.pipeline_examples, FLAGS.image_size)
     if FLAGS.pipeline_workers:
         print(f"\nA tf.data pipeline (TFRecord + parse + shuffle 1000 + batch {FLAGS.batch_size}, "
-              f"{FLAGS.pipeline_examples} images), steps/s of the second epoch, side by side (the best of "
+              f"{FLAGS.pipeline_examples} images), steps/s of the second epoch from its first step's end on "
+              f"(its first step apart), side by side (the best of "
               f"{FLAGS.pipeline_repeats} runs; ratios: of the best runs / of the median runs)")
         print_pipeline_comparison(root)
     buffers = [int(b) for b in FLAGS.shuffle_buffers]
