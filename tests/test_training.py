@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import REPO, free_port
 from tf_elastic import LARS, BatchResizeSchedule, elastic
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import ExitCode
@@ -709,3 +710,62 @@ def test_a_bad_record_in_a_users_pipeline_ends_fit_in_one_line_and_a_rerun_loses
     assert [e["step"] for e in read_events(tmp_path / "mended") if e["event"] == "worker_exit"] == [50]
     for theirs, ours in zip(plain.weights, mended.weights):
         np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+_VALIDATING_WORKER = """
+import os, sys
+import numpy as np, tensorflow as tf, keras
+from tf_elastic import elastic
+
+def train():
+    files = sorted(tf.io.gfile.glob(os.path.join(sys.argv[1], "val-*")))
+    parse = lambda r: (lambda v: (v, v))(tf.io.parse_single_example(
+        r, {"v": tf.io.FixedLenFeature([1], tf.float32)})["v"])
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1, kernel_initializer="zeros")])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    ones = np.ones((8, 1), np.float32)
+    history = elastic.fit(model, tf.data.Dataset.from_tensor_slices((ones, ones)).batch(4), epochs=1, verbose=0,
+                          validation_data=tf.data.TFRecordDataset(files).map(parse).batch(4), validation_steps=2,
+                          config=elastic.FitConfig(durable_every_commits=0))
+    print("val_loss", history.history["val_loss"][0], flush=True)
+
+elastic.run(train, run_dir=sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_validation_steps_of_a_users_file_pipeline_evaluate_its_first_global_batches_at_every_world_size(tmp_path):
+    """TensorFlow shards a file reader's validation set by file under MWMS (AUTO): each worker evaluated
+    `validation_steps` batches of its own files, at 2 workers the first 8 records of two files instead of the
+    first file's 8. Shared by global batch (`_shared_by_global_batch`), 2 workers report one worker's loss."""
+    import subprocess
+    import sys
+
+    for f in range(4):  # four files of 8 records: the value f * 100 + i, its own target (a zero model's loss)
+        with tf.io.TFRecordWriter(str(tmp_path / f"val-{f}")) as writer:
+            for i in range(8):
+                feature = tf.train.Feature(float_list=tf.train.FloatList(value=[f * 100.0 + i]))
+                writer.write(tf.train.Example(features=tf.train.Features(feature={"v": feature})).SerializeToString())
+    script = tmp_path / "worker.py"
+    script.write_text(_VALIDATING_WORKER)
+    ports = [free_port(), free_port()]
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    runs = [[{}], [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
+                   for i in range(2)]]
+    losses = []
+    for run, configs in enumerate(runs):
+        procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), str(tmp_path / f"run-{run}")],
+                                  env=dict(os.environ, PYTHONPATH=str(REPO), **config), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for config in configs]
+        try:
+            outputs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert all(p.returncode == 0 for p in procs), outputs
+        losses.append([float(out.split("val_loss ")[-1].split()[0]) for out in outputs])
+    assert losses[0] == [np.mean(np.arange(8.0) ** 2)]  # the first file's 8 records
+    np.testing.assert_allclose(losses[1], losses[0] * 2, rtol=1e-6)
+

@@ -674,7 +674,7 @@ def _validation_dataset(validation_data, batch: int, preprocess: Optional[Prepro
     if validation_data is None:
         return None
     if isinstance(validation_data, tf.data.Dataset):
-        dataset = validation_data
+        dataset = _shared_by_global_batch(validation_data)
     elif isinstance(validation_data, Source):
         dataset = evaluation(validation_data, batch, preprocess)
     elif isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
@@ -685,6 +685,20 @@ def _validation_dataset(validation_data, batch: int, preprocess: Optional[Prepro
         raise ConfigurationError(f"validation_data must be an (x, y) or (x, y, sample_weight) tuple of arrays, a "
                                  f"Source or a batched tf.data.Dataset; got {type(validation_data).__name__}.")
     return dataset if steps is None else dataset.take(steps)
+
+
+def _shared_by_global_batch(dataset: tf.data.Dataset) -> tf.data.Dataset:
+    """A user's validation pipeline, shared as a source's is (`data.evaluation`): every worker reads it whole
+    and evaluates its share of each global batch (`AutoShardPolicy.DATA`), so `validation_steps` takes the
+    same first global batches at every world size. TensorFlow's default (AUTO) shards a file reader's by
+    file: each worker took `validation_steps` batches of its own files, other examples at each world size
+    (and the metrics that EarlyStopping and ReduceLROnPlateau act on with them). A policy the user set stays."""
+    auto = tf.data.experimental.AutoShardPolicy.AUTO
+    if dataset.options().experimental_distribute.auto_shard_policy != auto:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
 
 
 def _build_optimizer(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
