@@ -103,7 +103,9 @@ class PyDatasetFeed:
             return tf.nest.pack_sequence_as(self._structure, flat)
 
         # One batch at a time, in order: a `__getitem__` drawing from a shared seeded generator then draws the
-        # same on every worker (a user's reads may run in parallel inside `__getitem__`).
+        # same on every worker (a user's reads may run in parallel inside `__getitem__`); but a restart draws
+        # from the generator's seed again, not from where the run was: draws seeded by the epoch and the index
+        # repeat a run without faults.
         batches = tf.data.Dataset.range(self.batches, self.num_batches).map(read).prefetch(1)
         return batches.flat_map(lambda *batch: tf.data.Dataset.range(first, first + count).map(
             lambda q: replica_share(batch if len(batch) > 1 else batch[0], q, replicas)))
