@@ -59,6 +59,7 @@ def test_cgroup_v2_reads_cpu_max_and_a_containers_own_cgroup_is_its_root(tmp_pat
 
 def test_what_cannot_be_read_is_no_quota(tmp_path):
     assert quota_period_seconds(str(tmp_path / "no-proc")) == 0.0
+    assert quota_period_seconds(_proc(tmp_path, "garbled\n", "no colons here\n", "torn")) == 0.0
     cpu = tmp_path / "cg" / "cpu,cpuacct"
     _write(cpu, cpu_cfs_quota_us="garbage\n", cpu_cfs_period_us="100000\n")
     assert quota_period_seconds(_proc(tmp_path, V1_MOUNTS, "4:cpu,cpuacct:/\n")) == 0.0
@@ -66,7 +67,7 @@ def test_what_cannot_be_read_is_no_quota(tmp_path):
 
 def test_a_worker_throttled_from_outside_probes_for_at_least_the_quotas_period(tmp_path):
     """A real cgroup (where this machine lets us make one): a process in it reads the period of the quota set
-    from outside, and its probe lasts that long, not the default 0.05 s."""
+    from outside, and its probe times a period and a half of it, not the default 0.05 s."""
     with Throttle(f"tf-elastic-quota-{tmp_path.name}") as throttle:
         if throttle.kind != "cgroup":
             pytest.skip("no writable cgroup cpu controller here")
@@ -77,4 +78,4 @@ def test_a_worker_throttled_from_outside_probes_for_at_least_the_quotas_period(t
         throttle.add(child.pid)
         throttle.set(1.5)  # a quota, not a slowdown
         out, _ = child.communicate("go\n", timeout=120)
-    assert float(out.split()[-1]) == 0.1
+    assert float(out.split()[-1]) >= 1.5 * 0.1  # (a quota above ours, of a longer period, would count too)

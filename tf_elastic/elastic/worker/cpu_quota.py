@@ -3,7 +3,9 @@
 A quota gives a cgroup `quota` of CPU time in every `period` (100 ms by default) and stops it for the rest of
 the period once spent. A straggler probe shorter than the period can end before the stop and time the host as
 fast as any (a pod at a third of a core still runs a 50 ms probe unstopped when it began with its quota
-unspent), so the probe spans at least one period where a quota is set (`probe_seconds`). Read at each probe:
+unspent), so where a quota is set the probe times a period and a half (`probe.probe_seconds`): it ends
+before its time rather than after, and a window of a whole period shows the stop for any quota under half
+a core a thread. Read at each probe:
 a limit can change while the worker runs (a resized pod, an operator's `cpu.max`). Both cgroup versions:
 v1's `cpu.cfs_quota_us` / `cpu.cfs_period_us`, v2's `cpu.max` ("QUOTA PERIOD", or "max PERIOD" for none); the
 cgroup of this process and every one above it, up to the hierarchy's mount (a container sees its own as the
@@ -19,9 +21,9 @@ def quota_period_seconds(proc: str = "/proc/self") -> float:
     try:
         mounts = Path(proc, "mountinfo").read_text().splitlines()
         groups = Path(proc, "cgroup").read_text().splitlines()
-    except OSError:
+        return max((_period(directory) for directory in _cpu_cgroups(mounts, groups)), default=0.0)
+    except (OSError, ValueError, IndexError):  # a layout not the kernel's: no quota known, the probe as set
         return 0.0
-    return max((_period(directory) for directory in _cpu_cgroups(mounts, groups)), default=0.0)
 
 
 def _cpu_cgroups(mounts: List[str], groups: List[str]) -> Iterator[Path]:

@@ -7,7 +7,8 @@ busy after a round's start, made its probe read 12-33x the others' on a host tha
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
 way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.91-0.96 %
 of the training time in `bench_straggler` on 2 shared cores (1.2-1.7 % while the loop ran past its time).
-Where the worker's CPU has a quota (a container's limit) a probe spans at least its period (`probe_seconds`).
+Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
+(`probe_seconds`): at the default cadence and a 100 ms period, about 1.5 % of the training time more.
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
@@ -162,9 +163,10 @@ def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings
 
 
 def probe_seconds(settings: ProbeSettings) -> float:
-    """How long a probe runs: `settings.seconds`, or a CFS period where this worker's CPU has a quota (a
-    shorter probe can end before the quota stops it, and time a throttled host as fast: `cpu_quota`)."""
-    return max(settings.seconds, quota_period_seconds())
+    """How long a probe runs: `settings.seconds`, or a period and a half of a CPU quota this worker runs under
+    (`cpu_quota`: a probe that ends before the quota stops it times a throttled host as fast as any; the
+    loop ends before its time, so a whole period is timed)."""
+    return max(settings.seconds, 1.5 * quota_period_seconds())
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
