@@ -253,6 +253,9 @@ def test_fit_refuses_bad_arguments_naming_them_before_anything_is_written(tmp_pa
         arguments = {"x": x, "y": y, "run_dir": str(tmp_path), "verbose": 0, **given}
         with pytest.raises(ConfigurationError, match=message):
             elastic.fit(model, **arguments)
+    for seed in (-1, 1.5, True):
+        with pytest.raises(ConfigurationError, match=r"^seed must be a whole number >= 0 .*got " + repr(seed)):
+            elastic.FitConfig(seed=seed)
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -578,6 +581,31 @@ def test_a_pydataset_is_shuffled_by_default_and_read_in_order_with_shuffle_false
     assert all(np.array_equal(a, b) for a, b in zip(shuffled, run(True, "shuffled-again")))
 
 
+def test_a_pydataset_restarted_in_another_order_than_its_commits_is_refused_naming_shuffle(tmp_path):
+    """A commit of a PyDataset read in order (shuffle=False, or a version that never shuffled), resumed in a
+    shuffled order, would train some of the epoch's batches twice and others never: refused in one line."""
+    import signal
+
+    def run(shuffle, stop_at=None):
+        model, steps = _two_output_model(), [0]
+
+        def step_end(batch, logs=None):
+            steps[0] += 1
+            if steps[0] == stop_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        elastic.fit(model, _TwoOutputs(_two_output_data()[:2]), shuffle=shuffle, epochs=2, verbose=0, world=World(),
+                    strategy=tf.distribute.get_strategy(), run_dir=str(tmp_path),
+                    callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=step_end)],
+                    config=elastic.FitConfig(commit_every_steps=0, sync_every_steps=1, durable_every_commits=0))
+
+    with pytest.raises(elastic.StopRequested):
+        run(False, stop_at=3)
+    with pytest.raises(elastic.ConfigurationError, match=r"training data differs .*shuffle, FitConfig.seed"):
+        run(True)
+    run(False)  # the order it committed in: goes on
+
+
 def _two_output_data():
     rng = np.random.default_rng(1)
     features = {"a": rng.standard_normal((60, 3)).astype(np.float32), "b": rng.standard_normal((60, 2)).astype(
@@ -732,6 +760,19 @@ def train():
 
 elastic.run(train, run_dir=sys.argv[2])
 """
+
+
+def test_only_a_validation_pipeline_cut_by_validation_steps_is_shared_by_global_batch():
+    """With `validation_steps`, DATA (the first global batches at every world size, below); the whole set keeps
+    TensorFlow's AUTO (each file read by one worker); a policy the user set stays."""
+    policy = tf.data.experimental.AutoShardPolicy
+    dataset = tf.data.Dataset.range(8).batch(2)
+    shared = lambda d, steps: training._validation_dataset(d, 2, None, steps).options(  # noqa: E731
+        ).experimental_distribute.auto_shard_policy
+    assert shared(dataset, None) == policy.AUTO and shared(dataset, 3) == policy.DATA
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy.OFF
+    assert shared(dataset.with_options(options), 3) == policy.OFF
 
 
 @pytest.mark.slow

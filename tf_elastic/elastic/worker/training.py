@@ -58,6 +58,9 @@ class FitConfig:
     durable_every_commits: int = 10
 
     def __post_init__(self):
+        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ConfigurationError(f"seed must be a whole number >= 0 (it draws each epoch's order); got "
+                                     f"{self.seed!r}.")
         if self.commit_every_steps < 0 or self.sync_every_steps < 1 or self.durable_every_commits < 0:
             raise ConfigurationError(f"commit_every_steps >= 0, sync_every_steps >= 1 and durable_every_commits >= 0 "
                                      f"are needed; got {self.commit_every_steps}, {self.sync_every_steps}, "
@@ -184,7 +187,8 @@ class _ElasticTrainer:
             raise ConfigurationError(
                 f"the training data differs from the data of the commit of step {self.state.step}: it has "
                 f"{_data_text(*data)}, the commit {_data_text(*committed)}: "
-                "restart on the same data, or start a new run (another run dir) for new data.")
+                "restart on the same data (a PyDataset's order too: shuffle, FitConfig.seed), or start a new run "
+                "(another run dir) for new data.")
         self.step = self.state.step
         self.cadence.start(self.step)
         saved = self.state.input_state.numpy() if self.state.input_state is not None else b""
@@ -245,7 +249,7 @@ class _ElasticTrainer:
         """Keras ended the epoch (first of the callbacks): its event, and validation, whose logs the user's
         callbacks then see, as `model.fit` validates an epoch a user's callback stopped too. The epoch-end
         commit comes after them (`commit_epoch`); a user's stop mid-epoch commits here, an agreed stop (a
-        SIGTERM: committed at its step, its grace short) validates nothing."""
+        SIGTERM: committed at its step, its grace short) mid-epoch validates nothing."""
         self.iterations_counted.take_back()  # before validation, the user's callbacks and the commit see it
         finished = self.feed.finished()
         if self.stopped and not finished:
@@ -674,7 +678,7 @@ def _validation_dataset(validation_data, batch: int, preprocess: Optional[Prepro
     if validation_data is None:
         return None
     if isinstance(validation_data, tf.data.Dataset):
-        dataset = _shared_by_global_batch(validation_data)
+        dataset = validation_data if steps is None else _shared_by_global_batch(validation_data)
     elif isinstance(validation_data, Source):
         dataset = evaluation(validation_data, batch, preprocess)
     elif isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
@@ -688,11 +692,13 @@ def _validation_dataset(validation_data, batch: int, preprocess: Optional[Prepro
 
 
 def _shared_by_global_batch(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """A user's validation pipeline, shared as a source's is (`data.evaluation`): every worker reads it whole
-    and evaluates its share of each global batch (`AutoShardPolicy.DATA`), so `validation_steps` takes the
-    same first global batches at every world size. TensorFlow's default (AUTO) shards a file reader's by
-    file: each worker took `validation_steps` batches of its own files, other examples at each world size
-    (and the metrics that EarlyStopping and ReduceLROnPlateau act on with them). A policy the user set stays."""
+    """A user's validation pipeline with `validation_steps`, shared as a source's is (`data.evaluation`):
+    every worker reads it whole and evaluates its share of each global batch (`AutoShardPolicy.DATA`), so
+    `validation_steps` takes the same first global batches at every world size. TensorFlow's default (AUTO)
+    shards a file reader's by file: each worker took `validation_steps` batches of its own files, other
+    examples at each world size (and the metrics that EarlyStopping and ReduceLROnPlateau act on). The
+    whole set (no steps) stays AUTO's, each file read once; a policy other than AUTO the user set stays.
+    The workers must read one order (as a training pipeline must: seeded, no `deterministic=False`)."""
     auto = tf.data.experimental.AutoShardPolicy.AUTO
     if dataset.options().experimental_distribute.auto_shard_policy != auto:
         return dataset

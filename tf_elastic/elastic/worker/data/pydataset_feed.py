@@ -54,7 +54,10 @@ class PyDatasetFeed:
         return batch_number(self._read(int(self._order[self.batches]))), float(self.num_batches)
 
     def committed_data(self) -> Tuple[int, int]:
-        return 0, self.num_batches
+        """(which order: 0 in order, else 1 + the seed; the batches): a restart reading another order (shuffle
+        or the seed changed, or a commit of a version that read in order) would train some batches of the
+        epoch twice and others never, so it is refused."""
+        return (0 if self.shuffle_seed is None else 1 + self.shuffle_seed), self.num_batches
 
     def restore(self, epoch: int, samples: int, saved: bytes) -> None:
         """The calls of `on_epoch_begin` / `on_epoch_end` up to `epoch`'s begin replayed (those not made yet),
