@@ -55,6 +55,8 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
     probe.last -= 1.0
     probe.after_agreement(True, [])  # the first probe traces the pass and times nothing
     assert not probe.pending and probe.slots() == []
+    spent, traced = probe.take_spent()
+    assert spent == 0.0 and traced > 0.0  # a round's fixed cost, apart from the cadence's
     try:
         for _ in range(2):
             probe.last -= 1.0
@@ -65,6 +67,8 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             assert len(mine) == 9 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
             probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0])
         assert PULSE.slow == 3.0 and PULSE.evict
+        spent, traced = probe.take_spent()
+        assert spent >= 2 * 0.005 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)
         assert (PULSE.median, PULSE.batch) == (0.01, 4)  # the group's median, for a host on probation
     finally:
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0

@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from absl import app, flags
 
@@ -94,11 +94,14 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             "probe_cost": _probe_cost(job)}
 
 
-def _probe_cost(job: LocalJob) -> Optional[float]:
-    """The probes' share of the chief's epoch time (its `epoch_end` events say both)."""
+def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
+    """The probes' share of the chief's epoch time (its `epoch_end` events say both): the timed probes' (the
+    cadence's cost), and with the tracing of the pass (once a round: what a run of a few minutes a round
+    pays more than one of hours)."""
     ends = job.events(Event.EPOCH_END)
     spent, total = sum(e.get("probe_seconds", 0.0) for e in ends), sum(e["seconds"] for e in ends)
-    return spent / total if total else None
+    traced = sum(e.get("probe_trace_seconds", 0.0) for e in ends)
+    return (spent / total, (spent + traced) / total) if total else None
 
 
 def _rate_after(job: LocalJob, evicted: List[Dict], until: float) -> Optional[float]:
@@ -131,16 +134,16 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
     lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
              "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | after eviction / 3 alone | report | "
              "round without | rejoin after mild | evictions (before/slow/mild/after) | probations (kept out/let in) | "
-             "probes' cost |",
+             "probes' cost (with each round's trace) |",
              "|---|" + "---:|" * 11]
     for r in results:
         rates, ev = r["rates"], r["evictions"]
         ratio = r["sustained_after_eviction"] / three if r["sustained_after_eviction"] and three else None
-        cost = None if r["probe_cost"] is None else 100 * r["probe_cost"]
+        cost = "-" if r["probe_cost"] is None else "{:.2f} % ({:.2f} %)".format(*(100 * c for c in r["probe_cost"]))
         lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
                      f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
                      f"{ev['before']}/{ev['slow']}/{ev['mild']}/{ev['after']} | "
-                     f"{r['probations'].count(False)}/{r['probations'].count(True)} | {_text(cost, ' %')} |")
+                     f"{r['probations'].count(False)}/{r['probations'].count(True)} | {cost} |")
     lines.append(f"\nthrottled with: {results[0]['throttle'] if results else '-'}")
     return "\n".join(lines)
 

@@ -55,7 +55,7 @@ class GroupProbe:
         self.seconds = 0.0
         self.last = time.monotonic()
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
-        self.spent = 0.0  # seconds of probes on the training path since `take_spent`
+        self.spent = self.traced = 0.0  # seconds of timed probes, and of tracing them, since `take_spent`
         self.batch = 0  # rows a replica of the probe's pass
         self.input_wait: Callable[[], float] = float  # seconds the step waited for input since the last call
         self.waiting = 0.0  # the share of the time it waited, between the last two probes
@@ -104,15 +104,18 @@ class GroupProbe:
             self._waits_since, began = now, time.perf_counter()
             if self._warm:
                 self.seconds, self.pending = self._pass(probe_seconds(self.settings))[0], True
+                self.spent += time.perf_counter() - began
             else:  # the round's first probe traces the pass, on every rank at once: it times nothing
                 self._pass(0.0)
                 self._warm = True
+                self.traced += time.perf_counter() - began
             self.last = time.monotonic()
-            self.spent += time.perf_counter() - began
 
-    def take_spent(self) -> float:
-        spent, self.spent = self.spent, 0.0
-        return spent
+    def take_spent(self) -> Tuple[float, float]:
+        """(seconds of timed probes, seconds of tracing the pass: once a round) on the training path since the
+        last call: the cadence's cost, and a round's fixed one."""
+        spent, self.spent, traced, self.traced = self.spent, 0.0, self.traced, 0.0
+        return spent, traced
 
     def _read(self, seconds: List[float], hosts: List[float], waiting: List[float]) -> None:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler, by

@@ -264,10 +264,10 @@ class _ElasticTrainer:
 
     def _epoch_done(self, epoch: int) -> None:
         if self.world.is_chief:
-            seconds = time.time() - self.epoch_began
+            seconds, (probes, traces) = time.time() - self.epoch_began, self.probe.take_spent()
             self.events.write(Event.EPOCH_END, round=self.world.round, epoch=epoch, steps=self.steps_in_call,
-                              seconds=round(seconds, 4), world_size=self.world.size,
-                              probe_seconds=round(self.probe.take_spent(), 4))
+                              seconds=round(seconds, 4), world_size=self.world.size, probe_seconds=round(probes, 4),
+                              probe_trace_seconds=round(traces, 4))
             logging.info("epoch %d done: world size %d, global batch %d, learning rate %.4g, loss %.4f, %.1fs",
                          epoch + 1, self.world.size, self.global_batch, _learning_rate(self.model),
                          float(self.last_loss or 0.0), seconds)
