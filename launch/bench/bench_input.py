@@ -12,15 +12,15 @@
 4. a user's own tf.data pipeline (TFRecord + parse + shuffle + batch): steps/s (of the second epoch, from its
    first step's end on; its first step's seconds apart, where a new pass starts) under `elastic.fit` (every
    worker reads the whole pipeline; commits at the epochs' ends, and again with one every
-   `--commit_every_steps`: an epoch here is under a second, so that cadence is a commit every ~0.3 s)
-   against plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA and by FILE, and the same records
-   as a `TFRecordSource` under `elastic.fit` (each worker reads only its share, by index), at 1, 2 and 4
-   workers (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed position (`DatasetFeed.state`)
-   with shuffle buffers of 1k and 10k images: its bytes against the buffer's, the time to make it, and a
-   restart's time from the state to its first batch; and a restart three quarters of a pass in, of the
-   pipeline alone and of two copies mixed by `sample_from_datasets`, restored from the state, and of a mix
-   whose input ran out before the commit, read forward from the last commit before that (TensorFlow 2.21
-   restores such a mix wrongly).
+   `--commit_every_steps`: an epoch here is under a second, so that cadence is a commit every ~0.3 s) against
+   plain MultiWorkerMirroredStrategy `model.fit` sharded by DATA and by FILE, and the same records as a
+   `TFRecordSource` under `elastic.fit` (each worker reads only its share, by index), at 1, 2 and 4 workers
+   (`pipeline_worker.py`, TF_CONFIG on loopback); and the committed position (`DatasetFeed.state`) with
+   shuffle buffers of 1k and 10k images: its bytes against the buffer's, the time to make it, a restart's time
+   from the state to its first batch, and its transfer to a joiner (2 workers on loopback); and a restart
+   three quarters of a pass in, of the pipeline alone and of two copies mixed by `sample_from_datasets`,
+   restored from the state, and of a mix whose input ran out before the commit, read forward from the last
+   commit before that (TensorFlow 2.21 restores such a mix wrongly).
 """
 import functools
 import os
@@ -226,9 +226,8 @@ def user_pipeline(records: str, batch: int, shuffle: int, size: int, auto_shard:
     return dataset
 
 
-def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 0) -> Tuple[float, float]:
-    """The chief's steps/s in the second epoch of `pipeline_worker` at `world` workers, from its first step's
-    end on, and that first step's seconds."""
+def _pipeline_workers(root: Path, world: int, mode: str, *flags: str) -> List[str]:
+    """Each of `world` `pipeline_worker`s' output (one TF_CONFIG on loopback, a fresh run dir)."""
     import json
     import socket
 
@@ -240,9 +239,8 @@ def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 
     cluster = {"worker": [f"127.0.0.1:{port}" for port in ports]}
     run_dir = tempfile.mkdtemp(dir=root, prefix=f"run-{mode}-{world}-")  # each run a fresh one: no resume
     procs = [subprocess.Popen([sys.executable, "-m", "launch.bench.pipeline_worker", f"--mode={mode}",
-                               f"--records={root / 'pipeline' / 'train-*'}", f"--run_dir={run_dir}",
-                               f"--commit_every_steps={commit_every_steps}", f"--batch_size={FLAGS.batch_size}",
-                               f"--image_size={FLAGS.image_size}"],
+                               f"--run_dir={run_dir}", f"--batch_size={FLAGS.batch_size}",
+                               f"--image_size={FLAGS.image_size}", *flags],
                               env={**repo_env(), "TF_CONFIG": json.dumps({"cluster": cluster, "task": {
                                   "type": "worker", "index": index}})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for index in range(world)]
@@ -250,8 +248,25 @@ def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 
     for proc, (_, err) in zip(procs, outputs):
         if proc.returncode:
             raise RuntimeError(f"{mode} at {world} workers failed: {err[-2000:]}")
-    words = outputs[0][0].split("steps_per_second ")[-1].split()
+    return [out for out, _ in outputs]
+
+
+def pipeline_rates(root: Path, world: int, mode: str, commit_every_steps: int = 0) -> Tuple[float, float]:
+    """The chief's steps/s in the second epoch of `pipeline_worker` at `world` workers, from its first step's
+    end on, and that first step's seconds."""
+    words = _pipeline_workers(root, world, mode, f"--records={root / 'pipeline' / 'train-*'}",
+                              f"--commit_every_steps={commit_every_steps}")[0].split("steps_per_second ")[-1].split()
     return float(words[0]), float(words[2])
+
+
+def transfer_seconds(root: Path, buffer: int) -> float:
+    """Seconds to hand the pipeline's state (shuffle buffer `buffer`, full) from the chief to a second worker
+    as a joiner receives it (`GroupState.hand_on`, loopback), the median of 3; checks it arrived whole."""
+    outputs = _pipeline_workers(root, 2, "transfer", f"--records={root / 'state' / 'train-*'}", f"--shuffle={buffer}")
+    received = {out.split("received ")[-1].split()[0] for out in outputs}
+    if len(received) != 1:
+        raise RuntimeError(f"the workers received different states: {received}")
+    return float(outputs[0].split("transfer_seconds ")[-1].split()[0])
 
 
 def _state_pipeline(root: Path, buffer: int):
@@ -358,11 +373,12 @@ def print_pipeline_tables(root: Path) -> None:
     buffers = [int(b) for b in FLAGS.shuffle_buffers]
     write_tfrecords(root / "state", max(buffers, default=0) + 4 * FLAGS.batch_size, FLAGS.image_size)
     print("\nThe committed position of that pipeline, its shuffle buffer full (DatasetFeed.state, float32 images)")
-    print("| shuffle buffer | state MB | buffer MB | state - buffer MB | make s | restart to first batch s |\n"
-          "|---|---|---|---|---|---|")
+    print("| shuffle buffer | state MB | buffer MB | state - buffer MB | make s | restart to first batch s | "
+          "transfer to a joiner s (2 workers) |\n|---|---|---|---|---|---|---|")
     for buffer in buffers:
         state, held, made, restart = pipeline_state(root, buffer)
-        print(f"| {buffer} | {state:.1f} | {held:.1f} | {state - held:.2f} | {made:.3f} | {restart:.3f} |", flush=True)
+        print(f"| {buffer} | {state:.1f} | {held:.1f} | {state - held:.2f} | {made:.3f} | {restart:.3f} | "
+              f"{transfer_seconds(root, buffer):.3f} |", flush=True)
     if buffers:
         print(f"\nA restart three quarters of a pass in, after commits there and at a quarter (shuffle buffer "
               f"{buffers[0]}): restored, or a mix read forward from its last commit before an input ran out")

@@ -1,9 +1,11 @@
 """One worker of `bench_input`'s tf.data comparison: a TFRecord + parse + shuffle + batch pipeline trained for
 two epochs under `elastic.fit` (every worker reads it whole; commits at the epochs' ends, and every
-`--commit_every_steps`), or under plain MultiWorkerMirroredStrategy `model.fit` with `AutoShardPolicy.DATA`
-or `FILE`; or the same records as a `data.TFRecordSource` under `elastic.fit` (each worker reads only its
-share, by index); the world comes from `TF_CONFIG`. The chief prints `steps_per_second S first_step_seconds F`
-for the second epoch (the first traces and fills buffers): S from its first step's end on, F its first step.
+`--commit_every_steps`), or under plain MultiWorkerMirroredStrategy `model.fit` with `AutoShardPolicy.DATA` or
+`FILE`; or the same records as a `data.TFRecordSource` under `elastic.fit` (each worker reads only its share,
+by index); or (`--mode=transfer`) the pipeline's committed position handed from the chief to every worker, as
+a joiner receives it; the world comes from `TF_CONFIG`. The chief prints `steps_per_second S
+first_step_seconds F` for the second epoch (the first traces and fills buffers): S from its first step's end
+on, F its first step.
 
     TF_CONFIG=... python -m launch.bench.pipeline_worker --mode=elastic --records='DIR/train-*'
 """
@@ -17,8 +19,9 @@ from absl import app, flags  # noqa: E402
 # bench_input's flags are this worker's too: --batch_size, --image_size, --commit_every_steps.
 from launch.bench.bench_input import user_pipeline  # noqa: E402
 
-flags.DEFINE_enum("mode", "elastic", ["elastic", "source", "data", "file"], "elastic.fit of the pipeline, "
-                  "elastic.fit of a TFRecordSource, or plain model.fit sharded by DATA or by FILE.")
+flags.DEFINE_enum("mode", "elastic", ["elastic", "source", "data", "file", "transfer"], "elastic.fit of the "
+                  "pipeline, elastic.fit of a TFRecordSource, plain model.fit sharded by DATA or by FILE, or "
+                  "the transfer of the pipeline's committed position from the chief to every worker.")
 flags.DEFINE_string("records", None, "The TFRecord shards (a glob).", required=True)
 flags.DEFINE_integer("shuffle", 1000, "Shuffle buffer (examples).", lower_bound=1)
 flags.DEFINE_string("run_dir", None, "elastic: where commits go.")
@@ -50,9 +53,44 @@ def model():
     return net
 
 
+def transfer() -> None:
+    """The chief's pipeline state (`DatasetFeed.state`, its shuffle buffer full) handed to every worker as a
+    joiner receives it (`GroupState.hand_on`: one all-reduce of its bytes); the chief prints the median of 3
+    `transfer_seconds S bytes B` (the first, which traces, left out), and every worker `received SHA256`."""
+    import hashlib
+    import json
+
+    import tensorflow as tf
+
+    from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
+    from tf_elastic.elastic.worker.group import GroupState, sum_over_workers
+    from tf_elastic.elastic.worker.world import World
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    config = json.loads(os.environ["TF_CONFIG"])
+    world = World(rank=config["task"]["index"], size=len(config["cluster"]["worker"]), cluster=config["cluster"])
+    feed = DatasetFeed(_pipeline())
+    feed.start(b"", 0)
+    feed.first_rows()  # the shuffle buffer filled
+    state = feed.state() if world.is_chief else b""  # the chief's is sent
+    group = GroupState(strategy, world, [], [], sum_over_workers(strategy, world))
+    seconds = []
+    for _ in range(4):
+        began = time.perf_counter()
+        received = group.hand_on(state, 0)
+        seconds.append(time.perf_counter() - began)
+    print(f"received {hashlib.sha256(received).hexdigest()}", flush=True)
+    if world.is_chief:
+        print(f"transfer_seconds {sorted(seconds[1:])[1]:.4f} bytes {len(state)}", flush=True)
+
+
 def main(argv):
     del argv
     import json
+
+    if FLAGS.mode == "transfer":
+        transfer()
+        return
 
     import keras
 
