@@ -139,6 +139,28 @@ def run_python(code: str, env: dict = None, timeout: float = 300, cwd: Path = RE
     return proc
 
 
+def run_workers(*arguments: str, workers: int = 2, timeout: float = 240) -> list:
+    """Runs `python ARGUMENTS WORKER_INDEX` as a MultiWorkerMirroredStrategy group of `workers` on loopback (one
+    TF_CONFIG each, the repository importable); their outputs, once every one succeeded (any still running at
+    the timeout is killed)."""
+    import json
+
+    cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(workers)]}
+    procs = [subprocess.Popen([sys.executable, *arguments, str(index)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=dict(
+                                  os.environ, PYTHONPATH=str(REPO), TF_CONFIG=json.dumps(
+                                      {"cluster": cluster, "task": {"type": "worker", "index": index}})))
+             for index in range(workers)]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), outputs
+    return outputs
+
+
 @pytest.fixture(scope="session")
 def mnist_dir(tmp_path_factory) -> Path:
     """A directory holding an mnist.npz made at test time (`data_files.write_mnist_like`): the suite needs

@@ -2,7 +2,6 @@
 import glob
 import itertools
 import json
-import os
 
 import keras
 import numpy as np
@@ -10,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_elastic
-from conftest import REPO, free_port, run_python
+from conftest import run_python, run_workers
 from lars_reference import check_optimizer_against_reference, reference_step
 from tf_elastic import LARS
 
@@ -189,7 +188,8 @@ per_worker = 16 // workers
 for step in range(4):
     lo = step * 16 + rank * per_worker
     train_step(x[lo:lo + per_worker], y[lo:lo + per_worker])
-np.savez(sys.argv[1], *[v.numpy() for v in model.trainable_variables])
+np.savez(sys.argv[1] + sys.argv[2] if len(sys.argv) > 2 else sys.argv[1],
+         *[v.numpy() for v in model.trainable_variables])
 """
 
 
@@ -197,26 +197,10 @@ np.savez(sys.argv[1], *[v.numpy() for v in model.trainable_variables])
 def test_two_process_multi_worker_equals_one_process(tmp_path):
     """Two MWMS workers on 127.0.0.1 with a custom loop end with the same weights as one process
     (synchronized BatchNormalization, so batch statistics are global in both)."""
-    import subprocess
-    import sys
-
     script = tmp_path / "worker.py"
     script.write_text(_MWMS_WORKER)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     run_python(f"import sys; sys.argv = ['w', {str(tmp_path / 'single.npz')!r}]; exec(open({str(script)!r}).read())")
-    ports = [free_port(), free_port()]
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    configs = [json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}) for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path / f"worker{i}.npz")],
-                              env=dict(env, TF_CONFIG=configs[i]),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    try:
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), outputs
+    run_workers(str(script), str(tmp_path / "worker"))
     single = np.load(tmp_path / "single.npz")
     workers = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
     for key in single.files:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import REPO, free_port
+from conftest import run_python, run_workers
 from tf_elastic import LARS, BatchResizeSchedule, elastic
 from tf_elastic.elastic.events import read_events
 from tf_elastic.elastic.protocol import ExitCode
@@ -780,9 +780,6 @@ def test_validation_steps_of_a_users_file_pipeline_evaluate_its_first_global_bat
     """TensorFlow shards a file reader's validation set by file under MWMS (AUTO): each worker evaluated
     `validation_steps` batches of its own files, at 2 workers the first 8 records of two files instead of the
     first file's 8. Shared by global batch (`_shared_by_global_batch`), 2 workers report one worker's loss."""
-    import subprocess
-    import sys
-
     for f in range(4):  # four files of 8 records: the value f * 100 + i, its own target (a zero model's loss)
         with tf.io.TFRecordWriter(str(tmp_path / f"val-{f}")) as writer:
             for i in range(8):
@@ -790,23 +787,10 @@ def test_validation_steps_of_a_users_file_pipeline_evaluate_its_first_global_bat
                 writer.write(tf.train.Example(features=tf.train.Features(feature={"v": feature})).SerializeToString())
     script = tmp_path / "worker.py"
     script.write_text(_VALIDATING_WORKER)
-    ports = [free_port(), free_port()]
-    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
-    runs = [[{}], [{"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})}
-                   for i in range(2)]]
-    losses = []
-    for run, configs in enumerate(runs):
-        procs = [subprocess.Popen([sys.executable, str(script), str(tmp_path), str(tmp_path / f"run-{run}")],
-                                  env=dict(os.environ, PYTHONPATH=str(REPO), **config), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for config in configs]
-        try:
-            outputs = [p.communicate(timeout=240)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        assert all(p.returncode == 0 for p in procs), outputs
-        losses.append([float(out.split("val_loss ")[-1].split()[0]) for out in outputs])
+    one = run_python(f"import sys; sys.argv = ['w', {str(tmp_path)!r}, {str(tmp_path / 'one')!r}]; "
+                     f"exec(open({str(script)!r}).read())").stdout
+    two = run_workers(str(script), str(tmp_path), str(tmp_path / "two"))
+    losses = [[float(out.split("val_loss ")[-1].split()[0]) for out in outputs] for outputs in ([one], two)]
     assert losses[0] == [np.mean(np.arange(8.0) ** 2)]  # the first file's 8 records
     np.testing.assert_allclose(losses[1], losses[0] * 2, rtol=1e-6)
 
