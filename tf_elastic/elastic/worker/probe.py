@@ -5,8 +5,9 @@ and with no collective (so no rank waits for another). The passes run in one com
 loop of Python calls timed this process's Python threads as much as its compute (a chief's commit thread,
 busy after a round's start, made its probe read 12-33x the others' on a host that was not slow). The next
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
-way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) they cost 0.91-0.96 %
-of the training time in `bench_straggler` on 2 shared cores (1.2-1.7 % while the loop ran past its time).
+way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) the timed probes cost
+0.54-0.69 % of the training time in `bench_straggler` on 2 shared cores; with a round's first due probe, which
+traces the pass (0.5 s at 4 workers there), 1.08-1.35 % in all over its rounds of ~200 s (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
 (`probe_seconds`): at the default cadence and a 100 ms period, about 1.5 % of the training time more.
 
