@@ -77,7 +77,7 @@ def test_a_wrapped_trainer_is_waited_for_and_never_outlives_its_worker(tmp_path,
     """`sh -c` dies at SIGTERM at once: the agent used to move on while the trainer behind it still
     committed (and then overlapped the next round); and a wrapper that exited left its child running."""
     worker, trainer = _trainer(tmp_path, "wrapped", wrapped=True)
-    agent._stop([worker])
+    assert agent._stop([worker]) is True  # stopped on its own
     assert (tmp_path / "wrapped").read_text() == "committed"  # waited for the trainer's commit
     assert not running(trainer)
     orphaned = workers.spawn(["sh", "-c", f"sleep 600 & echo $! > {tmp_path / 'sleep.pid'}; exit 1"], dict(os.environ),
@@ -87,6 +87,34 @@ def test_a_wrapped_trainer_is_waited_for_and_never_outlives_its_worker(tmp_path,
     assert running(child)
     workers.Worker(0, orphaned, tmp_path / "hb").close()
     assert not running(child)
+
+
+def test_a_worker_that_ignores_sigterm_writes_its_stacks_before_it_is_killed(tmp_path):
+    """A worker that outlives the stop grace was killed with no word of where it was stuck."""
+    made = ElasticAgent(AgentConfig(command=["true"], job_id="job", run_dir=str(tmp_path / "run"), host_id="a",
+                                    stop_grace=1, monitor_interval=0.05), FileStore(str(tmp_path / "rdzv")))
+    script = tmp_path / "deaf.py"
+    script.write_text("import faulthandler, signal, time\n"
+                      "faulthandler.register(signal.SIGQUIT, all_threads=True)  # as elastic.run does\n"
+                      "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                      "def stuck_in_a_commit():\n"
+                      "    print('ready', flush=True)\n"
+                      "    time.sleep(600)\n"
+                      "stuck_in_a_commit()\n")
+    output = WorkerOutput(tmp_path / "logs", "none")
+    output.assign(0, 0)
+    process = workers.spawn([sys.executable, str(script)], dict(os.environ), output, warm=False)
+    try:
+        log = tmp_path / "logs" / "round-0" / "rank-0.log"
+        deadline = time.time() + 30
+        while b"ready" not in (log.read_bytes() if log.exists() else b"") and time.time() < deadline:
+            time.sleep(0.02)
+        assert made._stop([workers.Worker(0, process, tmp_path / "hb")]) is False
+        assert process.returncode == -signal.SIGKILL
+        assert "in stuck_in_a_commit" in log.read_text()
+    finally:
+        workers.kill(process)
+        shutil.rmtree(made.host_dir.path, ignore_errors=True)
 
 
 def test_a_notice_while_the_store_is_unreachable_still_stops_and_commits(tmp_path, agent):
@@ -290,7 +318,7 @@ class _Notices(http.server.BaseHTTPRequestHandler):
 def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
     """One training job, three hosts. c gets a notice from its metadata URL, b Slurm's SIGUSR1: each commits
     and leaves without a counted failure or a lost step. Then a's worker's main thread blocks (its heartbeat
-    goes on): the progress watchdog restarts it and the job finishes."""
+    goes on): the progress watchdog has it write its threads' stacks, restarts it, and the job finishes."""
     server = http.server.HTTPServer(("127.0.0.1", 0), _Notices)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/latest/meta-data/spot/instance-action"
@@ -326,6 +354,9 @@ def test_preemption_notices_and_a_stuck_main_thread(tmp_path):
     assert set(leaves) == {"b", "c"} and all(n is not None and n > 0 for n in lead)
     failures = job.events(Event.FAILURE)
     assert [(f["kind"], f["host"]) for f in failures] == [("no_progress", "a")]
+    # Before the kill the agent had the stuck worker write its threads' stacks: the main thread's names the wait.
+    stuck_log = job.worker_log("a", failures[0]["round"])
+    assert "(most recent call first)" in stuck_log and "testing/faults.py" in stuck_log, stuck_log[-3000:]
     restores = audit.restores(job.run_dir)
     leave_rounds = sorted(e["round"] for e in leaves.values())
     # A graceful leave loses nothing: the next round restores exactly the step the group stopped at.

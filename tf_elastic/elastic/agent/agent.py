@@ -424,6 +424,8 @@ class ElasticAgent:
                 **_account(alike, self._traceback(failed, round_))))
         cause = self._cause(failed, round_)  # before a hung worker is killed: its signal would read as the cause
         if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
+            # A stalled main thread says where it is stuck (a silent one is stopped or frozen: it cannot).
+            workers.dump_stacks([failed.process] if verdict.failure is Failure.NO_PROGRESS else [])
             workers.kill(failed.process)
             # A silent heartbeat is this worker's own; no progress is not always: one blocked main thread
             # stalls every peer in its next collective, and each agent sees a stall. Not blaming a stall on
@@ -510,23 +512,25 @@ class ElasticAgent:
                 return self._carry_out(self._effects)
             except StoreError as error:
                 logging.warning("leaving before a failure's effects reached the store (%s)", error)
-        self._step_out(round_, running, "leave")
+        stopped = self._step_out(round_, running, "leave")
         self.events.write(Event.LEAVE, round=round_.number, host=self.host_id,
                           seconds_after_notice=self.notices.seconds_since())
-        logging.info("round %d: %s left the job (%s); its workers committed and stopped", round_.number,
-                     self.host_id, self.notices.what or "asked to leave")
+        logging.info("round %d: %s left the job (%s); its workers %s", round_.number, self.host_id,
+                     self.notices.what or "asked to leave", "committed and stopped" if stopped else
+                     "were killed after the stop grace: steps since their last commit are lost")
         return RoundResult.LEFT
 
-    def _step_out(self, round_: Round, running: List[Worker], why: str) -> None:
+    def _step_out(self, round_: Round, running: List[Worker], why: str) -> bool:
         """Opens the next round without this host (so the others stop at an agreed step too), stops our workers,
         who commit, and gives up the lease. With the store unreachable the workers still stop and commit: the
-        others see this host go once its lease expires."""
+        others see this host go once its lease expires. Whether our workers stopped on their own (`_stop`)."""
         try:
             self.rendezvous.open_after(round_.number, reason=f"{why} {self.host_id}", failure=False, leaving=True)
         except StoreError as error:
             logging.warning("%s while the rendezvous store is unreachable (%s)", why, error)
-        self._stop(running)
+        stopped = self._stop(running)
         self._release_lease()
+        return stopped
 
     def _evict(self, round_: Round, running: List[Worker]) -> RoundResult:
         """`--evict_stragglers`: this host is the straggler the group is better off without. It leaves as on a
@@ -607,16 +611,20 @@ class ElasticAgent:
             pass  # unreachable (the lease expires within host_ttl), or no longer ours
 
     # Processes ---------------------------------------------------------------------------------------
-    def _stop(self, running: List[Worker]) -> None:
-        """SIGTERM (workers commit at their next step boundary and exit), SIGKILL after the grace period."""
+    def _stop(self, running: List[Worker]) -> bool:
+        """SIGTERM (workers commit at their next step boundary and exit), SIGKILL after the grace period
+        (their threads' stacks in their logs first). Whether every worker stopped on its own."""
         for worker in running:
             if worker.running():
                 workers.signal_group(worker.process, signal.SIGTERM)
         self._await_exit(running, self.config.stop_grace)
-        for worker in running:
-            if worker.running():
-                logging.warning("rank %d ignored SIGTERM for %.0fs; killing it", worker.rank, self.config.stop_grace)
+        ignored = [worker for worker in running if worker.running()]
+        for worker in ignored:
+            logging.warning("rank %d ignored SIGTERM for %.0fs; killing it (its threads' stacks are in its log)",
+                            worker.rank, self.config.stop_grace)
+        workers.dump_stacks([worker.process for worker in ignored])
         self._kill(running)
+        return not ignored
 
     def _await_exit(self, running: List[Worker], grace: float) -> None:
         """Waits up to `grace` seconds for the workers (their whole process groups) to exit, renewing this

@@ -102,6 +102,20 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def dump_stacks(processes: List[subprocess.Popen], wait: float = 1.0) -> None:
+    """SIGQUIT to each process (not its group, whose other members may take it as a core dump): a worker
+    (`elastic.run`) writes every thread's Python stack to its log (`faulthandler`) and goes on, so that one
+    about to be killed for a hang or an ignored SIGTERM says where it was. `wait` seconds for the stacks to
+    reach the log; a stopped process writes nothing, a wrapper (`sh -c`) none of its trainer's."""
+    sent = False
+    for process in processes:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGQUIT)
+            sent = True
+    if sent:
+        time.sleep(wait)
+
+
 def group_running(process: subprocess.Popen) -> bool:
     """Whether anything of the process's group still runs, zombies aside: a wrapper (`sh -c`, `conda run`)
     may be gone while the trainer it started still commits."""

@@ -19,6 +19,7 @@ import dataclasses
 import faulthandler
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -81,6 +82,8 @@ def run(main: Callable[..., Any], *, prepare: Optional[Callable[[], Any]] = None
             workers that read different streams).
     """
     faulthandler.enable()  # a crash in native code (TensorFlow) still leaves every thread's stack in the log
+    # The agent's SIGQUIT before it kills a stalled worker, or one that ignored SIGTERM: where it was stuck.
+    faulthandler.register(signal.SIGQUIT, all_threads=True)
     code, world = 1, None
     try:
         prepared = (prepare(),) if prepare is not None else ()
