@@ -25,20 +25,38 @@ def running(pid: int) -> Optional[bool]:
         return False  # gone
 
 
-def group_has_live_member(group: int) -> Optional[bool]:
-    """Whether a process of process group `group` runs, zombies aside; None without /proc."""
+def group_members(group: int) -> Optional[List[int]]:
+    """The processes of process group `group` that run, zombies aside; None without /proc."""
     try:
         pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
         return None
+    members = []
     for pid in pids:
         try:
             fields = stat(pid)
         except (OSError, IndexError):
             continue  # gone meanwhile
         if int(fields[GROUP]) == group and fields[STATE] != b"Z":
-            return True
-    return False
+            members.append(pid)
+    return members
+
+
+def group_has_live_member(group: int) -> Optional[bool]:
+    """Whether a process of process group `group` runs, zombies aside; None without /proc."""
+    members = group_members(group)
+    return None if members is None else bool(members)
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether `pid` has a handler of its own for `signum` (`SigCgt` in /proc/PID/status), not the default
+    action nor ignoring it; False when it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            caught = next(line for line in status if line.startswith(b"SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) >> (signum - 1) & 1)
 
 
 def environment(pid: int) -> List[bytes]:

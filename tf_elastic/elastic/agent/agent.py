@@ -424,7 +424,7 @@ class ElasticAgent:
                 **_account(alike, self._traceback(failed, round_))))
         cause = self._cause(failed, round_)  # before a hung worker is killed: its signal would read as the cause
         if verdict.failure in (Failure.HANG, Failure.NO_PROGRESS):
-            # A stalled main thread says where it is stuck (a silent one is stopped or frozen: it cannot).
+            # A stalled main thread says where it is stuck (a silent heartbeat: stopped or frozen, most likely).
             workers.dump_stacks([failed.process] if verdict.failure is Failure.NO_PROGRESS else [])
             workers.kill(failed.process)
             # A silent heartbeat is this worker's own; no progress is not always: one blocked main thread
@@ -620,9 +620,9 @@ class ElasticAgent:
         self._await_exit(running, self.config.stop_grace)
         ignored = [worker for worker in running if worker.running()]
         for worker in ignored:
-            logging.warning("rank %d ignored SIGTERM for %.0fs; killing it (its threads' stacks are in its log)",
-                            worker.rank, self.config.stop_grace)
-        workers.dump_stacks([worker.process for worker in ignored])
+            told = workers.dump_stacks([worker.process])
+            logging.warning("rank %d ignored SIGTERM for %.0fs; killing it%s", worker.rank, self.config.stop_grace,
+                            " (its threads' stacks are in its log)" if told else "")
         self._kill(running)
         return not ignored
 

@@ -60,7 +60,8 @@ flags.DEFINE_float("host_ttl", Timeouts.host_ttl,
                    "Seconds after its last renewal that a host counts as lost; renewed every third of it (two etcd "
                    "requests each): at hundreds of hosts, 10. Below 3, an agent that its own busy workers keep off "
                    "the CPU for a second is counted lost.", lower_bound=0.2)
-flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers.", lower_bound=0.0)
+flags.DEFINE_float("stop_grace", 15.0, "Seconds between SIGTERM and SIGKILL when stopping workers (one more for "
+                   "one that ignored it to write its threads' stacks to its log).", lower_bound=0.0)
 flags.DEFINE_string("advertise_addr", None,
                     "Address other hosts use to reach this host's workers (default: this host name's address).")
 flags.DEFINE_string("port_range", None, "LOW-HIGH: the workers' TF server ports come from this range (firewalls).")

@@ -102,18 +102,24 @@ def signal_group(process: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def dump_stacks(processes: List[subprocess.Popen], wait: float = 1.0) -> None:
-    """SIGQUIT to each process (not its group, whose other members may take it as a core dump): a worker
-    (`elastic.run`) writes every thread's Python stack to its log (`faulthandler`) and goes on, so that one
-    about to be killed for a hang or an ignored SIGTERM says where it was. `wait` seconds for the stacks to
-    reach the log; a stopped process writes nothing, a wrapper (`sh -c`) none of its trainer's."""
-    sent = False
+def dump_stacks(processes: List[subprocess.Popen], wait: float = 1.0) -> int:
+    """SIGQUIT to each process of each one's group that catches it: a worker (`elastic.run`, behind a wrapper
+    too) writes every thread's Python stack to its log (`faulthandler`) and goes on, so that one about to be
+    killed for a stall or an ignored SIGTERM says where it was. Processes that do not catch it are spared
+    SIGQUIT's default action (a core dump). Waits `wait` seconds for the stacks to reach the log; returns how
+    many processes were sent it (none without /proc)."""
+    sent = 0
     for process in processes:
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGQUIT)
-            sent = True
+        for pid in proc.group_members(process.pid) or []:
+            if proc.catches(pid, signal.SIGQUIT):
+                try:
+                    os.kill(pid, signal.SIGQUIT)
+                    sent += 1
+                except ProcessLookupError:
+                    pass  # gone meanwhile
     if sent:
         time.sleep(wait)
+    return sent
 
 
 def group_running(process: subprocess.Popen) -> bool:

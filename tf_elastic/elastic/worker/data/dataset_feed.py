@@ -57,7 +57,7 @@ _FAIL_ON_EXTERNAL_STATE = options_lib.ExternalStatePolicy.FAIL.value
 _MIXES = ("DirectedInterleaveDataset", "ExperimentalDirectedInterleaveDataset")
 _BATCH, _END, _FAILED = 1, 0, -1  # what a reader's queue hands it: a batch, the pass's end, the pipeline's error
 # From this many workers on the chief says what reading the whole pipeline costs (each does W times the input
-# work of a sharded read: measured 0.57x to 0.66x plain FILE sharding's steps/s at 4 workers) and names the way out.
+# work of a sharded read: measured 0.54x to 0.66x plain FILE sharding's steps/s at 4 workers) and names the way out.
 _SAY_WHOLE_READ_COST_FROM = 4
 
 
@@ -217,11 +217,12 @@ class DatasetFeed:
 
         Each reader (an iterator Keras makes of it) has a queue of its own, which a thread of ours fills with
         the global batches (`_pump`), `steps_per_call` and three more ahead of the trained ones (fewer would
-        leave a call waiting for batches that only its end lets in); the rows are cut in the graph, and the
-        next global batch's shares are prefetched, as plain tf.data prefetches (measured: 0.93x to 0.97x plain
-        DATA's median steps/s at 2 workers of 14 ms steps, the one batch more in a commit the price). No
-        Python runs on tf.data's threads for a batch, as it did in a `Dataset.from_generator` (measured: 0.5 to
-        1 ms of CPU less a global batch)."""
+        leave a call waiting for batches that only its end lets in); the rows are cut in the graph. The next
+        global batch's shares wait in a prefetch (tf.data would inject an autotuned one), which holds one of
+        those batches: with two more only, the pump starved it (measured at 2 workers of 14 ms steps, medians
+        of five runs: 0.97x plain DATA's steps/s with three more, 0.93x with two and tf.data's own prefetch;
+        of three: 0.86x with two and this one; a commit holds the one batch more). No Python runs on tf.data's threads
+        for a batch, as it did in a `Dataset.from_generator` (measured: 0.5 to 1 ms of CPU less a batch)."""
         kinds = [tf.int32] + [spec.dtype for spec in self._flat_specs]  # the status (`_BATCH`...), the batch
         ahead = steps_per_call + 3  # one of them in the prefetch
         self._replicas = replicas
