@@ -619,10 +619,10 @@ class ElasticAgent:
                 workers.signal_group(worker.process, signal.SIGTERM)
         self._await_exit(running, self.config.stop_grace)
         ignored = [worker for worker in running if worker.running()]
+        told = workers.dump_stacks([worker.process for worker in ignored])  # one wait for all of them
         for worker in ignored:
-            told = workers.dump_stacks([worker.process])
             logging.warning("rank %d ignored SIGTERM for %.0fs; killing it%s", worker.rank, self.config.stop_grace,
-                            " (its threads' stacks are in its log)" if told else "")
+                            " (the threads' stacks of those that catch SIGQUIT are in their logs)" if told else "")
         self._kill(running)
         return not ignored
 

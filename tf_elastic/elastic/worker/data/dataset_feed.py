@@ -221,8 +221,9 @@ class DatasetFeed:
         global batch's shares wait in a prefetch (tf.data would inject an autotuned one), which holds one of
         those batches: with two more only, the pump starved it (measured at 2 workers of 14 ms steps, medians
         of five runs: 0.97x plain DATA's steps/s with three more, 0.93x with two and tf.data's own prefetch;
-        of three: 0.86x with two and this one; a commit holds the one batch more). No Python runs on tf.data's threads
-        for a batch, as it did in a `Dataset.from_generator` (measured: 0.5 to 1 ms of CPU less a batch)."""
+        of three: 0.86x with two and this one; a commit holds the one batch more). No Python runs on
+        tf.data's threads for a batch, as it did in a `Dataset.from_generator` (measured: 0.5 to 1 ms of CPU
+        less a batch)."""
         kinds = [tf.int32] + [spec.dtype for spec in self._flat_specs]  # the status (`_BATCH`...), the batch
         ahead = steps_per_call + 3  # one of them in the prefetch
         self._replicas = replicas
