@@ -4,8 +4,8 @@ TensorFlow: the worker feeds them its group's probes, and the agent acts on what
 In synchronous training every rank's step takes as long as the slowest's, so step times say nothing. Every
 rank instead times the same local forward and backward pass, with no collective, at the same step
 (`worker/probe.py`); the group's agreement hands every rank every rank's probe, so every rank reaches the
-same verdicts from the same numbers. Where the feed hands the batches itself (a user's tf.data pipeline),
-the agreement also carries the share of the time each rank's step waited for its own input (`input_slowness`).
+same verdicts from the same numbers. The agreement also carries the share of the time each rank's step waited
+for its own input (`input_slowness`), where its feed knows it (a user's tf.data pipeline, a source).
 A rank `factor` times slower than the median for `window` probes in a row is a straggler, and stays one
 until it is back within the factor for `window` probes in a row (hysteresis): a slowdown must last `window`
 probe intervals. A slowdown every rank shares (a slow store, a slow network) moves the median with it and
@@ -61,8 +61,9 @@ def input_slowness(waiting: Sequence[float]) -> List[float]:
     the group would go if that input kept up, 1 / (1 - share): what `StragglerWatch(baseline=min)` judges
     for the input cause, against the rank that waited least (in a synchronous group one input does the
     waiting and the others wait in the collective, so the median of two would halve it; a slow store every
-    rank waits for makes no straggler). Reported, never evicted for: every host reads the whole pipeline,
-    and the slowest input does all the waiting, however little slower it is."""
+    rank waits for makes no straggler). Reported, never evicted for: the slowest input does all the waiting,
+    however little slower it is, and how much faster the others' input could go is hidden behind the
+    group's pace, so the group's pace without it cannot be told."""
     return [1.0 / max(1e-3, 1.0 - min(1.0, max(0.0, share))) for share in waiting]
 
 

@@ -154,8 +154,7 @@ class _ElasticTrainer:
         self.probe = GroupProbe(model, strategy, world, ProbeSettings.from_text(world.probe))
         # The epoch's `model.fit` counts an optimizer iteration too many where its data runs out (`_train`).
         self.iterations_counted = keras_compat.IterationsThatCountSteps(model.optimizer, lambda: 0, False)
-        if isinstance(feed, DatasetFeed):  # the feed that hands batches itself knows when the step waits for them
-            self.probe.input_wait = feed.take_input_wait
+        self.probe.input_wait = feed.take_input_wait  # when the step waited for its batches
         # Alone, an agreement is no collective: every `sync_every_steps` costs nothing.
         self.cadence = AgreementCadence(config.sync_every_steps, config.sync_every_seconds if world.size > 1 else None,
                                         world.is_chief)

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_elastic.elastic.worker.data import feed
+from tf_elastic.elastic.worker.data.ready_times import ReadyTimes
 from tf_elastic.elastic.worker.data.source import Preprocess, Source, fingerprint_number, pipeline
 from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.world import World
@@ -30,6 +31,8 @@ class PlannedFeed:
         self.fingerprint = fingerprint_number(source)
         self.epoch = self.epoch_start = self.batch_in_epoch = 0
         self.batches: List[np.ndarray] = []
+        self.ready_times = ReadyTimes()  # when each batch the step reads was ready: its waits for input
+        self._local = 1  # replicas of this worker, each reading the pipeline's next element in a step
 
     def identity(self) -> Tuple[float, float]:
         """What every worker must see alike: the data's fingerprint and size."""
@@ -59,17 +62,25 @@ class PlannedFeed:
         many a call takes."""
         del steps_per_call
         indices = np.concatenate(self.batches) if self.batches else np.zeros([0], np.int64)
+        self._local = feed.local_replicas(strategy, self.world.size)
         return feed.to_replicas(strategy, self.world.size, self.worker_batch,
-                                lambda per_replica: self.pipeline(indices, per_replica))
+                                lambda per_replica: self.pipeline(indices, per_replica, self.ready_times.stamp))
 
-    def pipeline(self, indices: np.ndarray, batch: int) -> tf.data.Dataset:
+    def pipeline(self, indices: np.ndarray, batch: int, stamp=None) -> tf.data.Dataset:
         return pipeline(self.source, indices, batch, preprocess=self.preprocess, seed=self.seed, epoch=self.epoch,
-                        class_weight=self.class_weight, with_indices=self.index_log is not None)
+                        class_weight=self.class_weight, with_indices=self.index_log is not None, stamp=stamp)
+
+    def take_input_wait(self) -> float:
+        """Seconds the training step waited for this worker's own input since the last call (`ReadyTimes`):
+        what the straggler probe reports besides compute."""
+        return self.ready_times.take()
 
     def trained(self, steps: int, first_step: int) -> int:
         """`steps` more steps trained (from global step `first_step`); returns how many the plan held (Keras
         names the last step an execution could reach: the epoch's last stops where the data does)."""
         steps = min(steps, len(self.batches) - self.batch_in_epoch)
+        if steps > 0:  # the call's first step read the next `_local` elements of the pipeline
+            self.ready_times.called((self.batch_in_epoch + 1) * self._local - 1)
         for step in range(first_step, first_step + steps):
             if self.index_log is not None:
                 self.index_log.write(json.dumps({"round": self.world.round, "rank": self.world.rank,

@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from tf_elastic.elastic.worker.data.dataset_feed import any_rows, batch_number, replica_share, rows_are_missing
 from tf_elastic.elastic.worker.data.feed import local_replicas
+from tf_elastic.elastic.worker.data.ready_times import ReadyTimes
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
 
@@ -45,6 +46,8 @@ class PyDatasetFeed:
         self.examples = None  # an epoch's: a PyDataset says its batches, not its examples
         self._epochs_begun = self._epochs_ended = 0  # calls of on_epoch_begin and on_epoch_end made
         self.global_batch = len(self._flat[0])
+        self.ready_times = ReadyTimes()  # when each batch the step reads was ready: its waits for input
+        self._first_read = 0  # the epoch's batch the newest pipeline reads first
 
     # The feed's interface (see planned_feed.py) ---------------------------------------------------
     def identity(self) -> Tuple[float, float]:
@@ -85,12 +88,19 @@ class PyDatasetFeed:
         """Read as the steps ask (a generator on tf.data's thread), however many a call takes."""
         del steps_per_call
         local = local_replicas(strategy, self.world_size)
-        return strategy.distribute_datasets_from_function(
-            lambda context: self.replica_dataset(local * self.world_size, self.rank * local, local))
+        self._first_read = self.batches
+        return strategy.distribute_datasets_from_function(lambda context: self.replica_dataset(
+            local * self.world_size, self.rank * local, local, self.ready_times.stamp))
 
-    def replica_dataset(self, replicas: int, first: int, count: int) -> tf.data.Dataset:
+    def take_input_wait(self) -> float:
+        """Seconds the training step waited for this worker's own input since the last call (`ReadyTimes`):
+        what the straggler probe reports besides compute."""
+        return self.ready_times.take()
+
+    def replica_dataset(self, replicas: int, first: int, count: int, stamp=None) -> tf.data.Dataset:
         """Per-replica batches for this worker's replicas `first`..`first+count-1` of `replicas`, `count` for
-        each global batch from the next untrained one to the epoch's end."""
+        each global batch from the next untrained one to the epoch's end (`stamp`: applied to the global
+        batches as they are read, `ReadyTimes.stamp`)."""
         dtypes = [tf.as_dtype(a.dtype) for a in self._flat]
         order = self._order  # this epoch's, whenever tf.data reads
 
@@ -109,7 +119,8 @@ class PyDatasetFeed:
         # same on every worker (a user's reads may run in parallel inside `__getitem__`); but a restart draws
         # from the generator's seed again, not from where the run was: draws seeded by the epoch and the index
         # repeat a run without faults.
-        batches = tf.data.Dataset.range(self.batches, self.num_batches).map(read).prefetch(1)
+        batches = tf.data.Dataset.range(self.batches, self.num_batches).map(read)
+        batches = (stamp(batches) if stamp else batches).prefetch(1)
         return batches.flat_map(lambda *batch: tf.data.Dataset.range(first, first + count).map(
             lambda q: replica_share(batch if len(batch) > 1 else batch[0], q, replicas)))
 
@@ -119,6 +130,8 @@ class PyDatasetFeed:
     def trained(self, steps: int, first_step: int = 0) -> int:
         del first_step
         steps = min(steps, self.num_batches - self.batches)
+        if steps > 0:  # the call's first step read the next global batch
+            self.ready_times.called(self.batches - self._first_read)
         self.batches += steps
         return steps
 

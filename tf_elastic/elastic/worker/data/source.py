@@ -208,13 +208,15 @@ def example_seed(seed: int, epoch: int, index: tf.Tensor) -> tf.Tensor:
 def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess: Optional[Preprocess] = None,
              seed: int = 0, epoch: int = 0, drop_remainder: bool = True,
              shard: "tf.data.experimental.AutoShardPolicy" = tf.data.experimental.AutoShardPolicy.OFF,
-             class_weight: Optional[Dict[int, float]] = None, with_indices: bool = False) -> tf.data.Dataset:
+             class_weight: Optional[Dict[int, float]] = None, with_indices: bool = False,
+             stamp: Optional[Callable[[tf.data.Dataset], tf.data.Dataset]] = None) -> tf.data.Dataset:
     """Batches of the source's examples for `indices` in their order: read, decode and preprocess in parallel.
 
     `shard`: how a strategy's `experimental_distribute_dataset` shards it over workers (`OFF` for a
     worker's own planned share, which `feed.to_replicas` hands to its replicas as it is). `class_weight`
     adds each example's weight, as `model.fit(class_weight=...)` does (it cannot map a dataset already
-    distributed); `with_indices` adds each example's index last (test mode: `consumed.record_steps`)."""
+    distributed); `with_indices` adds each example's index last (test mode: `consumed.record_steps`);
+    `stamp` is applied to the batches as the prefetch takes them (`ReadyTimes.stamp`)."""
     preprocess = preprocess or to_float
     examples = source.examples(np.asarray(indices, np.int64))
     weigh = _class_weights(class_weight)
@@ -238,6 +240,8 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
     # warns that the input "ran out of data" after every evaluation.
     batches = len(indices) // batch_size if drop_remainder else -(-len(indices) // batch_size)
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(batches))
+    if stamp is not None:
+        dataset = stamp(dataset)
     options = tf.data.Options()
     options.deterministic = True
     # Every stage is parallel and prefetched already; the default rewrites cost ~35 ms a pipeline (grappler

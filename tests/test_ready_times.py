@@ -1,0 +1,80 @@
+"""`worker/data/ready_times.py`: how long the step waited for batches that tf.data reads inside the step (a
+`Source`'s, a PyDataset's), through the feeds' `take_input_wait`, on a real strategy's distributed dataset."""
+import time
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.data.experimental.ops import testing
+
+from tf_elastic.elastic.worker import data
+from tf_elastic.elastic.worker.data.planned_feed import PlannedFeed
+from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
+from tf_elastic.elastic.worker.world import World
+
+EXAMPLES = 24
+
+
+class _SlowReads(data.ArraySource):
+    """Arrays read at one example every 30 ms, as from a slow disk (the read stage, before any parallel map)."""
+
+    def examples(self, indices):
+        return super().examples(indices).apply(testing.sleep(30000))
+
+
+class _Batches(keras.utils.PyDataset):
+    """Batches of 2 examples, each batch read in `seconds` (as from a slow service)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    @property
+    def num_batches(self):
+        return EXAMPLES // 2
+
+    def __getitem__(self, index):
+        time.sleep(self.seconds)
+        return np.full((2, 1), index, np.float32), np.zeros(2, np.int64)
+
+
+def _share_waited(feed, strategy, step_seconds: float) -> float:
+    """Steps of `step_seconds` over one epoch of `feed`; the share of the time after its first step that the
+    steps waited for their batches."""
+    batches = iter(feed.distributed(strategy))
+    next(batches)  # a pipeline's first call is not counted: it waits for the pipeline's start
+    feed.trained(1, 1)
+    feed.take_input_wait()
+    began = time.time()
+    for step in range(2, feed.steps() + 1):
+        next(batches)
+        time.sleep(step_seconds)
+        feed.trained(1, step)
+    return feed.take_input_wait() / (time.time() - began)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_step_waits_for_a_source_slower_than_it_and_never_for_a_quicker_one(replicas, two_cpu_strategy):
+    """A source read at 30 ms an example under steps that take none: the steps wait nearly all the time (at
+    two local replicas a step reads two elements and waits for the second: counting the first would halve
+    it); the same arrays read at once under steps of 30 ms: read ahead, never waited for. (Shares of the
+    time, not seconds: a loaded machine slows the steps too.)"""
+    x, y = np.arange(EXAMPLES, dtype=np.float32).reshape(-1, 1), np.zeros(EXAMPLES, np.int64)
+    strategy = two_cpu_strategy if replicas == 2 else tf.distribute.OneDeviceStrategy("/cpu:0")
+    slow = PlannedFeed(_SlowReads(x, y), None, World(), worker_batch=2, seed=0)
+    slow.begin(0, 0)
+    assert _share_waited(slow, strategy, 0.0) > 0.75
+    quick = PlannedFeed(data.ArraySource(x, y), None, World(), worker_batch=2, seed=0)
+    quick.begin(0, 0)
+    assert _share_waited(quick, strategy, 0.03) < 0.1 and quick.take_input_wait() == 0.0
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_step_waits_for_a_pydataset_slower_than_it_and_never_for_a_quicker_one(replicas, two_cpu_strategy):
+    """The same for a PyDataset whose batches take 60 ms to read, against one read at once under steps of
+    30 ms (every replica's share of a step comes from one batch read)."""
+    strategy = two_cpu_strategy if replicas == 2 else tf.distribute.OneDeviceStrategy("/cpu:0")
+    assert _share_waited(PyDatasetFeed(_Batches(0.06)), strategy, 0.0) > 0.75
+    quick = PyDatasetFeed(_Batches(0.0))
+    assert _share_waited(quick, strategy, 0.03) < 0.1 and quick.take_input_wait() == 0.0

@@ -1,0 +1,64 @@
+"""How long a step waited for a batch that tf.data reads inside the compiled step (a `Source`'s).
+
+No Python code runs between a `Source`'s pipeline and the step that reads it, so nothing there sees the
+step wait. `ReadyTimes.stamp` adds a stage just before the pipeline's prefetch that writes each element's
+wall time, as it enters the buffer, into a hash table (a table, not a variable: a variable made under a
+distribution strategy's scope would be a distributed one); after each call of steps `called` notes the
+element its first step waited for and when the call before it ended, and `take` looks them all up in one
+op (at each straggler probe, not at each step). A step waited for what became ready after the call before
+it ended: the same measure as `DatasetFeed.take_input_wait` (the callbacks' time after a step counts while
+nothing is ready; a call of several steps counts only its first step's wait; a pipeline's first call is not
+counted: it waits for the pipeline's start).
+"""
+import time
+from typing import List, Optional, Tuple
+
+import numpy as np
+import tensorflow as tf
+
+# Ring slots of the table: far more than a prefetch ever holds ahead of the step, so an element's time is
+# not overwritten before `take` reads it (at most SLOTS // 2 calls wait for it).
+SLOTS = 1 << 16
+
+
+class ReadyTimes:
+    def __init__(self):
+        self._table: Optional[tf.lookup.experimental.MutableHashTable] = None
+        self._pending: List[Tuple[int, float]] = []  # (element, when the call before its step's ended)
+        self._last_end: Optional[float] = None
+        self._waited = 0.0
+
+    def stamp(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
+        """`dataset` with each element's ready time recorded as it is produced: put it before the prefetch.
+        Each new pipeline (an epoch's) calls it once; its elements count from 0."""
+        self._flush()
+        table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float64, default_value=-1.0)
+        self._table, self._last_end = table, None
+
+        def stamped(element_index, element):
+            with tf.control_dependencies([table.insert(element_index % SLOTS, tf.timestamp())]):
+                return tf.nest.map_structure(tf.identity, element)
+
+        return dataset.enumerate().map(stamped)
+
+    def called(self, element: int) -> None:
+        """A call of steps ended whose first step waited for the pipeline's `element` (its last replica's)."""
+        now = time.time()
+        if self._last_end is not None:
+            self._pending.append((element, self._last_end))
+            del self._pending[:-(SLOTS // 2)]
+        self._last_end = now
+
+    def take(self) -> float:
+        """Seconds the steps waited for their input since the last call."""
+        self._flush()
+        waited, self._waited = self._waited, 0.0
+        return waited
+
+    def _flush(self) -> None:
+        if self._pending and self._table is not None:
+            elements, since = zip(*self._pending)
+            ready = self._table.lookup(tf.constant(elements, tf.int64) % SLOTS).numpy()
+            known = ready > 0  # every element looked up was read by a step, so it was stamped
+            self._waited += float(np.sum(np.maximum(0.0, ready - np.asarray(since))[known]))
+        self._pending = []
