@@ -101,9 +101,9 @@ class GroupProbe:
             size = self.world.size
             self._read(list(total[:size]), list(total[size:2 * size]), list(total[2 * size:]))
         if due and self.enabled:
-            now = time.monotonic()
+            now, began = time.monotonic(), time.perf_counter()  # the look-up of the input waits is spent too
             self.waiting = self.input_wait() / max(now - self._waits_since, 1e-9)
-            self._waits_since, began = now, time.perf_counter()
+            self._waits_since = now
             if self._warm:
                 self.seconds, self.pending = self._pass(probe_seconds(self.settings))[0], True
                 self.spent += time.perf_counter() - began

@@ -10,21 +10,22 @@ it ended: the same measure as `DatasetFeed.take_input_wait` (the callbacks' time
 nothing is ready; a call of several steps counts only its first step's wait; a pipeline's first call is not
 counted: it waits for the pipeline's start).
 """
+import collections
 import time
-from typing import List, Optional, Tuple
+from typing import Deque, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-# Ring slots of the table: far more than a prefetch ever holds ahead of the step, so an element's time is
-# not overwritten before `take` reads it (at most SLOTS // 2 calls wait for it).
+# Ring slots of the table: far more than a prefetch ever holds ahead of the step. An element's time is looked
+# up only while it is within SLOTS // 2 of the newest element a step read, before a newer one takes its slot.
 SLOTS = 1 << 16
 
 
 class ReadyTimes:
     def __init__(self):
         self._table: Optional[tf.lookup.experimental.MutableHashTable] = None
-        self._pending: List[Tuple[int, float]] = []  # (element, when the call before its step's ended)
+        self._pending: Deque[Tuple[int, float]] = collections.deque()  # (element, when the call before ended)
         self._last_end: Optional[float] = None
         self._waited = 0.0
 
@@ -46,7 +47,8 @@ class ReadyTimes:
         now = time.time()
         if self._last_end is not None:
             self._pending.append((element, self._last_end))
-            del self._pending[:-(SLOTS // 2)]
+            while self._pending[0][0] < element - SLOTS // 2:  # no `take` for that long: the probe is off
+                self._pending.popleft()
         self._last_end = now
 
     def take(self) -> float:
@@ -61,4 +63,4 @@ class ReadyTimes:
             ready = self._table.lookup(tf.constant(elements, tf.int64) % SLOTS).numpy()
             known = ready > 0  # every element looked up was read by a step, so it was stamped
             self._waited += float(np.sum(np.maximum(0.0, ready - np.asarray(since))[known]))
-        self._pending = []
+        self._pending.clear()
