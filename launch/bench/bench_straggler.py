@@ -7,11 +7,13 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
     python -m launch.bench.bench_straggler --phase_seconds=40,60,60,40
     python -m launch.bench.bench_straggler --modes=evict --phase_seconds=60,240,240,60  # ten minutes: flapping?
 
-Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the report
-and to the first step of a round without the straggler, time from the mild phase (back within the factor)
-to its rejoin, evictions in each phase, and the evicted host's probations (its own pass timed after each
-hold-off: kept out while slow, let in once back). Targets (issue 41): report within 30 s; with eviction, >= 0.9x
-the 3-worker throughput within 60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
+Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the report (its
+first, of either cause) and to the first step of a round without the straggler, time from the mild phase (back
+within the factor) to its rejoin, evictions in each phase, and the evicted host's probations (its own pass
+timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the slowed
+host by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of any
+other host. Targets (issue 41): report within 30 s; with eviction, >= 0.9x the 3-worker throughput within 60 s
+of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
 """
 import os
 import tempfile
@@ -85,7 +87,9 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
     slow_at, mild_at = moments[1], moments[2]
     without = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts - 1]
     back = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts and e["time"] > slow_at]
-    return {"mode": mode, "rates": rates, "report": _first(job.events(Event.STRAGGLER), slow_at),
+    reports = job.events(Event.STRAGGLER)
+    return {"mode": mode, "rates": rates, "report": _first(reports, slow_at),
+            "reports": [(e["host"] == names[-1], e["cause"]) for e in reports],
             "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
@@ -134,8 +138,8 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
     lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
              "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | after eviction / 3 alone | report | "
              "round without | rejoin after mild | evictions (before/slow/mild/after) | probations (kept out/let in) | "
-             "probes' cost (with each round's trace) |",
-             "|---|" + "---:|" * 11]
+             "probes' cost (with each round's trace) | reports of the slowed host by compute/input; of others |",
+             "|---|" + "---:|" * 12]
     for r in results:
         rates, ev = r["rates"], r["evictions"]
         ratio = r["sustained_after_eviction"] / three if r["sustained_after_eviction"] and three else None
@@ -143,7 +147,9 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
         lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
                      f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
                      f"{ev['before']}/{ev['slow']}/{ev['mild']}/{ev['after']} | "
-                     f"{r['probations'].count(False)}/{r['probations'].count(True)} | {cost} |")
+                     f"{r['probations'].count(False)}/{r['probations'].count(True)} | {cost} | "
+                     f"{r['reports'].count((True, 'compute'))}/{r['reports'].count((True, 'input'))}; "
+                     f"{sum(not slowed for slowed, _ in r['reports'])} |")
     lines.append(f"\nthrottled with: {results[0]['throttle'] if results else '-'}")
     return "\n".join(lines)
 
