@@ -386,11 +386,12 @@ def calibrate(root: Path, hosts: int) -> Dict[str, Dict[int, float]]:
         for kind in (ElasticMethod, RestartMethod):
             method = kind(root / kind.name / f"size-{size}", size, epochs)
             run = replay(method, Trace(size, ()), FLAGS.max_seconds)
-            # The commits not yet announced when training ends are announced together as the workers end,
-            # after a teardown that took 6.4 and 6.7 s beside the whole suite on 2 cores (0.05 s alone): their
-            # time is no step's pace, so the rate is taken over the commits announced before.
-            points = progress(method, run["clock0"])
-            rate = preemption_trace.steady_rate([p for p in points if p[0] < points[-1][0]] if points else [])
+            # The commits not yet announced when training ends are announced as the workers end, after a
+            # teardown that took 6.4 and 6.7 s beside the whole suite on 2 cores (0.05 s alone), not always at
+            # one instant: their time is no step's pace, so the rate is taken over the commits announced by
+            # the last epoch's end.
+            ended = max((e["time"] - run["clock0"] for e in method.events(Event.EPOCH_END)), default=0.0)
+            rate = preemption_trace.steady_rate([p for p in progress(method, run["clock0"]) if p[0] <= ended])
             if run["end"] is None or rate is None:
                 raise RuntimeError(f"the {kind.name} calibration run of {size} workers did not finish with three "
                                    f"commits past its first third: {root}")
