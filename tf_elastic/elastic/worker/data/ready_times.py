@@ -8,7 +8,9 @@ element its first step waited for and when the call before it ended, and `take` 
 op (at each straggler probe, not at each step). A step waited for what became ready after the call before
 it ended: the same measure as `DatasetFeed.take_input_wait` (the callbacks' time after a step counts while
 nothing is ready; a call of several steps counts only its first step's wait; a pipeline's first call is not
-counted: it waits for the pipeline's start).
+counted: it waits for the pipeline's start). The stamp costs tf.data 15-25 us an element (an enumerate and a
+map, against the same pipeline unstamped on 2 cores), off the step's path unless the step waits for its input:
+at 64-image batches `bench_input` finds it within its noise.
 """
 import collections
 import time
