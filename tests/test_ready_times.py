@@ -78,3 +78,14 @@ def test_a_step_waits_for_a_pydataset_slower_than_it_and_never_for_a_quicker_one
     assert _share_waited(PyDatasetFeed(_Batches(0.06)), strategy, 0.0) > 0.75
     quick = PyDatasetFeed(_Batches(0.0))
     assert _share_waited(quick, strategy, 0.03) < 0.1 and quick.take_input_wait() == 0.0
+
+
+def test_a_feed_whose_waits_no_probe_reads_stamps_nothing(two_cpu_strategy):
+    """Alone, or with the probe off (`World.probes_stragglers`), the feeds stamp nothing: a slow source's waits
+    are not measured."""
+    x, y = np.arange(EXAMPLES, dtype=np.float32).reshape(-1, 1), np.zeros(EXAMPLES, np.int64)
+    off = PlannedFeed(_SlowReads(x, y), None, World(), worker_batch=2, seed=0, measure_waits=False)
+    off.begin(0, 0)
+    assert _share_waited(off, two_cpu_strategy, 0.0) == 0.0
+    assert not World(size=1).probes_stragglers and not World(size=2, probe="0,0.05,1.5,3,1").probes_stragglers
+    assert World(size=2).probes_stragglers

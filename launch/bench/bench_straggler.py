@@ -88,7 +88,7 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
     without = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts - 1]
     back = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts and e["time"] > slow_at]
     reports = job.events(Event.STRAGGLER)
-    return {"mode": mode, "rates": rates, "report": _first(reports, slow_at),
+    return {"mode": mode, "rates": rates, "report": _first([e for e in reports if e["host"] == names[-1]], slow_at),
             "reports": [(e["host"] == names[-1], e["cause"]) for e in reports],
             "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])

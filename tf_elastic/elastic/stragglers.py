@@ -5,7 +5,7 @@ In synchronous training every rank's step takes as long as the slowest's, so ste
 rank instead times the same local forward and backward pass, with no collective, at the same step
 (`worker/probe.py`); the group's agreement hands every rank every rank's probe, so every rank reaches the
 same verdicts from the same numbers. The agreement also carries the share of the time each rank's step waited
-for its own input (`input_slowness`), where its feed knows it (a user's tf.data pipeline, a source).
+for its own input (`input_slowness`).
 A rank `factor` times slower than the median for `window` probes in a row is a straggler, and stays one
 until it is back within the factor for `window` probes in a row (hysteresis): a slowdown must last `window`
 probe intervals. A slowdown every rank shares (a slow store, a slow network) moves the median with it and

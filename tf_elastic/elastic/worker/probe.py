@@ -67,7 +67,7 @@ class GroupProbe:
 
     @property
     def enabled(self) -> bool:
-        return self.settings.every_seconds > 0 and self._pass is not None and self.world.size > 1
+        return self.world.probes_stragglers and self._pass is not None
 
     def first_step(self, per_replica_batch: int) -> None:
         """The round trains: its start's cost is known, and the model's inputs (the pass is built here; it is
@@ -75,7 +75,7 @@ class GroupProbe:
         self.round_seconds = seconds_in_round()
         self.last = self._waits_since = time.monotonic()
         self.input_wait()  # the round's start is not a wait for input
-        if self.settings.every_seconds > 0 and self.world.size > 1:
+        if self.world.probes_stragglers:
             self.batch = max(1, per_replica_batch)
             self._pass = _forward_and_backward(self.model, self.strategy, self.batch)
             self._warm = False
@@ -137,9 +137,8 @@ class GroupProbe:
                 logging.info("rank %d is no longer a straggler", rank)
             for rank in input_began:
                 logging.warning("the group waits for the input of rank %d (%.0f%% of the time since the last probe): "
-                                "every host reads the whole tf.data pipeline, and the slowest host's sets the pace; "
-                                "a quicker pipeline, or a source each worker reads its share of, would help", rank,
-                                100 * waiting[rank])
+                                "the slowest host's input sets the group's pace; a quicker pipeline or storage there "
+                                "would help", rank, 100 * waiting[rank])
             for rank in input_ended:
                 logging.info("the group no longer waits for the input of rank %d", rank)
         PULSE.input_slow = self.input_watch.stragglers.get(self.world.rank, 0.0)

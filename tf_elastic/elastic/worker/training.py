@@ -578,7 +578,8 @@ def _training_feed(x, y, sample_weight, world: World, strategy: tf.distribute.St
                                preprocess=preprocess)
         if isinstance(x, tf.data.Dataset):
             return DatasetFeed(x, world.size, world.rank), _static_batch(x)
-        feed = PyDatasetFeed(x, world.size, world.rank, shuffle_seed=seed if shuffle else None)
+        feed = PyDatasetFeed(x, world.size, world.rank, shuffle_seed=seed if shuffle else None,
+                             measure_waits=world.probes_stragglers)
         return feed, feed.global_batch
     global_batch = global_batch_size(strategy.num_replicas_in_sync, batch_size, per_replica_batch_size)
     return _planned_feed(_training_source(x, y, sample_weight), preprocess, world, global_batch,
@@ -600,7 +601,8 @@ def _planned_feed(source: Source, preprocess: Optional[Preprocess], world: World
         path = RunDir(world.run_dir).index_log(world.round, world.rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         index_log = open(path, "a", encoding="utf-8")
-    return PlannedFeed(source, preprocess, world, global_batch // world.size, seed, class_weight, index_log)
+    return PlannedFeed(source, preprocess, world, global_batch // world.size, seed, class_weight, index_log,
+                       measure_waits=world.probes_stragglers)
 
 
 def _refuse_with_a_dataset(**given) -> None:

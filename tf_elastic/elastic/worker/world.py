@@ -24,6 +24,7 @@ from absl import logging
 
 from tf_elastic.elastic import proc
 from tf_elastic.elastic.protocol import Env, Heartbeat, write_heartbeat
+from tf_elastic.elastic.stragglers import ProbeSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,11 @@ class World:
     @property
     def is_chief(self) -> bool:
         return self.rank == 0
+
+    @property
+    def probes_stragglers(self) -> bool:
+        """Whether the straggler probe runs (`worker/probe.py`): several workers, and a cadence."""
+        return self.size > 1 and ProbeSettings.from_text(self.probe).every_seconds > 0
 
     @property
     def elastic(self) -> bool:

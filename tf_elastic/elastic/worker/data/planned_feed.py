@@ -20,8 +20,10 @@ from tf_elastic.elastic.worker.world import World
 
 class PlannedFeed:
     def __init__(self, source: Source, preprocess: Optional[Preprocess], world: World, worker_batch: int, seed: int,
-                 class_weight: Optional[Dict[int, float]] = None, index_log: Optional[TextIO] = None):
-        """`index_log` (test mode): every step's indices are written to it as the step is counted."""
+                 class_weight: Optional[Dict[int, float]] = None, index_log: Optional[TextIO] = None,
+                 measure_waits: bool = True):
+        """`index_log` (test mode): every step's indices are written to it as the step is counted;
+        `measure_waits`: stamp the batches' ready times (`take_input_wait`; False where no probe reads them)."""
         self.source, self.preprocess, self.world, self.seed = source, preprocess, world, seed
         self.class_weight, self.index_log = class_weight, index_log
         self.plan = DataPlan(source.num_examples, seed, lambda epoch: source.epoch_order(seed, epoch))
@@ -31,7 +33,7 @@ class PlannedFeed:
         self.fingerprint = fingerprint_number(source)
         self.epoch = self.epoch_start = self.batch_in_epoch = 0
         self.batches: List[np.ndarray] = []
-        self.ready_times = ReadyTimes()  # when each batch the step reads was ready: its waits for input
+        self.ready_times = ReadyTimes(measure_waits)  # when each batch the step reads was ready: its waits
         self._local = 1  # replicas of this worker, each reading the pipeline's next element in a step
 
     def identity(self) -> Tuple[float, float]:

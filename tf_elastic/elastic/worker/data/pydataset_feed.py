@@ -24,8 +24,10 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 class PyDatasetFeed:
     """Feeds this worker's replicas their rows of each batch of a `keras.utils.PyDataset`."""
 
-    def __init__(self, dataset, world_size: int = 1, rank: int = 0, shuffle_seed: Optional[int] = None):
-        """`shuffle_seed`: each epoch's order of the batches is drawn from it and the epoch (None: in order)."""
+    def __init__(self, dataset, world_size: int = 1, rank: int = 0, shuffle_seed: Optional[int] = None,
+                 measure_waits: bool = True):
+        """`shuffle_seed`: each epoch's order of the batches is drawn from it and the epoch (None: in order);
+        `measure_waits`: stamp the batches' ready times (`take_input_wait`; False where no probe reads them)."""
         self.dataset, self.world_size, self.rank, self.shuffle_seed = dataset, world_size, rank, shuffle_seed
         try:
             self.num_batches = dataset.num_batches
@@ -46,7 +48,7 @@ class PyDatasetFeed:
         self.examples = None  # an epoch's: a PyDataset says its batches, not its examples
         self._epochs_begun = self._epochs_ended = 0  # calls of on_epoch_begin and on_epoch_end made
         self.global_batch = len(self._flat[0])
-        self.ready_times = ReadyTimes()  # when each batch the step reads was ready: its waits for input
+        self.ready_times = ReadyTimes(measure_waits)  # when each batch the step reads was ready: its waits
         self._first_read = 0  # the epoch's batch the newest pipeline reads first
 
     # The feed's interface (see planned_feed.py) ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""How long a step waited for a batch that tf.data reads inside the compiled step (a `Source`'s).
+"""How long a step waited for a batch that tf.data reads inside the compiled step (a `Source`'s, a PyDataset's).
 
 No Python code runs between a `Source`'s pipeline and the step that reads it, so nothing there sees the
 step wait. `ReadyTimes.stamp` adds a stage just before the pipeline's prefetch that writes each element's
@@ -19,13 +19,15 @@ from typing import Deque, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-# Ring slots of the table: far more than a prefetch ever holds ahead of the step. An element's time is looked
-# up only while it is within SLOTS // 2 of the newest element a step read, before a newer one takes its slot.
+# Ring slots of the table: far more than a prefetch ever holds ahead of the step. Times are looked up (`take`,
+# or once the oldest pending is SLOTS // 2 behind the newest read) before a newer element takes their slot.
 SLOTS = 1 << 16
 
 
 class ReadyTimes:
-    def __init__(self):
+    def __init__(self, measuring: bool = True):
+        """`measuring`: False where nothing reads the waits (the straggler probe is off): no stamp is paid."""
+        self.measuring = measuring
         self._table: Optional[tf.lookup.experimental.MutableHashTable] = None
         self._pending: Deque[Tuple[int, float]] = collections.deque()  # (element, when the call before ended)
         self._last_end: Optional[float] = None
@@ -33,8 +35,12 @@ class ReadyTimes:
 
     def stamp(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """`dataset` with each element's ready time recorded as it is produced: put it before the prefetch.
-        Each new pipeline (an epoch's) calls it once; its elements count from 0."""
+        Each new pipeline (an epoch's) calls it once; its elements count from 0. (Keras may open a second
+        iterator on the same dataset, at an epoch's end: it stamps too, but a tf.data iterator reads nothing
+        before its first `get_next`, and that one is never read.)"""
         self._flush()
+        if not self.measuring:
+            return dataset
         table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float64, default_value=-1.0)
         self._table, self._last_end = table, None
 
@@ -47,10 +53,10 @@ class ReadyTimes:
     def called(self, element: int) -> None:
         """A call of steps ended whose first step waited for the pipeline's `element` (its last replica's)."""
         now = time.time()
-        if self._last_end is not None:
+        if self._last_end is not None and self.measuring:
             self._pending.append((element, self._last_end))
-            while self._pending[0][0] < element - SLOTS // 2:  # no `take` for that long: the probe is off
-                self._pending.popleft()
+            if self._pending[0][0] < element - SLOTS // 2:  # looked up before a newer element takes its slot
+                self._flush()
         self._last_end = now
 
     def take(self) -> float:
