@@ -14,7 +14,7 @@ Where the worker's CPU has a quota (a container's limit) a probe times a period 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
 say the group would train more without its host. The same rules judge, where the feed knows it (a user's
-tf.data pipeline it hands the step, a source whose batches it stamps as they are ready: `ReadyTimes`), how
+tf.data pipeline it hands the step; a source's or a PyDataset's batches, stamped as ready: `ReadyTimes`), how
 much of the time each rank's step waited for its own input (`stragglers.input_slowness`): a
 rank the group waits for is a straggler by its input, reported (cause `input`), never evicted for. Every
 rank's heartbeat also carries the group's median probe and its batch, which the chief's agent publishes:
