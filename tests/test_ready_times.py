@@ -89,3 +89,18 @@ def test_a_feed_whose_waits_no_probe_reads_stamps_nothing(two_cpu_strategy):
     assert _share_waited(off, two_cpu_strategy, 0.0) == 0.0
     assert not World(size=1).probes_stragglers and not World(size=2, probe="0,0.05,1.5,3,1").probes_stragglers
     assert World(size=2).probes_stragglers
+
+
+def test_a_wait_far_behind_the_newest_element_is_looked_up_not_lost():
+    """A probe interval of more than SLOTS // 2 elements: the oldest waits are looked up at once (before a newer
+    element could take their ring slot), not dropped while their time still counts."""
+    from tf_elastic.elastic.worker.data.ready_times import SLOTS, ReadyTimes
+
+    ready = ReadyTimes()
+    elements = iter(ready.stamp(tf.data.Dataset.range(4)))
+    ready.called(0)  # a pipeline's first call: not counted; the next call's wait counts from its end
+    time.sleep(0.05)
+    list(elements)  # every element becomes ready 50 ms after that end
+    ready.called(1)
+    ready.called(SLOTS // 2 + 2)  # far ahead (its own element never stamped: no wait of it counts)
+    assert 0.04 < ready.take() < 5.0
