@@ -27,17 +27,24 @@ def _cgroup_root() -> Optional[Path]:
     return v2 if enabled and os.access(v2, os.W_OK) else None
 
 
+def children(pid: int) -> List[int]:
+    """The processes `pid`'s threads started, from /proc's children lists."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(child) for child in task.read_text().split()]
+        except OSError:
+            pass  # the task ended meanwhile
+    return found
+
+
 def descendants(pid: int) -> List[int]:
-    """`pid` and every process below it, from /proc's children lists."""
+    """`pid` and every process below it."""
     found, queue = [], [pid]
     while queue:
         current = queue.pop()
         found.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            try:
-                queue += [int(child) for child in task.read_text().split()]
-            except OSError:
-                pass  # the task ended meanwhile
+        queue += children(current)
     return found
 
 
@@ -60,12 +67,19 @@ class Throttle:
         return "cgroup" if self.path is not None else "SIGSTOP/SIGCONT duty cycle"
 
     def add(self, pid: int) -> None:
+        """`pid` and every process below it, each moved before its children are read: a child it starts
+        after its move is a member already, and one started before is in the list read after. (Listing all
+        first and moving them after let a process started in between escape: an agent's warm worker, started
+        as a round begins, would time a throttled host's probation at full speed.)"""
         self.roots.append(pid)
-        for member in descendants(pid) if self.path is not None else ():
+        queue = [pid] if self.path is not None else []
+        while queue:
+            member = queue.pop()
             try:
                 (self.path / "cgroup.procs").write_text(str(member))
             except OSError:
-                pass  # it ended meanwhile
+                continue  # it ended meanwhile
+            queue += children(member)
 
     def set(self, cores: Optional[float]) -> None:
         self._cores = cores
