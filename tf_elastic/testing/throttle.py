@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 PERIOD_US = 100_000  # the CFS period: a quota of q cores runs q * 100 ms of every 100 ms
 
@@ -38,13 +38,15 @@ def children(pid: int) -> List[int]:
     return found
 
 
-def descendants(pid: int) -> List[int]:
-    """`pid` and every process below it."""
+def descendants(pid: int, visit: Callable[[int], bool] = lambda pid: True) -> List[int]:
+    """`pid` and every process below it; `visit(process)` runs before its children are read (False: it ended,
+    and is left out)."""
     found, queue = [], [pid]
     while queue:
         current = queue.pop()
-        found.append(current)
-        queue += children(current)
+        if visit(current):
+            found.append(current)
+            queue += children(current)
     return found
 
 
@@ -72,14 +74,15 @@ class Throttle:
         first and moving them after let a process started in between escape: an agent's warm worker, started
         as a round begins, would time a throttled host's probation at full speed.)"""
         self.roots.append(pid)
-        queue = [pid] if self.path is not None else []
-        while queue:
-            member = queue.pop()
-            try:
-                (self.path / "cgroup.procs").write_text(str(member))
-            except OSError:
-                continue  # it ended meanwhile
-            queue += children(member)
+        if self.path is not None:
+            descendants(pid, self._move)
+
+    def _move(self, pid: int) -> bool:
+        try:
+            (self.path / "cgroup.procs").write_text(str(pid))
+            return True
+        except OSError:
+            return False  # it ended meanwhile
 
     def set(self, cores: Optional[float]) -> None:
         self._cores = cores
