@@ -7,13 +7,13 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
     python -m launch.bench.bench_straggler --phase_seconds=40,60,60,40
     python -m launch.bench.bench_straggler --modes=evict --phase_seconds=60,240,240,60  # ten minutes: flapping?
 
-Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the report (its
-first, of either cause) and to the first step of a round without the straggler, time from the mild phase (back
-within the factor) to its rejoin, evictions in each phase, and the evicted host's probations (its own pass
-timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the slowed
-host by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of any
-other host. Targets (issue 41): report within 30 s; with eviction, >= 0.9x the 3-worker throughput within 60 s
-of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
+Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the slowed host's
+first report (of either cause) and to the first step of a round without the straggler, time from the mild
+phase (back within the factor) to its rejoin, evictions in each phase, and the evicted host's probations (its
+own pass timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the
+slowed host by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of
+any other host. Targets (issue 41): report within 30 s; with eviction, >= 0.9x the 3-worker throughput within
+60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
 """
 import os
 import tempfile
