@@ -29,9 +29,10 @@ def test_the_pass_runs_on_every_local_replica_for_dict_inputs_and_a_sequential_b
         models = [_dict_model(), sequential, keras.Model(tokens, keras.layers.Dense(2)(pooled))]
     for model in models:
         probe = _forward_and_backward(model, two_cpu_strategy, 4)
-        _, results = probe(0.01)
+        per_pass, loop, results = probe(0.01)
         assert len(results) == 2 and np.array_equal(results[0], results[1], equal_nan=True), results
-        assert np.array_equal(probe(0.0)[1], results, equal_nan=True)  # a loop's passes are the same pass
+        assert 0 < per_pass <= loop
+        assert np.array_equal(probe(0.0)[2], results, equal_nan=True)  # a loop's passes are the same pass
 
 
 def test_a_model_whose_inputs_are_unknown_is_not_probed(two_cpu_strategy):
@@ -64,8 +65,10 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             probe.after_agreement(True, [])
             assert probe.pending
             mine = probe.slots()
-            assert len(mine) == 9 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
-            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0])
+            assert len(mine) == 12 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
+            assert mine[1] <= mine[10] == probe.duration <= 0.011  # the loop ends within its seconds
+            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.01, mine[10], 0.01])
+            assert probe.interval == settings.every_seconds
         assert PULSE.slow == 3.0 and PULSE.evict
         spent, traced = probe.take_spent()
         assert spent >= 2 * 0.005 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)
@@ -93,13 +96,34 @@ def test_the_rank_whose_input_the_group_waits_for_is_a_straggler_by_input_and_ne
             probe.after_agreement(True, [])
             mine = probe.slots()
             assert 0.5 < mine[6] <= 0.6, mine
-            probe.after_agreement(False, [0.01, 0.01, 0.01, mine[3], 2.0, 3.0, 0.6, 0.0, 0.0])
+            probe.after_agreement(False, [0.01, 0.01, 0.01, mine[3], 2.0, 3.0, 0.6, 0.0, 0.0, 0.01, 0.01, 0.01])
     try:
         assert PULSE.slow == 0.0 and not PULSE.evict and PULSE.input_slow == pytest.approx(2.5)
         named = [r.getMessage() for r in caplog.records if "waits for the input" in r.getMessage()]
         assert len(named) == 1 and named[0].startswith("the group waits for the input of rank 0 (60% "), named
     finally:
         PULSE.input_slow = 0.0
+
+
+def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_strategy, caplog):
+    """A model whose one pass takes far longer than `seconds`: its loop runs that one pass, the slot says how
+    long, and the group's next probe is put off in proportion to the median's (the chief says so once)."""
+    with two_cpu_strategy.scope():
+        model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048), keras.layers.Dense(1024)])
+    settings = ProbeSettings(every_seconds=0.1, seconds=0.001, rules=StragglerRules(1.5, 2), min_workers=1)
+    probe = GroupProbe(model, two_cpu_strategy, World(rank=0, size=2, host_id="a"), settings)
+    probe.first_step(256)
+    probe.after_agreement(True, [])  # traces the pass
+    probe.after_agreement(True, [])
+    mine = probe.slots()
+    assert mine[6] == probe.duration >= mine[0] > 0.005, mine  # one pass, longer than seconds
+    with caplog.at_level("INFO"):
+        probe.after_agreement(False, [mine[0], mine[0], mine[2], mine[2], 0.0, 0.0, mine[6], 3 * mine[6]])
+    assert probe.interval == pytest.approx(0.1 * 2 * mine[6] / 0.001)  # the median of the two
+    probe.last = time.monotonic() - 1.0
+    assert probe.due() == float(probe.interval <= 1.0)
+    said = [r.getMessage() for r in caplog.records if "straggler probes every" in r.getMessage()]
+    assert len(said) == 1 and "kept to 1.0% of the training time" in said[0], said
 
 
 def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):

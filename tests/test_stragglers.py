@@ -9,8 +9,8 @@ import pytest
 
 from tf_elastic.elastic import audit
 from tf_elastic.elastic.protocol import Event
-from tf_elastic.elastic.stragglers import (StragglerRules, StragglerWatch, back_within, hold_off, input_slowness,
-                                          slowness, worth_evicting)
+from tf_elastic.elastic.stragglers import (ProbeSettings, StragglerRules, StragglerWatch, back_within, hold_off,
+                                          input_slowness, probe_interval, slowness, worth_evicting)
 from tf_elastic.testing import soak
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 from tf_elastic.testing.throttle import Throttle
@@ -83,6 +83,16 @@ def test_eviction_pays_only_when_the_rest_outrun_the_group_over_the_window_after
     assert not worth_evicting([1.0, 0.0, 3.0], {2}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
     # A host of two ranks leaves whole: both count.
     assert not worth_evicting([1.0, 1.0, 1.0, 1.8], {2, 3}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
+
+
+def test_probes_are_put_off_where_the_median_probe_runs_longer_than_its_seconds():
+    """A pass longer than `seconds` (a large model) or a quota's period and a half: the next probe comes that much
+    later, so probes keep to `seconds / every_seconds` of the time; a straggler's own long probe moves nothing."""
+    settings = ProbeSettings(every_seconds=10.0, seconds=0.05)
+    assert probe_interval(settings, []) == probe_interval(settings, [0.0, 0.0]) == 10.0
+    assert probe_interval(settings, [0.04, 0.05, 0.03]) == 10.0  # never sooner than every_seconds
+    assert probe_interval(settings, [0.2, 0.2, 0.05, 0.0]) == pytest.approx(40.0)  # 0.2 / 0.05; no probe moves none
+    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.9]) == 10.0
 
 
 def test_the_hold_off_doubles_with_each_eviction_up_to_a_cap():

@@ -6,6 +6,7 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
 
     python -m launch.bench.bench_straggler --phase_seconds=40,60,60,40
     python -m launch.bench.bench_straggler --modes=evict --phase_seconds=60,240,240,60  # ten minutes: flapping?
+    python -m launch.bench.bench_straggler --modes="report only" --host_quota  # every host in a container
 
 Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the slowed host's
 first report (of either cause) and to the first step of a round without the straggler, time from the mild
@@ -13,8 +14,12 @@ phase (back within the factor) to its rejoin, evictions in each phase, and the e
 own pass timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the
 slowed host by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of
 any other host. Targets (issue 41): report within 30 s; with eviction, >= 0.9x the 3-worker throughput within
-60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown.
+60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown. `--host_quota` runs every host
+under a CPU quota of its fair share from the start (as a container's limit would; the baselines too), the
+slowed host's lowered: there every worker's probe times a quota's period and a half, and the probes come
+that much further apart (`stragglers.probe_interval`).
 """
+import contextlib
 import os
 import tempfile
 import time
@@ -40,6 +45,8 @@ flags.DEFINE_float("baseline_seconds", 45.0, "Seconds each of the 3- and 4-worke
                    lower_bound=10.0)
 flags.DEFINE_string("root", None, "Where the runs' records go (default: a temporary directory).")
 flags.DEFINE_list("modes", ["no action", "report only", "evict"], "The runs to make, in this order.")
+flags.DEFINE_bool("host_quota", False, "Every host under a CPU quota of its fair share (cgroup only), the slowed "
+                  "host's lowered; else only the slowed host's CPU is limited, while it is slowed.")
 require_finite_floats(__name__)
 
 MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
@@ -68,16 +75,15 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
                    trainer="launch.train")
     fair = cores / hosts
     try:
-        with Throttle(f"tf_elastic-bench-{os.getpid()}") as throttle:
-            for host in names:
-                job.start_agent(host)
+        with contextlib.ExitStack() as stack:
+            throttle = _start_agents(job, names, fair, stack)
             job.first_step_after(0, world_size=hosts, timeout=600)
             moments = [time.time()]
             for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
-                if phase == "slow":
+                if phase == "slow" and not FLAGS.host_quota:
                     throttle.add(job.agents[names[-1]].pid)
                 if phase != "before":
-                    throttle.set(cores_of_phase)
+                    throttle.set(fair if cores_of_phase is None and FLAGS.host_quota else cores_of_phase)
                 time.sleep(seconds[PHASES.index(phase)])
                 moments.append(time.time())
     finally:
@@ -96,6 +102,19 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             "probations": [e["back"] for e in job.events(Event.PROBATION)],
             "throttle": throttle.kind, "sustained_after_eviction": _rate_after(job, evicted, mild_at),
             "probe_cost": _probe_cost(job)}
+
+
+def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextlib.ExitStack) -> Throttle:
+    """Starts every host's agent; with `--host_quota` each in a cgroup of its own at `fair` cores. Returns the
+    last host's throttle (the one a run slows)."""
+    throttles = [stack.enter_context(Throttle(f"tf_elastic-bench-{os.getpid()}-{name}"))
+                 for name in (names if FLAGS.host_quota else names[-1:])]
+    for name in names:
+        job.start_agent(name)
+        if FLAGS.host_quota:
+            throttles[names.index(name)].add(job.agents[name].pid)
+            throttles[names.index(name)].set(fair)
+    return throttles[-1]
 
 
 def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
@@ -120,11 +139,11 @@ def baseline(root: Path, workers: int, seconds: float) -> Optional[float]:
     root.mkdir(parents=True)
     job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={workers}"], trainer="launch.train")
     try:
-        for host in range(workers):
-            job.start_agent(chr(ord("a") + host))
-        began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + 10.0  # warm-up left out
-        time.sleep(max(0.0, began + seconds - time.time()))
-        return steps_per_second(job, began, time.time())
+        with contextlib.ExitStack() as stack:
+            _start_agents(job, [chr(ord("a") + host) for host in range(workers)], FLAGS.cores / FLAGS.hosts, stack)
+            began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + 10.0  # warm-up left out
+            time.sleep(max(0.0, began + seconds - time.time()))
+            return steps_per_second(job, began, time.time())
     finally:
         job.cleanup()
 
@@ -163,6 +182,9 @@ def main(argv: List[str]) -> None:
     unknown = [mode for mode in FLAGS.modes if mode not in MODES]
     if unknown or not FLAGS.modes or len(set(FLAGS.modes)) < len(FLAGS.modes):
         raise app.UsageError(f"--modes takes some of {', '.join(MODES)}, each once; got {','.join(FLAGS.modes)}")
+    with Throttle(f"tf_elastic-bench-{os.getpid()}-check") as check:
+        if FLAGS.host_quota and check.kind != "cgroup":
+            raise app.UsageError("--host_quota needs a writable cgroup with the cpu controller")
     root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
     alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds) for n in (FLAGS.hosts - 1, FLAGS.hosts)}
     results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores) for mode in FLAGS.modes]

@@ -38,7 +38,8 @@ class StragglerRules:
 
 @dataclasses.dataclass(frozen=True)
 class ProbeSettings:
-    """What the agent hands its workers (`Env.PROBE`): probe every `every_seconds` (0: never) for `seconds`;
+    """What the agent hands its workers (`Env.PROBE`): probe every `every_seconds` (0: never; further apart
+    where a probe takes longer: `probe_interval`) for `seconds`;
     the straggler rules; and the group's `min_workers`, below which no host is evicted."""
     every_seconds: float = 10.0
     seconds: float = 0.05
@@ -54,6 +55,17 @@ class ProbeSettings:
             return cls()
         every, seconds, factor, window, min_workers = text.split(",")
         return cls(float(every), float(seconds), StragglerRules(float(factor), int(window)), int(min_workers))
+
+
+def probe_interval(settings: ProbeSettings, durations: Sequence[float]) -> float:
+    """Seconds from one probe to the next: `every_seconds`, stretched where the group's median probe takes
+    longer than `seconds` (a pass longer than it, a CPU quota's period and a half), so that probes never take
+    more than `seconds / every_seconds` of the training time: on a large model the reports come later and
+    the cost stays put. The median, not the slowest: a straggler's own probe does not put off its report."""
+    measured = [d for d in durations if d > 0]
+    if not measured:
+        return settings.every_seconds
+    return settings.every_seconds * max(1.0, statistics.median(measured) / settings.seconds)
 
 
 def input_slowness(waiting: Sequence[float]) -> List[float]:

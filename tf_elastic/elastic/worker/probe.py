@@ -9,7 +9,9 @@ way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 
 0.54-0.69 % of the training time in `bench_straggler` on 2 shared cores; with a round's first due probe, which
 traces the pass (0.5 s at 4 workers there), 1.08-1.35 % in all over its rounds of ~200 s (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
-(`probe_seconds`): at the default cadence and a 100 ms period, about 1.5 % of the training time more.
+(`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's median probe
+runs longer than `seconds`, the next is put off in proportion (`stragglers.probe_interval`), so probes keep to
+`seconds / every_seconds` of the time and the reports come that much later.
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
@@ -32,7 +34,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import ProbeSettings, StragglerWatch, input_slowness, worth_evicting
+from tf_elastic.elastic.stragglers import (ProbeSettings, StragglerWatch, input_slowness, probe_interval,
+                                           worth_evicting)
 from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
@@ -55,6 +58,8 @@ class GroupProbe:
         self.input_watch = StragglerWatch(settings.rules, baseline=min)  # on the waits for input
         self.pending = False  # probed since the last agreement: its time rides the next one
         self.seconds = 0.0
+        self.duration = 0.0  # how long the last timed probe's passes ran
+        self.interval = settings.every_seconds  # seconds between probes, agreed alike (`probe_interval`)
         self.last = time.monotonic()
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
         self.spent = self.traced = 0.0  # seconds of timed probes, and of tracing them, since `take_spent`
@@ -81,7 +86,7 @@ class GroupProbe:
             self._warm = False
 
     def due(self) -> float:
-        return float(self.enabled and time.monotonic() - self.last >= self.settings.every_seconds)
+        return float(self.enabled and time.monotonic() - self.last >= self.interval)
 
     def slots(self) -> List[float]:
         """This worker's probe time and host key in its rank's slots; nothing unless a probe is pending (every
@@ -89,9 +94,9 @@ class GroupProbe:
         if not self.pending:
             return []
         size, rank = self.world.size, self.world.rank
-        slots = [0.0] * (3 * size)
+        slots = [0.0] * (4 * size)
         slots[rank], slots[size + rank] = self.seconds, _host_key(self.world.host_id, rank)
-        slots[2 * size + rank] = self.waiting
+        slots[2 * size + rank], slots[3 * size + rank] = self.waiting, self.duration
         return slots
 
     def after_agreement(self, due: bool, total: Sequence[float]) -> None:
@@ -99,13 +104,14 @@ class GroupProbe:
         if self.pending:
             self.pending = False
             size = self.world.size
-            self._read(list(total[:size]), list(total[size:2 * size]), list(total[2 * size:]))
+            self._read(*(list(total[k * size:(k + 1) * size]) for k in range(4)))
         if due and self.enabled:
             now, began = time.monotonic(), time.perf_counter()  # the look-up of the input waits is spent too
             self.waiting = self.input_wait() / max(now - self._waits_since, 1e-9)
             self._waits_since = now
             if self._warm:
-                self.seconds, self.pending = self._pass(probe_seconds(self.settings))[0], True
+                self.seconds, self.duration, _ = self._pass(probe_seconds(self.settings))
+                self.pending = True
                 self.spent += time.perf_counter() - began
             else:  # the round's first probe traces the pass, on every rank at once: it times nothing
                 self._pass(0.0)
@@ -113,16 +119,26 @@ class GroupProbe:
                 self.traced += time.perf_counter() - began
             self.last = time.monotonic()
 
+    def _space_out(self, durations: List[float]) -> None:
+        interval = probe_interval(self.settings, durations)
+        if self.world.is_chief and abs(interval - self.interval) > 0.1 * self.interval:
+            logging.info("straggler probes every %.0f s from now: the median probe's time is kept to %.1f%% of the "
+                         "training time (--probe_seconds / --probe_every_seconds)", interval,
+                         100 * self.settings.seconds / self.settings.every_seconds)
+        self.interval = interval
+
     def take_spent(self) -> Tuple[float, float]:
         """(seconds of timed probes, seconds of tracing the pass: once a round) on the training path since the
         last call: the cadence's cost, and a round's fixed one."""
         spent, self.spent, traced, self.traced = self.spent, 0.0, self.traced, 0.0
         return spent, traced
 
-    def _read(self, seconds: List[float], hosts: List[float], waiting: List[float]) -> None:
+    def _read(self, seconds: List[float], hosts: List[float], waiting: List[float], durations: List[float]) -> None:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler, by
         its compute or by its input (its agent writes the events and the log lines), and whether its host is
-        worth evicting (by its compute only: `stragglers.input_slowness`)."""
+        worth evicting (by its compute only: `stragglers.input_slowness`); and all put off the next probe
+        alike where probes take longer than `ProbeSettings.seconds`."""
+        self._space_out(durations)
         began, ended = self.watch.observe(seconds)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
@@ -211,14 +227,16 @@ def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
                 passes, last = tf.while_loop(another, lambda i, carried: (i + 1, one_pass(carried)),
                                              (tf.constant(0), tf.constant(0.0)), parallel_iterations=1)
             with tf.control_dependencies([last]):
-                return (tf.timestamp() - began) / tf.cast(passes, tf.float64), last
+                elapsed = tf.timestamp() - began
+                return elapsed / tf.cast(passes, tf.float64), elapsed, last
         return strategy.run(local)
 
-    def timed(seconds: float) -> Tuple[float, List[float]]:
-        """(seconds per pass on the slowest local replica, each replica's last result)."""
-        per_pass, last = probe(tf.constant(seconds, tf.float64))
-        return (float(max(t.numpy() for t in strategy.experimental_local_results(per_pass))),
-                [t.numpy() for t in strategy.experimental_local_results(last)])
+    def timed(seconds: float) -> Tuple[float, float, List[float]]:
+        """(seconds per pass, and of the loop, on the slowest local replica; each replica's last result)."""
+        results = probe(tf.constant(seconds, tf.float64))
+        per_pass, elapsed, last = (strategy.experimental_local_results(t) for t in results)
+        return (float(max(t.numpy() for t in per_pass)), float(max(t.numpy() for t in elapsed)),
+                [t.numpy() for t in last])
 
     return timed
 
