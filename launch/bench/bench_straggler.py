@@ -8,8 +8,10 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
     python -m launch.bench.bench_straggler --modes=evict --phase_seconds=60,240,240,60  # ten minutes: flapping?
     python -m launch.bench.bench_straggler --modes="report only" --host_quota  # every host in a container
 
-Prints, per run: steps/s in each phase (from the chief's commits), time from the slowdown to the slowed host's
-first report (of either cause) and to the first step of a round without the straggler, time from the mild
+Prints, per run: steps/s in each phase (from the chief's commits), the group's steps/s without the straggler
+(from 10 s after its round's first step to the slow phase's end, as the baselines leave their first 10 s
+out) over the 3-worker group's alone, time from the slowdown to the slowed host's first report (of either
+cause) and to the first step of a round without the straggler, time from the mild
 phase (back within the factor) to its rejoin, evictions in each phase, and the evicted host's probations (its
 own pass timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the
 slowed host by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of
@@ -52,6 +54,7 @@ require_finite_floats(__name__)
 MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
          "evict": ["--evict_stragglers", "--min_workers=2"]}
 AGENT = ["--min_workers=1", "--last_call=1", "--straggler_hold_off=30"]
+WARM_UP = 10.0  # seconds after a round's first step that no rate counts (a round's first steps are slower)
 
 
 def steps_per_second(job: LocalJob, begin: float, end: float) -> Optional[float]:
@@ -128,10 +131,11 @@ def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
 
 
 def _rate_after(job: LocalJob, evicted: List[Dict], until: float) -> Optional[float]:
-    """Steps/s from the first round without the straggler to `until` (the slow phase's end)."""
+    """Steps/s from the first round without the straggler, its warm-up left out as the baselines leave it
+    out, to `until` (the slow phase's end)."""
     if not evicted:
         return None
-    starts = [e["time"] for e in job.events(Event.FIRST_STEP, rank=0) if e["time"] > evicted[0]["time"]]
+    starts = [e["time"] + WARM_UP for e in job.events(Event.FIRST_STEP, rank=0) if e["time"] > evicted[0]["time"]]
     return steps_per_second(job, starts[0], until) if starts and starts[0] < until else None
 
 
@@ -141,7 +145,7 @@ def baseline(root: Path, workers: int, seconds: float) -> Optional[float]:
     try:
         with contextlib.ExitStack() as stack:
             _start_agents(job, [chr(ord("a") + host) for host in range(workers)], FLAGS.cores / FLAGS.hosts, stack)
-            began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + 10.0  # warm-up left out
+            began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + WARM_UP
             time.sleep(max(0.0, began + seconds - time.time()))
             return steps_per_second(job, began, time.time())
     finally:
