@@ -5,9 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tf_elastic.elastic.stragglers import ProbeSettings
-from tf_elastic.elastic.worker.cpu_quota import QuotaStops, quota_period_seconds
-from tf_elastic.elastic.worker.probe import probe_seconds
+from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.testing.local_job import repo_env
 from tf_elastic.testing.throttle import Throttle
 
@@ -59,23 +57,6 @@ def test_cgroup_v2_reads_cpu_max_and_a_containers_own_cgroup_is_its_root(tmp_pat
     assert quota_period_seconds(_proc(tmp_path, mounts, "0::/system.slice\n", "proc2")) == 0.0
 
 
-def test_a_quota_counts_as_stopping_the_worker_only_where_its_stopped_periods_grew_since_the_last_look(tmp_path):
-    mounts = "40 23 0:40 / ROOT/cg rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
-    root = tmp_path / "cg"
-    _write(root, cpu_max="max 100000\n", cpu_stat="nr_periods 9\nnr_throttled 0\n")
-    _write(root / "pod", cpu_max="50000 200000\n", cpu_stat="nr_periods 9\nnr_throttled 3\nthrottled_usec 9\n")
-    stops = QuotaStops(_proc(tmp_path, mounts, "0::/pod\n"))
-    assert stops.period_since_last_look() == 0.0  # the first look only looks: the 3 came before this worker
-    assert stops.period_since_last_look() == 0.0  # a limit it did not reach since
-    _write(root / "pod", cpu_stat="nr_periods 20\nnr_throttled 4\nthrottled_usec 12\n")
-    assert stops.period_since_last_look() == 0.2
-    assert stops.period_since_last_look() == 0.0
-    _write(root, cpu_stat="nr_periods 20\nnr_throttled 50\n")  # a cgroup without a quota is not looked at
-    assert stops.period_since_last_look() == 0.0
-    (root / "pod" / "cpu.stat").unlink()  # what cannot be read counts as a stop: the longer probe is the safe one
-    assert stops.period_since_last_look() == 0.2
-
-
 def test_what_cannot_be_read_is_no_quota(tmp_path):
     assert quota_period_seconds(str(tmp_path / "no-proc")) == 0.0
     assert quota_period_seconds(_proc(tmp_path, "garbled\n", "no colons here\n", "torn")) == 0.0
@@ -84,30 +65,17 @@ def test_what_cannot_be_read_is_no_quota(tmp_path):
     assert quota_period_seconds(_proc(tmp_path, V1_MOUNTS, "4:cpu,cpuacct:/\n")) == 0.0
 
 
-def test_a_worker_a_quota_stops_probes_for_a_period_and_a_half_and_one_under_its_limit_as_set(tmp_path):
-    """A real cgroup (where this machine lets us make one): a process in it, at a tenth of a core, spins and
-    reads the quota's period as one that stopped it (its probe times a period and a half, not the default
-    0.05 s); at 1.5 cores, idle, as one that did not."""
-    script = ("import sys, time\n"
-              "from tf_elastic.elastic.worker.cpu_quota import QuotaStops\n"
-              "stops = QuotaStops()\n"
-              "sys.stdin.readline(); stops.period_since_last_look()\n"
-              "began = time.process_time()\n"
-              "while time.process_time() - began < 0.3: pass\n"
-              "print(stops.period_since_last_look(), flush=True)\n"
-              "sys.stdin.readline(); time.sleep(0.5)\n"
-              "print(stops.period_since_last_look())\n")
+def test_a_worker_throttled_from_outside_probes_for_at_least_the_quotas_period(tmp_path):
+    """A real cgroup (where this machine lets us make one): a process in it reads the period of the quota set
+    from outside, and its probe times a period and a half of it, not the default 0.05 s."""
     with Throttle(f"tf-elastic-quota-{tmp_path.name}") as throttle:
         if throttle.kind != "cgroup":
             pytest.skip("no writable cgroup cpu controller here")
-        child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True, env=repo_env())
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; sys.stdin.readline(); from tf_elastic.elastic.stragglers import "
+             "ProbeSettings; from tf_elastic.elastic.worker import probe; print(probe.probe_seconds(ProbeSettings()))"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=repo_env())
         throttle.add(child.pid)
-        throttle.set(0.1)
-        child.stdin.write("go\n")
-        child.stdin.flush()
-        spinning = float(child.stdout.readline())
-        throttle.set(1.5)  # a quota it stays under
-        idle = float(child.communicate("go\n", timeout=120)[0])
-    assert spinning >= 0.1 and probe_seconds(ProbeSettings(), spinning) >= 0.15  # (one above ours could be longer)
-    assert idle == 0.0 and probe_seconds(ProbeSettings(), idle) == 0.05
+        throttle.set(1.5)  # a quota, not a slowdown
+        out, _ = child.communicate("go\n", timeout=120)
+    assert float(out.split()[-1]) >= 1.5 * 0.1  # (a quota above ours, of a longer period, would count too)

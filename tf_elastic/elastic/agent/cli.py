@@ -92,9 +92,7 @@ flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent ech
 flags.DEFINE_float("probe_every_seconds", 10.0, "Seconds between the workers' straggler probes, each a timed "
                    "local forward and backward pass at a step the group agrees on (0: no probes).", lower_bound=0.0)
 flags.DEFINE_float("probe_seconds", 0.05, "How long each probe runs its passes (at least 1.5 periods of a CPU "
-                   "quota that stopped the worker since its last probe: a shorter probe can end before the quota "
-                   "stops it). Probes keep to --probe_seconds / --probe_every_seconds of the time: where the "
-                   "median probe runs longer, the next comes that much later.",
+                   "quota the worker runs under: a shorter probe can end before the quota stops it).",
                    lower_bound=0.001)
 flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this many times the group's median, "
                    "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")

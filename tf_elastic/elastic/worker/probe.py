@@ -8,11 +8,10 @@ agreement hands every rank every rank's time, and `stragglers.StragglerWatch` na
 way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) the timed probes cost
 0.54-0.69 % of the training time in `bench_straggler` on 2 shared cores; with a round's first due probe, which
 traces the pass (0.5 s at 4 workers there), 1.08-1.35 % in all over its rounds of ~200 s (`take_spent`).
-Where a CPU quota (a container's limit) stopped the worker since its last probe, the probe times a period and
-a half of it (`probe_seconds`; a limit it never reaches cannot slow it), and a pass can take longer than
-`seconds` (a large model): where the group's median probe runs longer than `seconds`, the next is put off in
-proportion (`stragglers.probe_interval`), so probes keep to `seconds / every_seconds` of the time and the
-reports come that much later.
+Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
+(`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's median probe
+runs longer than `seconds`, the next is put off in proportion (`stragglers.probe_interval`), so probes keep to
+`seconds / every_seconds` of the time and the reports come that much later.
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
@@ -37,7 +36,7 @@ from absl import logging
 
 from tf_elastic.elastic.stragglers import (ProbeSettings, StragglerWatch, input_slowness, probe_interval,
                                            worth_evicting)
-from tf_elastic.elastic.worker.cpu_quota import QuotaStops, quota_period_seconds
+from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
@@ -60,7 +59,6 @@ class GroupProbe:
         self.pending = False  # probed since the last agreement: its time rides the next one
         self.seconds = 0.0
         self.duration = 0.0  # how long the last timed probe's passes ran
-        self.quota_stops = QuotaStops()  # whether a CPU quota stopped this worker between two probes
         self.interval = settings.every_seconds  # seconds between probes, agreed alike (`probe_interval`)
         self.last = time.monotonic()
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
@@ -112,12 +110,10 @@ class GroupProbe:
             self.waiting = self.input_wait() / max(now - self._waits_since, 1e-9)
             self._waits_since = now
             if self._warm:
-                quota_period = self.quota_stops.period_since_last_look()
-                self.seconds, self.duration, _ = self._pass(probe_seconds(self.settings, quota_period))
+                self.seconds, self.duration, _ = self._pass(probe_seconds(self.settings))
                 self.pending = True
                 self.spent += time.perf_counter() - began
             else:  # the round's first probe traces the pass, on every rank at once: it times nothing
-                self.quota_stops.period_since_last_look()
                 self._pass(0.0)
                 self._warm = True
                 self.traced += time.perf_counter() - began
@@ -179,19 +175,18 @@ def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings
     seconds = 0.0
     if timed is not None:
         timed(0.0)
-        seconds = statistics.median(timed(probe_seconds(settings, quota_period_seconds()))[0]
-                                    for _ in range(settings.rules.window))
+        seconds = statistics.median(timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
     with open(path + ".tmp", "w") as f:
         f.write(repr(seconds))
     os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone
     return seconds
 
 
-def probe_seconds(settings: ProbeSettings, quota_period: float) -> float:
-    """How long a probe runs: `settings.seconds`, or a period and a half of the CPU quota that stops this worker
+def probe_seconds(settings: ProbeSettings) -> float:
+    """How long a probe runs: `settings.seconds`, or a period and a half of a CPU quota this worker runs under
     (`cpu_quota`: a probe that ends before the quota stops it times a throttled host as fast as any; the
     loop ends before its time, so a whole period is timed)."""
-    return max(settings.seconds, 1.5 * quota_period)
+    return max(settings.seconds, 1.5 * quota_period_seconds())
 
 
 def _forward_and_backward(model, strategy: tf.distribute.Strategy, batch: int):
