@@ -66,9 +66,9 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             assert probe.pending
             mine = probe.slots()
             assert len(mine) == 12 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
-            assert mine[1] <= mine[10] == probe.duration <= 0.011  # the loop ends within its seconds
-            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.01, mine[10], 0.01])
-            assert probe.interval == settings.every_seconds
+            assert 0 < mine[1] <= mine[10] == probe.duration
+            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.02, 0.03, 0.005])
+            assert probe.interval == pytest.approx(2 * settings.every_seconds)  # the durations' lower median
         assert PULSE.slow == 3.0 and PULSE.evict
         spent, traced = probe.take_spent()
         assert spent >= 2 * 0.005 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)
@@ -110,7 +110,7 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     long, and the group's next probe is put off in proportion to the median's (the chief says so once)."""
     with two_cpu_strategy.scope():
         model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048), keras.layers.Dense(1024)])
-    settings = ProbeSettings(every_seconds=0.1, seconds=0.001, rules=StragglerRules(1.5, 2), min_workers=1)
+    settings = ProbeSettings(every_seconds=0.5, seconds=0.001, rules=StragglerRules(1.5, 2), min_workers=1)
     probe = GroupProbe(model, two_cpu_strategy, World(rank=0, size=2, host_id="a"), settings)
     probe.first_step(256)
     probe.after_agreement(True, [])  # traces the pass
@@ -118,12 +118,12 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     mine = probe.slots()
     assert mine[6] == probe.duration >= mine[0] > 0.005, mine  # one pass, longer than seconds
     with caplog.at_level("INFO"):
-        probe.after_agreement(False, [mine[0], mine[0], mine[2], mine[2], 0.0, 0.0, mine[6], 3 * mine[6]])
-    assert probe.interval == pytest.approx(0.1 * 2 * mine[6] / 0.001)  # the median of the two
+        probe.after_agreement(False, [mine[0], mine[0], mine[2], mine[2], 0.0, 0.0, 3 * mine[6], mine[6]])
+    assert probe.interval == pytest.approx(0.5 * min(10.0, mine[6] / 0.001))  # the lower of the two
     probe.last = time.monotonic() - 1.0
-    assert probe.due() == float(probe.interval <= 1.0)
+    assert probe.interval > 2.5 and probe.due() == 0.0
     said = [r.getMessage() for r in caplog.records if "straggler probes every" in r.getMessage()]
-    assert len(said) == 1 and "kept to 1.0% of the training time" in said[0], said
+    assert len(said) == 1 and "kept to 0.2% of the training time" in said[0], said
 
 
 def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):

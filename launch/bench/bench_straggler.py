@@ -9,17 +9,17 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
     python -m launch.bench.bench_straggler --modes="report only" --host_quota  # every host in a container
 
 Prints, per run: steps/s in each phase (from the chief's commits), the group's steps/s without the straggler
-(from 10 s after its round's first step to the slow phase's end, as the baselines leave their first 10 s
-out) over the 3-worker group's alone, time from the slowdown to the slowed host's first report (of either
-cause) and to the first step of a round without the straggler, time from the mild
-phase (back within the factor) to its rejoin, evictions in each phase, and the evicted host's probations (its
-own pass timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the
-slowed host by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of
-any other host. Targets (issue 41): report within 30 s; with eviction, >= 0.9x the 3-worker throughput within
-60 s of the slowdown; rejoin within 60 s; no eviction at the mild slowdown. `--host_quota` runs every host
-under a CPU quota of its fair share from the start (as a container's limit would; the baselines too), the
-slowed host's lowered: there every worker's probe times a quota's period and a half, and the probes come
-that much further apart (`stragglers.probe_interval`).
+(sustained: from 15 s after its round's first step, past its first probe's trace, to the slow phase's end, as the
+baselines leave their first 15 s out) over the 3-worker group's alone, time from the slowdown to the slowed host's
+first report (of either cause) and to the first step of a round without the straggler, time from the mild phase
+(back within the factor) to its rejoin, evictions in each phase, and the evicted host's probations (its own pass
+timed after each hold-off: kept out while slow, let in once back), and the `straggler` events of the slowed host
+by their cause (its compute, and its input: the host's tf.data threads are throttled too) and of any other host.
+Targets (issue 41): report within 30 s; with eviction, >= 0.9x the 3-worker throughput within 60 s of the
+slowdown; rejoin within 60 s; no eviction at the mild slowdown. `--host_quota` runs every host under a CPU quota
+of its fair share from the start (as a container's limit would; the baselines too), the slowed host's lowered:
+there every worker's probe times a quota's period and a half (the speed it keeps up), and the probes come that
+much further apart (`stragglers.probe_interval`).
 """
 import contextlib
 import os
@@ -54,7 +54,7 @@ require_finite_floats(__name__)
 MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
          "evict": ["--evict_stragglers", "--min_workers=2"]}
 AGENT = ["--min_workers=1", "--last_call=1", "--straggler_hold_off=30"]
-WARM_UP = 10.0  # seconds after a round's first step that no rate counts (a round's first steps are slower)
+WARM_UP = 15.0  # seconds after a round's first step that no rate counts: its first steps, and its first probe's trace
 
 
 def steps_per_second(job: LocalJob, begin: float, end: float) -> Optional[float]:
@@ -77,20 +77,17 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
     job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={hosts}", *MODES[mode]],
                    trainer="launch.train")
     fair = cores / hosts
-    try:
-        with contextlib.ExitStack() as stack:
-            throttle = _start_agents(job, names, fair, stack)
-            job.first_step_after(0, world_size=hosts, timeout=600)
-            moments = [time.time()]
-            for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
-                if phase == "slow" and not FLAGS.host_quota:
-                    throttle.add(job.agents[names[-1]].pid)
-                if phase != "before":
-                    throttle.set(fair if cores_of_phase is None and FLAGS.host_quota else cores_of_phase)
-                time.sleep(seconds[PHASES.index(phase)])
-                moments.append(time.time())
-    finally:
-        job.cleanup()
+    with contextlib.ExitStack() as stack:
+        throttle = _start_agents(job, names, fair, stack)
+        job.first_step_after(0, world_size=hosts, timeout=600)
+        moments = [time.time()]
+        for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
+            if phase == "slow" and not FLAGS.host_quota:
+                throttle.add(job.agents[names[-1]].pid)
+            if phase != "before":
+                throttle.set(fair if cores_of_phase is None and FLAGS.host_quota else cores_of_phase)
+            time.sleep(seconds[PHASES.index(phase)])
+            moments.append(time.time())
     evicted = job.events(Event.EVICTED)
     rates = {phase: steps_per_second(job, moments[i], moments[i + 1]) for i, phase in enumerate(PHASES)}
     slow_at, mild_at = moments[1], moments[2]
@@ -109,14 +106,16 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
 
 def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextlib.ExitStack) -> Throttle:
     """Starts every host's agent; with `--host_quota` each in a cgroup of its own at `fair` cores. Returns the
-    last host's throttle (the one a run slows)."""
+    last host's throttle (the one a run slows). Leaving `stack` ends the job before it lifts the throttles:
+    a cgroup with processes in it cannot be removed."""
     throttles = [stack.enter_context(Throttle(f"tf_elastic-bench-{os.getpid()}-{name}"))
                  for name in (names if FLAGS.host_quota else names[-1:])]
-    for name in names:
+    stack.callback(job.cleanup)
+    for name, throttle in zip(names, throttles if FLAGS.host_quota else [None] * len(names)):
         job.start_agent(name)
-        if FLAGS.host_quota:
-            throttles[names.index(name)].add(job.agents[name].pid)
-            throttles[names.index(name)].set(fair)
+        if throttle is not None:
+            throttle.add(job.agents[name].pid)
+            throttle.set(fair)
     return throttles[-1]
 
 
@@ -142,14 +141,11 @@ def _rate_after(job: LocalJob, evicted: List[Dict], until: float) -> Optional[fl
 def baseline(root: Path, workers: int, seconds: float) -> Optional[float]:
     root.mkdir(parents=True)
     job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={workers}"], trainer="launch.train")
-    try:
-        with contextlib.ExitStack() as stack:
-            _start_agents(job, [chr(ord("a") + host) for host in range(workers)], FLAGS.cores / FLAGS.hosts, stack)
-            began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + WARM_UP
-            time.sleep(max(0.0, began + seconds - time.time()))
-            return steps_per_second(job, began, time.time())
-    finally:
-        job.cleanup()
+    with contextlib.ExitStack() as stack:
+        _start_agents(job, [chr(ord("a") + host) for host in range(workers)], FLAGS.cores / FLAGS.hosts, stack)
+        began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + WARM_UP
+        time.sleep(max(0.0, began + seconds - time.time()))
+        return steps_per_second(job, began, time.time())
 
 
 def _text(value: Optional[float], unit: str = "") -> str:
@@ -159,9 +155,10 @@ def _text(value: Optional[float], unit: str = "") -> str:
 def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], hosts: int) -> str:
     three = alone.get(hosts - 1)
     lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
-             "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | after eviction / 3 alone | report | "
-             "round without | rejoin after mild | evictions (before/slow/mild/after) | probations (kept out/let in) | "
-             "probes' cost (with each round's trace) | reports of the slowed host by compute/input; of others |",
+             "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | sustained after eviction / 3 alone | "
+             "report | round without | rejoin after mild | evictions (before/slow/mild/after) | "
+             "probations (kept out/let in) | probes' cost (with each round's trace) | "
+             "reports of the slowed host by compute/input; of others |",
              "|---|" + "---:|" * 12]
     for r in results:
         rates, ev = r["rates"], r["evictions"]

@@ -46,6 +46,11 @@ class ProbeSettings:
     rules: StragglerRules = StragglerRules()
     min_workers: int = 1
 
+    def __post_init__(self):
+        if not (self.every_seconds >= 0 and self.seconds > 0):
+            raise ValueError(f"--probe_every_seconds must be >= 0 and --probe_seconds > 0; got {self.every_seconds} "
+                             f"and {self.seconds}")
+
     def to_text(self) -> str:
         return f"{self.every_seconds},{self.seconds},{self.rules.factor},{self.rules.window},{self.min_workers}"
 
@@ -57,15 +62,21 @@ class ProbeSettings:
         return cls(float(every), float(seconds), StragglerRules(float(factor), int(window)), int(min_workers))
 
 
+# Probes are put off at most this many times `every_seconds`: an outlier of a probe time cannot stop them.
+LONGEST_PROBE_STRETCH = 10.0
+
+
 def probe_interval(settings: ProbeSettings, durations: Sequence[float]) -> float:
     """Seconds from one probe to the next: `every_seconds`, stretched where the group's median probe takes
-    longer than `seconds` (a pass longer than it, a CPU quota's period and a half), so that probes never take
-    more than `seconds / every_seconds` of the training time: on a large model the reports come later and
-    the cost stays put. The median, not the slowest: a straggler's own probe does not put off its report."""
+    longer than `seconds` (a pass longer than it, a CPU quota's period and a half), so that the median rank's
+    probes keep to `seconds / every_seconds` of its time (up to `LONGEST_PROBE_STRETCH`): on a large model the
+    reports come later and the cost stays put. The lower median, not the slowest: a straggler's own probe
+    does not put off its report, in a group of two either."""
     measured = [d for d in durations if d > 0]
     if not measured:
         return settings.every_seconds
-    return settings.every_seconds * max(1.0, statistics.median(measured) / settings.seconds)
+    stretch = statistics.median_low(measured) / settings.seconds
+    return settings.every_seconds * min(LONGEST_PROBE_STRETCH, max(1.0, stretch))
 
 
 def input_slowness(waiting: Sequence[float]) -> List[float]:

@@ -10,8 +10,8 @@ way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 
 traces the pass (0.5 s at 4 workers there), 1.08-1.35 % in all over its rounds of ~200 s (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
 (`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's median probe
-runs longer than `seconds`, the next is put off in proportion (`stragglers.probe_interval`), so probes keep to
-`seconds / every_seconds` of the time and the reports come that much later.
+runs longer than `seconds`, the next is put off in proportion, up to ten times (`stragglers.probe_interval`),
+so the median rank's probes keep to `seconds / every_seconds` of its time and the reports come that much later.
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
@@ -34,8 +34,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import (ProbeSettings, StragglerWatch, input_slowness, probe_interval,
-                                           worth_evicting)
+from tf_elastic.elastic.stragglers import (LONGEST_PROBE_STRETCH, ProbeSettings, StragglerWatch, input_slowness,
+                                           probe_interval, worth_evicting)
 from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
@@ -123,8 +123,8 @@ class GroupProbe:
         interval = probe_interval(self.settings, durations)
         if self.world.is_chief and abs(interval - self.interval) > 0.1 * self.interval:
             logging.info("straggler probes every %.0f s from now: the median probe's time is kept to %.1f%% of the "
-                         "training time (--probe_seconds / --probe_every_seconds)", interval,
-                         100 * self.settings.seconds / self.settings.every_seconds)
+                         "training time (--probe_seconds / --probe_every_seconds), putting probes off up to %gx",
+                         interval, 100 * self.settings.seconds / self.settings.every_seconds, LONGEST_PROBE_STRETCH)
         self.interval = interval
 
     def take_spent(self) -> Tuple[float, float]:
