@@ -121,8 +121,9 @@ def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextli
 
 def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
     """The probes' share of the chief's epoch time (its `epoch_end` events say both): the timed probes' (the
-    cadence's cost), and with the tracing of the pass (once a round: what a run of a few minutes a round
-    pays more than one of hours)."""
+    cadence's cost: the chief's own and its wait for the slowest rank's, what the group pays), and with the
+    tracing of the pass (once a round, the chief's: what a run of a few minutes a round pays more than one of
+    hours)."""
     ends = job.events(Event.EPOCH_END)
     spent, total = sum(e.get("probe_seconds", 0.0) for e in ends), sum(e["seconds"] for e in ends)
     traced = sum(e.get("probe_trace_seconds", 0.0) for e in ends)

@@ -129,7 +129,9 @@ class GroupProbe:
 
     def take_spent(self) -> Tuple[float, float]:
         """(seconds of timed probes, seconds of tracing the pass: once a round) on the training path since the
-        last call: the cadence's cost, and a round's fixed one."""
+        last call: the cadence's cost, and a round's fixed one. A timed probe costs the group what its slowest
+        rank's takes (the others wait for it at the next collective): this rank's own time, and its wait for
+        the slowest rank's passes; the trace, this rank's own."""
         spent, self.spent, traced, self.traced = self.spent, 0.0, self.traced, 0.0
         return spent, traced
 
@@ -139,6 +141,7 @@ class GroupProbe:
         worth evicting (by its compute only: `stragglers.input_slowness`); and all put off the next probe
         alike where probes take longer than `ProbeSettings.seconds`."""
         self._space_out(durations)
+        self.spent += max(0.0, max(durations) - self.duration)  # the wait for the slowest rank's probe
         began, ended = self.watch.observe(seconds)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
