@@ -67,11 +67,12 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             mine = probe.slots()
             assert len(mine) == 12 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
             assert 0 < mine[1] <= mine[10] == probe.duration
-            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.02, 0.03, 0.005])
-            assert probe.interval == pytest.approx(2 * settings.every_seconds)  # the durations' lower median
+            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.06, mine[10], 0.005])
+            lower_median = sorted([0.06, mine[10], 0.005])[1]
+            assert probe.interval == pytest.approx(max(1.0, lower_median / 0.01) * settings.every_seconds)
         assert PULSE.slow == 3.0 and PULSE.evict
-        spent, traced = probe.take_spent()  # its own probes, and its waits for rank 1's 0.03 s
-        assert spent >= 2 * 0.03 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)
+        spent, traced = probe.take_spent()  # its own probes, and its waits for rank 0's 0.06 s
+        assert spent >= 2 * 0.06 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)
         assert (PULSE.median, PULSE.batch) == (0.01, 4)  # the group's median, for a host on probation
     finally:
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
@@ -123,7 +124,7 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     probe.last = time.monotonic() - 1.0
     assert probe.interval > 2.5 and probe.due() == 0.0
     said = [r.getMessage() for r in caplog.records if "straggler probes every" in r.getMessage()]
-    assert len(said) == 1 and "kept to 0.2% of the training time" in said[0], said
+    assert len(said) == 1 and "put off in proportion (up to 10x" in said[0], said
 
 
 def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):

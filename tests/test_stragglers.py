@@ -98,10 +98,11 @@ def test_probes_are_put_off_where_the_median_probe_runs_longer_than_its_seconds(
 
 
 def test_bad_probe_settings_are_named():
-    with pytest.raises(ValueError, match="--probe_seconds > 0"):
-        ProbeSettings(every_seconds=10.0, seconds=0.0)
-    with pytest.raises(ValueError, match="--probe_every_seconds must be >= 0"):
-        ProbeSettings.from_text("-1,0.05,1.5,3,1")
+    for every, seconds in ((10.0, 0.0), (-1.0, 0.05), (10.0, math.inf), (math.nan, 0.05)):
+        with pytest.raises(ValueError, match=r"every_seconds \(--probe_every_seconds\) must be finite and >= 0"):
+            ProbeSettings(every_seconds=every, seconds=seconds)
+    with pytest.raises(ValueError, match="got -1.0 and 0.05"):
+        ProbeSettings.from_text("-1,0.05,1.5,3,1")  # what a worker reads from its agent
 
 
 def test_the_hold_off_doubles_with_each_eviction_up_to_a_cap():

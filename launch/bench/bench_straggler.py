@@ -37,7 +37,8 @@ from tf_elastic.testing.throttle import Throttle
 
 PHASES = ("before", "slow", "mild", "after")
 FLAGS = flags.FLAGS
-flags.DEFINE_list("phase_seconds", ["40", "90", "60", "40"], "Seconds of each phase: before the slowdown, at a "
+flags.DEFINE_list("phase_seconds", ["40", "90", "60", "40"], "Seconds of each phase (a slow phase over 60 s for the "
+                  "rate in the target's window, 60 s after the slowdown): before the slowdown, at a "
                   "third of the fair share, at 80 % of it, unthrottled.")
 flags.DEFINE_integer("hosts", 4, "Hosts of one worker each.", lower_bound=3)
 flags.DEFINE_float("cores", float(os.cpu_count() or 1), "Cores the hosts share (the fair share is cores / hosts).",

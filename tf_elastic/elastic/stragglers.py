@@ -47,9 +47,9 @@ class ProbeSettings:
     min_workers: int = 1
 
     def __post_init__(self):
-        if not (self.every_seconds >= 0 and self.seconds > 0):
-            raise ValueError(f"--probe_every_seconds must be >= 0 and --probe_seconds > 0; got {self.every_seconds} "
-                             f"and {self.seconds}")
+        if not (0 <= self.every_seconds < math.inf and 0 < self.seconds < math.inf):
+            raise ValueError(f"the probe's every_seconds (--probe_every_seconds) must be finite and >= 0, and its "
+                             f"seconds (--probe_seconds) finite and > 0; got {self.every_seconds} and {self.seconds}")
 
     def to_text(self) -> str:
         return f"{self.every_seconds},{self.seconds},{self.rules.factor},{self.rules.window},{self.min_workers}"

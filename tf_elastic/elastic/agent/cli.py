@@ -91,8 +91,9 @@ flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent ech
                   "log lines) always. Every worker's output also goes to RUN_DIR/logs/HOST/round-R/rank-N.log.")
 flags.DEFINE_float("probe_every_seconds", 10.0, "Seconds between the workers' straggler probes, each a timed "
                    "local forward and backward pass at a step the group agrees on (0: no probes); longer, up to ten "
-                   "times, where the median probe runs longer than --probe_seconds (a pass longer than it, a CPU "
-                   "quota), so probes keep to --probe_seconds / --probe_every_seconds of the time.", lower_bound=0.0)
+                   "times, where the group's lower median probe runs longer than --probe_seconds (a pass longer "
+                   "than it, a CPU quota), so the median worker's probes keep to --probe_seconds / "
+                   "--probe_every_seconds of its time.", lower_bound=0.0)
 flags.DEFINE_float("probe_seconds", 0.05, "How long each probe runs its passes (at least 1.5 periods of a CPU "
                    "quota the worker runs under: a shorter probe can end before the quota stops it).",
                    lower_bound=0.001)

@@ -122,16 +122,16 @@ class GroupProbe:
     def _space_out(self, durations: List[float]) -> None:
         interval = probe_interval(self.settings, durations)
         if self.world.is_chief and abs(interval - self.interval) > 0.1 * self.interval:
-            logging.info("straggler probes every %.0f s from now: the median probe's time is kept to %.1f%% of the "
-                         "training time (--probe_seconds / --probe_every_seconds), putting probes off up to %gx",
-                         interval, 100 * self.settings.seconds / self.settings.every_seconds, LONGEST_PROBE_STRETCH)
+            logging.info("straggler probes every %.0f s from now: the group's median probe runs longer than "
+                         "--probe_seconds, and probes are put off in proportion (up to %gx --probe_every_seconds)",
+                         interval, LONGEST_PROBE_STRETCH)
         self.interval = interval
 
     def take_spent(self) -> Tuple[float, float]:
         """(seconds of timed probes, seconds of tracing the pass: once a round) on the training path since the
         last call: the cadence's cost, and a round's fixed one. A timed probe costs the group what its slowest
         rank's takes (the others wait for it at the next collective): this rank's own time, and its wait for
-        the slowest rank's passes; the trace, this rank's own."""
+        the slowest rank's passes (counted at the agreement after the probe); the trace, this rank's own."""
         spent, self.spent, traced, self.traced = self.spent, 0.0, self.traced, 0.0
         return spent, traced
 
@@ -141,7 +141,9 @@ class GroupProbe:
         worth evicting (by its compute only: `stragglers.input_slowness`); and all put off the next probe
         alike where probes take longer than `ProbeSettings.seconds`."""
         self._space_out(durations)
-        self.spent += max(0.0, max(durations) - self.duration)  # the wait for the slowest rank's probe
+        # The wait for the slowest rank's probe; bounded, as a clock stepped during a probe is not its time.
+        self.spent += min(max(0.0, max(durations) - self.duration),
+                          LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
         began, ended = self.watch.observe(seconds)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
