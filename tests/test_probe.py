@@ -127,6 +127,23 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     assert len(said) == 1 and "put off in proportion (up to 10x" in said[0], said
 
 
+def test_probes_keep_their_beat_however_late_an_agreement_comes(two_cpu_strategy):
+    """A probe is due `interval` after the one before was due, not after it ran: the wait for an agreement (a
+    second at a straggler's pace) does not add up over the window of probes a report takes. After a gap of
+    half an interval, the beat starts again (no two probes closer than half an interval)."""
+    with two_cpu_strategy.scope():
+        model = _dict_model()
+    settings = ProbeSettings(every_seconds=10.0, seconds=0.001, rules=StragglerRules(1.5, 2), min_workers=1)
+    probe = GroupProbe(model, two_cpu_strategy, World(rank=0, size=2, host_id="a"), settings)
+    probe.first_step(4)
+    due_at = probe.last = time.monotonic() - 10.7  # due 0.7 s ago
+    probe.after_agreement(True, [])  # traces the pass
+    assert probe.last == pytest.approx(due_at + 10.0)
+    probe.last -= 15.5  # due 5.5 s ago (a commit's pause): no beat to keep
+    probe.after_agreement(True, [])
+    assert time.monotonic() - probe.last < 1.0
+
+
 def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):
     """The seconds a pass takes at the group's batch go to the file the agent named (0: not measurable)."""
     class Subclassed(keras.Model):

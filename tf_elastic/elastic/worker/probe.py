@@ -117,7 +117,8 @@ class GroupProbe:
                 self._pass(0.0)
                 self._warm = True
                 self.traced += time.perf_counter() - began
-            self.last = time.monotonic()
+            beat = self.last + self.interval  # when this probe was due: the next is due an interval after it,
+            self.last = beat if now - beat < self.interval / 2 else now  # unless it came late by half of one
 
     def _space_out(self, durations: List[float]) -> None:
         interval = probe_interval(self.settings, durations)
