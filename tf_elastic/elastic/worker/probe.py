@@ -5,9 +5,11 @@ and with no collective (so no rank waits for another). The passes run in one com
 loop of Python calls timed this process's Python threads as much as its compute (a chief's commit thread,
 busy after a round's start, made its probe read 12-33x the others' on a host that was not slow). The next
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
-way on every rank. Probes are due every `every_seconds`: at the defaults (10 s, 0.05 s) the timed probes cost
-0.54-0.69 % of the training time in `bench_straggler` on 2 shared cores; with a round's first due probe, which
-traces the pass (0.5 s at 4 workers there), 1.08-1.35 % in all over its rounds of ~200 s (`take_spent`).
+way on every rank. Probes are due every `every_seconds` (on a beat: an agreement's lateness does not add
+up): at the defaults (10 s, 0.05 s) the timed probes cost the group 0.39 % of the training time in
+`bench_straggler` on 2 shared cores while no worker is slowed or under a quota, 2.3 % while its slowed
+worker, under a quota, times a period and a half; a round's first due probe traces the pass (0.5 s at 4
+workers there), a fixed cost (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
 (`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's median probe
 runs longer than `seconds`, the next is put off in proportion, up to ten times (`stragglers.probe_interval`),
