@@ -117,7 +117,7 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     probe.after_agreement(True, [])  # traces the pass
     probe.after_agreement(True, [])
     mine = probe.slots()
-    assert mine[6] == probe.duration >= mine[0] > 0.005, mine  # one pass, longer than seconds
+    assert mine[6] == probe.duration >= mine[0] > 0.005, mine  # timing-ok: the case's premise, one long pass
     with caplog.at_level("INFO"):
         probe.after_agreement(False, [mine[0], mine[0], mine[2], mine[2], 0.0, 0.0, 3 * mine[6], mine[6]])
     assert probe.interval == pytest.approx(0.5 * min(10.0, mine[6] / 0.001))  # the lower of the two
@@ -140,8 +140,9 @@ def test_probes_keep_their_beat_however_late_an_agreement_comes(two_cpu_strategy
     probe.after_agreement(True, [])  # traces the pass
     assert probe.last == pytest.approx(due_at + 10.0)
     probe.last -= 15.5  # due 5.5 s ago (a commit's pause): no beat to keep
+    began = time.monotonic()
     probe.after_agreement(True, [])
-    assert time.monotonic() - probe.last < 1.0
+    assert probe.last >= began  # the beat starts at this probe
 
 
 def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):
