@@ -18,6 +18,15 @@ def _dict_model():
                                                            "b": keras.layers.Dense(3)(joined)})
 
 
+def _group_probe(strategy, model, world: World, every_seconds: float, seconds: float, batch: int = 4) -> GroupProbe:
+    """`world`'s rank's probe (a window of two probes), its round begun at `batch` rows a replica."""
+    settings = ProbeSettings(every_seconds=every_seconds, seconds=seconds, rules=StragglerRules(1.5, 2),
+                             min_workers=1)
+    probe = GroupProbe(model, strategy, world, settings)
+    probe.first_step(batch)
+    return probe
+
+
 def test_the_pass_runs_on_every_local_replica_for_dict_inputs_and_a_sequential_built_by_its_first_batch(
         two_cpu_strategy):
     with two_cpu_strategy.scope():
@@ -48,9 +57,7 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
     says so, and that its host (alone) is worth evicting; a probe is due once `every_seconds` passed."""
     with two_cpu_strategy.scope():
         model = _dict_model()
-    settings = ProbeSettings(every_seconds=0.01, seconds=0.01, rules=StragglerRules(1.5, 2), min_workers=1)
-    probe = GroupProbe(model, two_cpu_strategy, World(rank=1, size=3, host_id="b"), settings)
-    probe.first_step(4)
+    probe = _group_probe(two_cpu_strategy, model, World(rank=1, size=3, host_id="b"), every_seconds=0.01, seconds=0.01)
     assert probe.enabled and probe.slots() == [] and probe.round_seconds is not None
     probe.round_seconds = 1.0  # this test process is old: a round of a fresh worker's cost
     probe.last -= 1.0
@@ -69,7 +76,7 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             assert 0 < mine[1] <= mine[10] == probe.duration
             probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.06, mine[10], 0.005])
             lower_median = sorted([0.06, mine[10], 0.005])[1]
-            assert probe.interval == pytest.approx(max(1.0, lower_median / 0.01) * settings.every_seconds)
+            assert probe.interval == pytest.approx(max(1.0, lower_median / 0.01) * probe.settings.every_seconds)
         assert PULSE.slow == 3.0 and PULSE.evict
         spent, traced = probe.take_spent()  # its own probes, and its waits for rank 0's 0.06 s
         assert spent >= 2 * 0.06 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)
@@ -86,10 +93,8 @@ def test_the_rank_whose_input_the_group_waits_for_is_a_straggler_by_input_and_ne
     and not worth evicting (the slowest input does all the waiting, however little slower it is)."""
     with two_cpu_strategy.scope():
         model = _dict_model()
-    settings = ProbeSettings(every_seconds=0.01, seconds=0.01, rules=StragglerRules(1.5, 2), min_workers=1)
-    probe = GroupProbe(model, two_cpu_strategy, World(rank=0, size=3, host_id="a"), settings)
+    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=0.01, seconds=0.01)
     probe.input_wait = lambda: 0.6
-    probe.first_step(4)
     probe.after_agreement(True, [])  # traces the pass
     with caplog.at_level("INFO"):
         for _ in range(3):
@@ -111,9 +116,8 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     long, and the group's next probe is put off in proportion to the median's (the chief says so once)."""
     with two_cpu_strategy.scope():
         model = keras.Sequential([keras.Input((1024,)), keras.layers.Dense(2048), keras.layers.Dense(1024)])
-    settings = ProbeSettings(every_seconds=0.5, seconds=0.001, rules=StragglerRules(1.5, 2), min_workers=1)
-    probe = GroupProbe(model, two_cpu_strategy, World(rank=0, size=2, host_id="a"), settings)
-    probe.first_step(256)
+    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=2, host_id="a"), every_seconds=0.5,
+                         seconds=0.001, batch=256)
     probe.after_agreement(True, [])  # traces the pass
     probe.after_agreement(True, [])
     mine = probe.slots()
@@ -133,9 +137,8 @@ def test_probes_keep_their_beat_however_late_an_agreement_comes(two_cpu_strategy
     half an interval, the beat starts again (no two probes closer than half an interval)."""
     with two_cpu_strategy.scope():
         model = _dict_model()
-    settings = ProbeSettings(every_seconds=10.0, seconds=0.001, rules=StragglerRules(1.5, 2), min_workers=1)
-    probe = GroupProbe(model, two_cpu_strategy, World(rank=0, size=2, host_id="a"), settings)
-    probe.first_step(4)
+    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=2, host_id="a"), every_seconds=10.0,
+                         seconds=0.001)
     due_at = probe.last = time.monotonic() - 10.7  # due 0.7 s ago
     probe.after_agreement(True, [])  # traces the pass
     assert probe.last == pytest.approx(due_at + 10.0)
