@@ -85,6 +85,26 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
 
 
+def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(two_cpu_strategy):
+    """The heartbeat's group median is the median of the last window's probe medians (its own pass, on
+    probation, is the median of a window of probes): one probe's swing does not move it."""
+    with two_cpu_strategy.scope():
+        model = _dict_model()
+    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
+                         seconds=0.01)
+    published = []
+    try:
+        for group in ([0.010, 0.011, 0.012], [0.006, 0.006, 0.007], [0.011, 0.012, 0.011], [0.0, 0.0, 0.0]):
+            probe.pending = True  # as after a probe: the group's times ride this agreement
+            probe.after_agreement(False, [*group, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, *group])
+            published.append(PULSE.median)
+        # The window is two probes: 0.011; then (0.011 + 0.006) / 2; then (0.006 + 0.011) / 2; a round of
+        # probes that timed nothing (every rank's 0) leaves it.
+        assert published == pytest.approx([0.011, 0.0085, 0.0085, 0.0085])
+    finally:
+        PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
+
+
 def test_the_rank_whose_input_the_group_waits_for_is_a_straggler_by_input_and_never_evicted(two_cpu_strategy,
                                                                                               caplog):
     """The chief's step waited 0.6 s of the last second for its own input (its feed says so), its compute the

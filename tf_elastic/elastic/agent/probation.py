@@ -6,7 +6,8 @@ group at 0.38x meanwhile). So after each hold-off its agent starts one worker pe
 its own (`Env.PROBATION`): the worker runs the user's script as far as `elastic.fit`, times the model's pass
 at the group's batch as the group's probe does (`probe.time_alone`), and exits without training. The agent
 rejoins only once the slowest slot is back within the straggler factor of the group's median probe
-(`stragglers.back_within`), which the chief's agent publishes (`JobRecord.publish_probe`); else it sits out
+(`stragglers.back_within`; the median of a window of probes' medians, as its own pass is the median of a
+window of probes), which the chief's agent publishes (`JobRecord.publish_probe`); else it sits out
 another hold-off and probes again. Only an eviction doubles the hold-off: a probe on probation costs the
 group nothing, so a host that recovered is back within a hold-off and a probe.
 """

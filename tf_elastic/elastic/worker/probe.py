@@ -25,6 +25,7 @@ rank's heartbeat also carries the group's median probe and its batch, which the 
 an evicted host on probation times its own pass alone (`time_alone`, in a worker that trains nothing) and
 rejoins only once it is back within the factor of it.
 """
+import collections
 import os
 import statistics
 import time
@@ -71,6 +72,7 @@ class GroupProbe:
         self._waits_since = time.monotonic()
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
+        self._medians = collections.deque(maxlen=settings.rules.window)  # the group's, at the window's probes
 
     @property
     def enabled(self) -> bool:
@@ -142,7 +144,10 @@ class GroupProbe:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler, by
         its compute or by its input (its agent writes the events and the log lines), and whether its host is
         worth evicting (by its compute only: `stragglers.input_slowness`); and all put off the next probe
-        alike where probes take longer than `ProbeSettings.seconds`."""
+        alike where probes take longer than `ProbeSettings.seconds`. The heartbeat's group median, a host on
+        probation's yardstick, is the median of the window's probes' medians: that host's own pass is the
+        median of a window of probes too (`time_alone`), and one probe's median swung 0.6-1.1 ms in a run
+        where a host 1.25x slower timed 1.2-1.3 ms and sat out two minutes more than it had to."""
         self._space_out(durations)
         # The wait for the slowest rank's probe; bounded, as a clock stepped during a probe is not its time.
         self.spent += min(max(0.0, max(durations) - self.duration),
@@ -151,7 +156,9 @@ class GroupProbe:
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
-        PULSE.median, PULSE.batch = median, self.batch
+        if measured:
+            self._medians.append(median)
+        PULSE.median, PULSE.batch = statistics.median(self._medians) if self._medians else 0.0, self.batch
         if self.world.is_chief:
             for rank in began:
                 logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs (its step waited "
