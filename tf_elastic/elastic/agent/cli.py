@@ -89,13 +89,15 @@ flags.DEFINE_bool("index_log", False, "Test mode: workers log the example indice
 flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent echoes, each line prefixed "
                   "[round R rank N]: every local worker's, rank 0's only, or none; error lines (tracebacks, E/F "
                   "log lines) always. Every worker's output also goes to RUN_DIR/logs/HOST/round-R/rank-N.log.")
-flags.DEFINE_float("probe_every_seconds", 10.0, "Seconds between the workers' straggler probes, each a timed "
-                   "local forward and backward pass at a step the group agrees on (0: no probes); longer, up to ten "
-                   "times, where the group's lower median probe runs longer than --probe_seconds (a pass longer "
-                   "than it, a CPU quota), so the median worker's probes keep to --probe_seconds / "
-                   "--probe_every_seconds of its time.", lower_bound=0.0)
-flags.DEFINE_float("probe_seconds", 0.05, "How long each probe runs its passes (at least 1.5 periods of a CPU "
-                   "quota the worker runs under: a shorter probe can end before the quota stops it).",
+flags.DEFINE_float("probe_every_seconds", ProbeSettings.every_seconds, "Seconds between the workers' straggler "
+                   "probes, each a timed local forward and backward pass at a step the group agrees on (0: no "
+                   "probes); longer, up to ten times, where the group's lower median probe runs longer than "
+                   "--probe_seconds (a pass longer than it, a CPU quota), or once a straggler is reported its probe, "
+                   "so the group's probes keep to --probe_seconds / --probe_every_seconds of its time. At the default "
+                   "a window of three probes (--straggler_window) takes 24 s: a straggler is reported within 30 s.",
+                   lower_bound=0.0)
+flags.DEFINE_float("probe_seconds", ProbeSettings.seconds, "How long each probe runs its passes (at least 1.5 "
+                   "periods of a CPU quota the worker runs under: a shorter probe can end before the quota stops it).",
                    lower_bound=0.001)
 flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this many times the group's median, "
                    "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")

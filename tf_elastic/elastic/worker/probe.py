@@ -125,11 +125,14 @@ class GroupProbe:
             self.last = beat if now - beat < self.interval / 2 else now  # unless it came late by half of one
 
     def _space_out(self, durations: List[float]) -> None:
-        interval = probe_interval(self.settings, durations)
+        reported = bool(self.watch.stragglers)
+        interval = probe_interval(self.settings, durations, reported)
         if self.world.is_chief and abs(interval - self.interval) > 0.1 * self.interval:
-            logging.info("straggler probes every %.0f s from now: the group's median probe runs longer than "
-                         "--probe_seconds, and probes are put off in proportion (up to %gx --probe_every_seconds)",
-                         interval, LONGEST_PROBE_STRETCH)
+            basis = "slowest (a reported straggler's)" if reported else "median"
+            why = ("--probe_every_seconds" if interval == self.settings.every_seconds else
+                   f"the group's {basis} probe runs longer than --probe_seconds, and probes are put off in "
+                   f"proportion (up to {LONGEST_PROBE_STRETCH:g}x --probe_every_seconds)")
+            logging.info("straggler probes every %.0f s from now: %s", interval, why)
         self.interval = interval
 
     def take_spent(self) -> Tuple[float, float]:
@@ -148,11 +151,11 @@ class GroupProbe:
         probation's yardstick, is the median of the window's probes' medians: that host's own pass is the
         median of a window of probes too (`time_alone`), and one probe's median swung 0.6-1.1 ms in a run
         where a host 1.25x slower timed 1.2-1.3 ms and sat out two minutes more than it had to."""
-        self._space_out(durations)
         # The wait for the slowest rank's probe; bounded, as a clock stepped during a probe is not its time.
         self.spent += min(max(0.0, max(durations) - self.duration),
                           LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
         began, ended = self.watch.observe(seconds)
+        self._space_out(durations)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
