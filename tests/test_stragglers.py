@@ -88,17 +88,19 @@ def test_eviction_pays_only_when_the_rest_outrun_the_group_over_the_window_after
 def test_probes_are_put_off_where_the_median_probe_runs_longer_than_its_seconds():
     """A pass longer than `seconds` (a large model) or a quota's period and a half: the next probe comes that much
     later, up to ten times, so probes keep to `seconds / every_seconds` of the time; a straggler's own long
-    probe moves nothing before its report, in a group of two either; after it, the slowest probe sets the pace
-    (the group waits for it)."""
+    probe moves nothing before its report, in a group of two either; after it, its probe sets the pace (the
+    group waits for it)."""
     settings = ProbeSettings(every_seconds=10.0, seconds=0.05)
     assert probe_interval(settings, []) == probe_interval(settings, [0.0, 0.0]) == 10.0
     assert probe_interval(settings, [0.04, 0.05, 0.03]) == 10.0  # never sooner than every_seconds
     assert probe_interval(settings, [0.2, 0.2, 0.05, 0.0]) == pytest.approx(40.0)  # 0.2 / 0.05; no probe moves none
     assert probe_interval(settings, [0.05, 0.05, 0.05, 0.9]) == probe_interval(settings, [0.05, 0.9]) == 10.0
     assert probe_interval(settings, [30.0, 30.0]) == 100.0  # an outlier of a clock cannot stop the probes
-    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.2], reported=True) == pytest.approx(40.0)
-    assert probe_interval(settings, [0.05, 0.9], reported=True) == 100.0  # capped alike
-    assert probe_interval(settings, [0.04, 0.03], reported=True) == 10.0
+    # Rank 3 reported: its probe sets the pace, and none other's outlier; it recovered: back to the median's.
+    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.2], reported=[3]) == pytest.approx(40.0)
+    assert probe_interval(settings, [0.05, 0.9, 0.05, 0.05], reported=[3]) == 10.0
+    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.2], reported=[]) == 10.0
+    assert probe_interval(settings, [0.05, 0.9], reported=[1]) == 100.0  # capped alike
 
 
 def test_bad_probe_settings_are_named():

@@ -40,9 +40,10 @@ class StragglerRules:
 class ProbeSettings:
     """What the agent hands its workers (`Env.PROBE`): probe every `every_seconds` (0: never; further apart
     where a probe takes longer: `probe_interval`) for `seconds`;
-    the straggler rules; and the group's `min_workers`, below which no host is evicted. Every 8 s: a window
-    of three probes and an agreement at a straggler's pace (a second or two) report it within 30 s, wherever
-    in the beat its slowdown began (at 10 s, 31.2 s was measured)."""
+    the straggler rules; and the group's `min_workers`, below which no host is evicted. Every 8 s: at the
+    default window of three, the probes and an agreement at a straggler's pace (a second or two) report it
+    within 30 s wherever in the beat its slowdown began, unless probes are put off (at 10 s, 31.2 s was
+    measured)."""
     every_seconds: float = 8.0
     seconds: float = 0.05
     rules: StragglerRules = StragglerRules()
@@ -68,19 +69,20 @@ class ProbeSettings:
 LONGEST_PROBE_STRETCH = 10.0
 
 
-def probe_interval(settings: ProbeSettings, durations: Sequence[float], reported: bool = False) -> float:
-    """Seconds from one probe to the next: `every_seconds`, stretched where the group's median probe takes
-    longer than `seconds` (a pass longer than it, a CPU quota's period and a half), so that the median rank's
-    probes keep to `seconds / every_seconds` of its time (up to `LONGEST_PROBE_STRETCH`): on a large model the
-    reports come later and the cost stays put. The lower median, not the slowest: a straggler's own probe
-    does not put off its report, in a group of two either. Once a straggler is `reported`, the slowest: the
-    group waits for every probe of the straggler's (under a quota of a sixth of a core, 150-240 ms against the
-    median's 50 ms: 2.3 % of the group's time at 10 s), and with its report out only its recovery is told
-    later."""
+def probe_interval(settings: ProbeSettings, durations: Sequence[float], reported: Collection[int] = ()) -> float:
+    """Seconds from one probe to the next: `every_seconds`, stretched where the group's probes take longer
+    than `seconds` (a pass longer than it, a CPU quota's period and a half), so that they keep to
+    `seconds / every_seconds` of its time (up to `LONGEST_PROBE_STRETCH`): on a large model the reports come
+    later and the cost stays put. By the lower median's probe, not the slowest: a straggler's own probe does
+    not put off its report, in a group of two either. Once it is reported (its rank in `reported`), by its
+    probe too: the group waits for every one of them (under a quota of a sixth of a core, 150-240 ms against
+    the median's 50 ms: 2.3 % of the group's time at 10 s), and with its report out, only its recovery, and
+    another rank's report, come later. Any other rank's outlier moves nothing."""
     measured = [d for d in durations if d > 0]
     if not measured:
         return settings.every_seconds
-    stretch = (max(measured) if reported else statistics.median_low(measured)) / settings.seconds
+    slowest_reported = max((durations[rank] for rank in reported if 0 <= rank < len(durations)), default=0.0)
+    stretch = max(statistics.median_low(measured), slowest_reported) / settings.seconds
     return settings.every_seconds * min(LONGEST_PROBE_STRETCH, max(1.0, stretch))
 
 

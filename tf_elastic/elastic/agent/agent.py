@@ -224,8 +224,8 @@ class ElasticAgent:
         return any(worker.last and worker.last.evict for worker in running)
 
     def _share_group_probe(self, running: List[Worker]) -> None:
-        """Notes the group's median probe (every rank's heartbeat carries it); the chief's agent publishes each
-        new one in the store, for hosts on probation."""
+        """Notes the group's median probe (a window's: every rank's heartbeat carries it, once its round had a
+        window of probes); the chief's agent publishes each new one in the store, for hosts on probation."""
         seen = next(((w.last.median, w.last.batch) for w in running if w.last and w.last.median > 0), None)
         if seen is None:
             return

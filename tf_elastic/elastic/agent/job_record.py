@@ -130,7 +130,8 @@ class JobRecord:
 
     # The group's probe ----------------------------------------------------------------------------
     def publish_probe(self, median: float, batch: int) -> None:
-        """The group's median probe (seconds per pass at `batch` rows a replica), for a host on probation."""
+        """The group's median probe (a window's; seconds per pass at `batch` rows a replica), for a host on
+        probation."""
         self.store.set(self.keys.probe, json.dumps({"median": median, "batch": batch, "at": time.time()}))
 
     def group_probe(self) -> Optional[Tuple[float, int]]:

@@ -62,7 +62,7 @@ class GroupProbe:
         self.pending = False  # probed since the last agreement: its time rides the next one
         self.seconds = 0.0
         self.duration = 0.0  # how long the last timed probe's passes ran
-        self.interval = settings.every_seconds  # seconds between probes, agreed alike (`probe_interval`)
+        self.interval = self._said = settings.every_seconds  # between probes, agreed alike (`probe_interval`)
         self.last = time.monotonic()
         self.round_seconds: Optional[float] = None  # a round's cost, as this worker measured its own start
         self.spent = self.traced = 0.0  # seconds of timed probes, and of tracing them, since `take_spent`
@@ -125,14 +125,13 @@ class GroupProbe:
             self.last = beat if now - beat < self.interval / 2 else now  # unless it came late by half of one
 
     def _space_out(self, durations: List[float]) -> None:
-        reported = bool(self.watch.stragglers)
-        interval = probe_interval(self.settings, durations, reported)
-        if self.world.is_chief and abs(interval - self.interval) > 0.1 * self.interval:
-            basis = "slowest (a reported straggler's)" if reported else "median"
+        interval = probe_interval(self.settings, durations, list(self.watch.stragglers))
+        if self.world.is_chief and not self._said / 1.5 <= interval <= 1.5 * self._said:
             why = ("--probe_every_seconds" if interval == self.settings.every_seconds else
-                   f"the group's {basis} probe runs longer than --probe_seconds, and probes are put off in "
-                   f"proportion (up to {LONGEST_PROBE_STRETCH:g}x --probe_every_seconds)")
+                   f"the group's lower median probe, or a reported straggler's, runs longer than --probe_seconds, "
+                   f"and probes are put off in proportion (up to {LONGEST_PROBE_STRETCH:g}x --probe_every_seconds)")
             logging.info("straggler probes every %.0f s from now: %s", interval, why)
+            self._said = interval  # said again only once it moves by half (a straggler's probes jitter)
         self.interval = interval
 
     def take_spent(self) -> Tuple[float, float]:
@@ -148,9 +147,10 @@ class GroupProbe:
         its compute or by its input (its agent writes the events and the log lines), and whether its host is
         worth evicting (by its compute only: `stragglers.input_slowness`); and all put off the next probe
         alike where probes take longer than `ProbeSettings.seconds`. The heartbeat's group median, a host on
-        probation's yardstick, is the median of the window's probes' medians: that host's own pass is the
-        median of a window of probes too (`time_alone`), and one probe's median swung 0.6-1.1 ms in a run
-        where a host 1.25x slower timed 1.2-1.3 ms and sat out two minutes more than it had to."""
+        probation's yardstick, is the median of the window's probes' medians, once the round has had a window
+        of probes: that host's own pass is the median of a window of probes too (`time_alone`), and one
+        probe's median swung 0.6-1.1 ms in a run where a host 1.25x slower timed 1.2-1.3 ms and sat out two
+        minutes more than it had to."""
         # The wait for the slowest rank's probe; bounded, as a clock stepped during a probe is not its time.
         self.spent += min(max(0.0, max(durations) - self.duration),
                           LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
@@ -161,7 +161,8 @@ class GroupProbe:
         median = float(np.median(measured)) if measured else 0.0
         if measured:
             self._medians.append(median)
-        PULSE.median, PULSE.batch = statistics.median(self._medians) if self._medians else 0.0, self.batch
+        whole = len(self._medians) == self._medians.maxlen  # until then its agent keeps the last round's
+        PULSE.median, PULSE.batch = statistics.median(self._medians) if whole else 0.0, self.batch
         if self.world.is_chief:
             for rank in began:
                 logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs (its step waited "

@@ -118,7 +118,7 @@ class Pulse:
         self.step, self.progress, self.beats = 0, 0, 0
         self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
         self.input_slow = 0.0  # and by its input (`stragglers.input_slowness`; 0: not a straggler by it)
-        self.median, self.batch = 0.0, 0  # the group's median probe and its rows a replica (the same)
+        self.median, self.batch = 0.0, 0  # the group's median probe (a window's) and its rows a replica
         self.world_at: Optional[float] = None  # when a warm worker received its round (`time.time()`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
         self._failing = False
