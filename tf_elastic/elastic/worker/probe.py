@@ -6,14 +6,15 @@ loop of Python calls timed this process's Python threads as much as its compute 
 busy after a round's start, made its probe read 12-33x the others' on a host that was not slow). The next
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
 way on every rank. Probes are due every `every_seconds` (on a beat: an agreement's lateness does not add
-up): at the defaults (10 s, 0.05 s) the timed probes cost the group 0.39 % of the training time in
-`bench_straggler` on 2 shared cores while no worker is slowed or under a quota, 2.3 % while its slowed
-worker, under a quota, times a period and a half; a round's first due probe traces the pass (0.5 s at 4
-workers there), a fixed cost (`take_spent`).
+up): at the defaults (8 s, 0.05 s) the timed probes cost the group 0.65 % of the training time in
+`bench_straggler` on 2 shared cores before its slowdown, 3.5 % while its slowed worker, under a quota,
+times a period and a half before its report, 1.19 % after it; a round's first due probe traces the pass
+(0.5 s at 4 workers there), a fixed cost (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
-(`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's median probe
-runs longer than `seconds`, the next is put off in proportion, up to ten times (`stragglers.probe_interval`),
-so the median rank's probes keep to `seconds / every_seconds` of its time and the reports come that much later.
+(`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's lower median
+probe, or a reported straggler's, runs longer than `seconds`, the next is put off in proportion, up to ten
+times (`stragglers.probe_interval`), so the probes keep to `seconds / every_seconds` of the group's time, and
+the reports (or, once a straggler is reported, its recovery) come that much later.
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
