@@ -7,6 +7,7 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
     python -m launch.bench.bench_straggler --phase_seconds=40,90,60,40
     python -m launch.bench.bench_straggler --modes=evict --phase_seconds=60,240,240,60  # ten minutes: flapping?
     python -m launch.bench.bench_straggler --modes="report only" --host_quota  # every host in a container
+    python -m launch.bench.bench_straggler --modes=evict --host_quota --quota_period_ms=20  # hosts apart
 
 Prints, per run: steps/s in each phase (from the chief's commits), the group's steps/s from 60 s after the
 slowdown to the slow phase's end (the target's window; the baselines leave their rounds' first 15 s out) over the
@@ -19,6 +20,10 @@ eviction, >= 0.9x the 3-worker throughput within 60 s of the slowdown; rejoin wi
 slowdown. `--host_quota` runs every host under a CPU quota of its fair share from the start (as a container's
 limit would; the baselines too), the slowed host's lowered: there every worker's probe times a quota's period and
 a half (the speed it keeps up), and the probes come that much further apart (`stragglers.probe_interval`).
+With `--host_quota --quota_period_ms=20` the hosts emulate machines of their own: when one leaves, the others
+get no more than their share (on shared cores they get more, and a host on probation at 80 % of its share
+times its pass 1.67x slower than the three do, though 1.25x slower than it would in a group of four), and
+a period and a half (30 ms) is shorter than a probe, so none is put off.
 """
 import contextlib
 import os
@@ -49,6 +54,10 @@ flags.DEFINE_string("root", None, "Where the runs' records go (default: a tempor
 flags.DEFINE_list("modes", ["no action", "report only", "evict"], "The runs to make, in this order.")
 flags.DEFINE_bool("host_quota", False, "Every host under a CPU quota of its fair share (cgroup only), the slowed "
                   "host's lowered; else only the slowed host's CPU is limited, while it is slowed.")
+flags.DEFINE_integer("quota_period_ms", 100, "The CFS period of the bench's quotas (the kernel's default: 100). "
+                     "With --host_quota, 20 emulates hosts that share no cores (the group of three gets no more "
+                     "than its share when one leaves) whose probes are not put off (a period and a half is 30 ms, "
+                     "shorter than --probe_seconds).", lower_bound=1, upper_bound=1000)
 require_finite_floats(__name__)
 
 MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
@@ -109,7 +118,8 @@ def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextli
     """Starts every host's agent; with `--host_quota` each in a cgroup of its own at `fair` cores. Returns the
     last host's throttle (the one a run slows). Leaving `stack` ends the job before it lifts the throttles:
     a cgroup with processes in it cannot be removed."""
-    throttles = [stack.enter_context(Throttle(f"tf_elastic-bench-{os.getpid()}-{name}"))
+    period_us = FLAGS.quota_period_ms * 1000
+    throttles = [stack.enter_context(Throttle(f"tf_elastic-bench-{os.getpid()}-{name}", period_us))
                  for name in (names if FLAGS.host_quota else names[-1:])]
     stack.callback(job.cleanup)
     for name, throttle in zip(names, throttles if FLAGS.host_quota else [None] * len(names)):

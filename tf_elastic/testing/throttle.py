@@ -51,10 +51,12 @@ def descendants(pid: int, visit: Callable[[int], bool] = lambda pid: True) -> Li
 
 
 class Throttle:
-    """`cores` of CPU time at most for the processes `add`ed (None: no limit). Use as a context manager;
-    leaving it lifts the limit and removes the cgroup."""
+    """`cores` of CPU time at most for the processes `add`ed (None: no limit), over CFS periods of
+    `period_us` (a cgroup's; the duty cycle's is `PERIOD_US`). Use as a context manager; leaving it lifts the
+    limit and removes the cgroup."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, period_us: int = PERIOD_US):
+        self.period_us = period_us
         self.root = _cgroup_root()
         self.path = self.root / name if self.root else None
         self.roots: List[int] = []
@@ -89,12 +91,12 @@ class Throttle:
         if self.path is None:
             self._start_cycle()
             return
-        quota = -1 if cores is None else max(1000, int(cores * PERIOD_US))
+        quota = -1 if cores is None else max(1000, int(cores * self.period_us))
         if (self.path / "cpu.cfs_quota_us").exists():
-            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
             (self.path / "cpu.cfs_quota_us").write_text(str(quota))
         else:
-            (self.path / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {PERIOD_US}")
+            (self.path / "cpu.max").write_text(f"{'max' if quota < 0 else quota} {self.period_us}")
 
     def _start_cycle(self) -> None:
         """Without a cgroup: every 100 ms the processes run `cores` of it (as one core's share) and stop the rest."""
