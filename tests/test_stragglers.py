@@ -151,6 +151,11 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
             for host in "abc":
                 job.start_agent(host)
             three = job.first_step_after(0, world_size=3, timeout=300)
+            # c's warm spare imports TensorFlow as the round begins; throttled before it is ready, the import
+            # took c's 0.15 of a core while its worker traced the probe, and the group made no progress for a
+            # minute (its agents restarted it) or c's lease lapsed. A host slowed while its spare idles, as in
+            # bench_straggler.
+            job.wait_for(lambda: job.events(Event.SPARE_READY, source="agent:c"), timeout=180, what="c's spare")
             throttle.add(job.agents["c"].pid)
             throttle.set(0.15)
             evicted = job.wait_for(lambda: job.events(Event.EVICTED), timeout=120,
