@@ -242,8 +242,8 @@ class Heartbeat:
     this worker's probe runs while it is a straggler (0: it is not one); `evict`: the straggler rules say
     the group would train more without this host (`stragglers.worth_evicting`); `median`: the group's
     median probe (seconds per pass: the median of the window's probes' medians; 0: no window yet) at `batch`
-    rows a replica, what a host on probation is
-    measured against (every rank knows it alike; the chief's agent publishes it). `input_slow`: how many
+    rows a replica, what a host on probation is measured against (every rank knows it alike; the chief's
+    agent publishes it). `input_slow`: how many
     times faster the group would go if this worker's input kept up, while it is a straggler by its input
     (0: it is not one; `stragglers.input_slowness`)."""
     step: int
