@@ -63,6 +63,15 @@ def _two_then_one_then_two(job, lose: str = "b"):
     return two, alone, job.first_step_after(alone["time"], world_size=2, timeout=240)
 
 
+def _stop_every_live_agent(job) -> tuple:
+    """A SIGTERM to every agent still running, so each host leaves at an agreed step; returns their exit
+    codes and the hosts stopped."""
+    stopping = [host for host, agent in job.agents.items() if agent.poll() is None]
+    for host in stopping:
+        job.agents[host].send_signal(signal.SIGTERM)
+    return job.wait_agents(timeout=400), stopping
+
+
 def _received_state(job, alone, again) -> list:
     """The state transfers to a joiner after the round of one worker, up to the round of two that trained:
     a round of two can fail after its transfer and before its first step (the suite's load once starved a
@@ -95,9 +104,7 @@ def test_every_id_once_per_epoch_at_1_2_and_4_workers_through_a_kill_and_an_empt
         restored = job.events("restore", round=four["round"], rank=0)[0]["epoch"]
         job.wait_for(lambda: [e for e in job.events("commit") if e["world_size"] == 4 and e["epoch"] > restored],
                      what="a round of four's commit past an epoch's end")
-        for host in "acd":
-            job.agents[host].send_signal(signal.SIGTERM)
-        codes = job.wait_agents(timeout=400)
+        codes, _ = _stop_every_live_agent(job)
         assert {host: codes[host] for host in "acd"} == {"a": 0, "c": 0, "d": 0}, job.describe()
         assert job.left_gracefully() == ["a", "c", "d"], job.events("exit")
         assert _received_state(job, alone, again), "c joined with an empty disk: it receives the state"
@@ -168,10 +175,7 @@ def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_emp
         # A graceful leave of every host stops the job where it committed. (tf.data and PyDataset jobs that
         # train to their end: the README's script under agents, test_entry.py and test_packaging.py, and
         # test_training.py's in one process.)
-        stopping = [host for host, agent in job.agents.items() if agent.poll() is None]
-        for host in stopping:
-            job.agents[host].send_signal(signal.SIGTERM)
-        codes = job.wait_agents(timeout=400)
+        codes, stopping = _stop_every_live_agent(job)
         assert sorted(codes.values()) == [-9, 0, 0], job.describe()  # the chief's host killed, the others left
         assert job.left_gracefully() == sorted(stopping), job.events("exit")
         assert _received_state(job, alone, again), "c joined with an empty disk: it receives the state"

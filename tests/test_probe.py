@@ -20,7 +20,7 @@ def _dict_model():
 
 def _group_probe(strategy, model, world: World, every_seconds: float, seconds: float, batch: int = 4,
                  window: int = 2) -> GroupProbe:
-    """`world`'s rank's probe (a window of two probes), its round begun at `batch` rows a replica."""
+    """`world`'s rank's probe (a window of `window` probes), its round begun at `batch` rows a replica."""
     settings = ProbeSettings(every_seconds=every_seconds, seconds=seconds, rules=StragglerRules(1.5, window),
                              min_workers=1)
     probe = GroupProbe(model, strategy, world, settings)
@@ -56,7 +56,7 @@ def test_a_model_whose_inputs_are_unknown_is_not_probed(two_cpu_strategy):
 def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strategy):
     """Rank 1 of three probes; the summed slots say rank 1 is 3x the median twice (the window): its heartbeat
     says so, and that its host (alone) is worth evicting; a probe is due once `every_seconds` passed, and
-    the next is put off by the lower median's probe, then (rank 1 reported) by the slowest's."""
+    the next is put off by the lower median's probe, then (rank 1 reported) by rank 1's own."""
     with two_cpu_strategy.scope():
         model = _dict_model()
     probe = _group_probe(two_cpu_strategy, model, World(rank=1, size=3, host_id="b"), every_seconds=0.01, seconds=0.01)
