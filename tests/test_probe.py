@@ -56,7 +56,8 @@ def test_a_model_whose_inputs_are_unknown_is_not_probed(two_cpu_strategy):
 def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strategy):
     """Rank 1 of three probes; the summed slots say rank 1 is 3x the median twice (the window): its heartbeat
     says so, and that its host (alone) is worth evicting; a probe is due once `every_seconds` passed, and
-    the next is put off by the lower median's probe, then (rank 1 reported) by rank 1's own."""
+    the next is put off by the lower median's probe (halved while rank 1 is suspected), then (rank 1
+    reported) by rank 1's own."""
     with two_cpu_strategy.scope():
         model = _dict_model()
     probe = _group_probe(two_cpu_strategy, model, World(rank=1, size=3, host_id="b"), every_seconds=0.01, seconds=0.01)
@@ -77,9 +78,11 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             assert len(mine) == 12 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
             assert 0 < mine[1] <= mine[10] == probe.duration
             probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.06, mine[10], 0.005])
-            # The lower median's probe sets the pace, and once rank 1 is reported, its own.
-            basis = mine[10] if reported else sorted([0.06, mine[10], 0.005])[1]
-            assert probe.interval == pytest.approx(min(10.0, max(1.0, basis / 0.01)) * probe.settings.every_seconds)
+            # The lower median's probe sets the pace, halved while rank 1 is suspected (short of its window);
+            # once it is reported, its own probe.
+            basis, halved = (mine[10], 1.0) if reported else (sorted([0.06, mine[10], 0.005])[1], 2.0)
+            stretch = min(10.0, max(1.0, basis / 0.01))
+            assert probe.interval == pytest.approx(stretch * probe.settings.every_seconds / halved)
         assert PULSE.slow == 3.0 and PULSE.evict
         spent, traced = probe.take_spent()  # its own probes, and its waits for rank 0's 0.06 s
         assert spent >= 2 * 0.06 and traced == 0.0 and probe.take_spent() == (0.0, 0.0)

@@ -10,7 +10,7 @@ import pytest
 from tf_elastic.elastic import audit
 from tf_elastic.elastic.protocol import Event
 from tf_elastic.elastic.stragglers import (ProbeSettings, StragglerRules, StragglerWatch, back_within, hold_off,
-                                          input_slowness, probe_interval, slowness, worth_evicting)
+                                          hurry, input_slowness, probe_interval, slowness, worth_evicting)
 from tf_elastic.testing import soak
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 from tf_elastic.testing.throttle import Throttle
@@ -101,6 +101,32 @@ def test_probes_are_put_off_where_the_median_probe_runs_longer_than_its_seconds(
     assert probe_interval(settings, [0.05, 0.9, 0.05, 0.05], reported=[3]) == 10.0
     assert probe_interval(settings, [0.05, 0.05, 0.05, 0.2], reported=[]) == 10.0
     assert probe_interval(settings, [0.05, 0.9], reported=[1]) == 100.0  # capped alike
+
+
+def test_a_suspect_is_confirmed_at_half_the_interval_within_a_budget_that_noise_cannot_overspend():
+    """A rank over the factor, short of its window, is suspected; a report, a suspicion broken off, and a
+    reported rank's readings back within the factor are not. A suspicion hurries the next probe while fewer
+    than 4 of the last 16 intervals were hurried."""
+    watch = StragglerWatch(StragglerRules(factor=1.5, window=3))
+    slow, even = [1.0, 1.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]
+    assert not watch.suspected
+    assert watch.observe(slow) == ([], []) and watch.suspected
+    assert watch.observe(slow) == ([], []) and watch.suspected
+    assert watch.observe(slow) == ([3], []) and not watch.suspected  # reported: no more hurry
+    watch.observe(even)  # rank 3 on its way back: its recovery is not hurried
+    assert not watch.suspected and 3 in watch.stragglers
+    other = StragglerWatch(StragglerRules(factor=1.5, window=3))
+    other.observe(slow)
+    other.observe(even)  # one slow probe, then none: the suspicion is off
+    assert not other.suspected
+    assert not hurry(False, []) and hurry(True, []) and hurry(True, [True] * 3 + [False] * 13)
+    assert not hurry(True, [True] * 4 + [False] * 12)
+    assert hurry(True, [True] * 4 + [False] * 16)  # the budget's window moved past them
+    history, hurried = [], 0
+    for _ in range(160):  # a suspect at every probe: a quarter of the intervals hurried, no more
+        history.append(hurry(True, history))
+        hurried += history[-1]
+    assert hurried == 40
 
 
 def test_bad_probe_settings_are_named():

@@ -8,8 +8,8 @@ same verdicts from the same numbers. The agreement also carries the share of the
 for its own input (`input_slowness`).
 A rank `factor` times slower than the median for `window` probes in a row is a straggler, and stays one
 until it is back within the factor for `window` probes in a row (hysteresis): a slowdown must last `window`
-probe intervals. A slowdown every rank shares (a slow store, a slow network) moves the median with it and
-makes no straggler. Eviction
+probes, which come at half the interval once a rank is over the factor (`hurry`). A slowdown
+every rank shares (a slow store, a slow network) moves the median with it and makes no straggler. Eviction
 (`worth_evicting`) weighs the group's throughput without the straggler's host against its throughput with it
 over the next window, paying the measured cost of a round, and never goes below `min_workers`; an evicted
 host sits out a hold-off that doubles with each eviction (`hold_off`), so a host that keeps degrading does
@@ -77,13 +77,30 @@ def probe_interval(settings: ProbeSettings, durations: Sequence[float], reported
     not put off its report, in a group of two either. Once it is reported (its rank in `reported`), by its
     probe too: the group waits for every one of them (under a quota of a sixth of a core, 150-240 ms against
     the median's 50 ms: 2.3 % of the group's time at 10 s), and with its report out, only its recovery, and
-    another rank's report, come later. Any other rank's outlier moves nothing."""
+    another rank's report, come later. Any other rank's outlier moves nothing. Halved while a suspect's
+    window is confirmed (`hurry`)."""
     measured = [d for d in durations if d > 0]
     if not measured:
         return settings.every_seconds
     slowest_reported = max((durations[rank] for rank in reported if 0 <= rank < len(durations)), default=0.0)
     stretch = max(statistics.median_low(measured), slowest_reported) / settings.seconds
     return settings.every_seconds * min(LONGEST_PROBE_STRETCH, max(1.0, stretch))
+
+
+# At most this many of the last HURRY_HISTORY probe intervals are halved (`hurry`).
+HURRIED_AT_MOST, HURRY_HISTORY = 4, 16
+
+
+def hurry(suspected: bool, hurried_before: Sequence[bool]) -> bool:
+    """Whether the next probe comes at half `probe_interval`: a rank is suspected (`StragglerWatch.suspected`:
+    over the factor, its window not yet whole), and fewer than HURRIED_AT_MOST of the last HURRY_HISTORY
+    intervals were halved. Each probe waits for an agreement, which at a straggler's pace comes only every
+    few of its slow steps (seconds): a window of whole 8 s intervals took up to 34 s to report in
+    `bench_straggler`. Noise makes suspects too (on 2 shared cores one rank of four read over the factor
+    every third probe or so, and at hundreds of ranks some rank may at most probes): the budget keeps the
+    probes within 8/7 of the cadence's cost, and a real slowdown is confirmed at half the interval unless
+    noise spent the budget just before it."""
+    return suspected and sum(list(hurried_before)[-HURRY_HISTORY:]) < HURRIED_AT_MOST
 
 
 def input_slowness(waiting: Sequence[float]) -> List[float]:
@@ -114,6 +131,11 @@ class StragglerWatch:
         self.rules, self.baseline = rules, baseline  # what a rank's slowness is judged against
         self.stragglers: Dict[int, float] = {}  # rank -> its slowness at the newest probe
         self._streak: Dict[int, int] = {}  # rank -> probes in a row on the other side of the factor
+
+    @property
+    def suspected(self) -> bool:
+        """Whether a rank not reported is over the factor at the newest probes, short of a whole window."""
+        return any(streak and rank not in self.stragglers for rank, streak in self._streak.items())
 
     def observe(self, seconds: Sequence[float]) -> Tuple[List[int], List[int]]:
         """One probe of every rank (seconds, by rank); returns the ranks that became stragglers and those that

@@ -38,8 +38,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import (LONGEST_PROBE_STRETCH, ProbeSettings, StragglerWatch, input_slowness,
-                                           probe_interval, worth_evicting)
+from tf_elastic.elastic.stragglers import (HURRY_HISTORY, LONGEST_PROBE_STRETCH, ProbeSettings, StragglerWatch, hurry,
+                                           input_slowness, probe_interval, worth_evicting)
 from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
@@ -74,6 +74,7 @@ class GroupProbe:
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
         self._medians = collections.deque(maxlen=settings.rules.window)  # the group's, at the window's probes
+        self._hurried = collections.deque(maxlen=HURRY_HISTORY)  # whether each interval was halved (`hurry`)
 
     @property
     def enabled(self) -> bool:
@@ -133,7 +134,9 @@ class GroupProbe:
                    f"and probes are put off in proportion (up to {LONGEST_PROBE_STRETCH:g}x --probe_every_seconds)")
             logging.info("straggler probes every %.0f s from now: %s", interval, why)
             self._said = interval  # said again only once it moves by half (a straggler's probes jitter)
-        self.interval = interval
+        hurried = hurry(self.watch.suspected or self.input_watch.suspected, self._hurried)
+        self._hurried.append(hurried)
+        self.interval = interval / 2 if hurried else interval  # not logged: noise makes suspects
 
     def take_spent(self) -> Tuple[float, float]:
         """(seconds of timed probes, seconds of tracing the pass: once a round) on the training path since the
@@ -156,8 +159,8 @@ class GroupProbe:
         self.spent += min(max(0.0, max(durations) - self.duration),
                           LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
         began, ended = self.watch.observe(seconds)
-        self._space_out(durations)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
+        self._space_out(durations)
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
         if measured:
