@@ -40,10 +40,11 @@ class StragglerRules:
 class ProbeSettings:
     """What the agent hands its workers (`Env.PROBE`): probe every `every_seconds` (0: never; further apart
     where a probe takes longer: `probe_interval`) for `seconds`;
-    the straggler rules; and the group's `min_workers`, below which no host is evicted. Every 8 s: at the
-    default window of three, the probes take 24 s and an agreement at a straggler's pace a second or two
-    more, under 30 s wherever in the beat its slowdown began (at 10 s, 31.2 s was measured; at 8 s,
-    22.4-26.3 s in three runs of four, and 34.1 s in one)."""
+    the straggler rules; and the group's `min_workers`, below which no host is evicted. Every 8 s: a
+    slowdown's first probe comes within 8 s, and at the default window of three the two more that confirm
+    it at half the interval (`hurry`), each a few of the straggler's slow steps late (it waits for an
+    agreement): reported after 8.9-14.3 s in five runs of `bench_straggler` (at whole intervals,
+    22.4-34.1 s)."""
     every_seconds: float = 8.0
     seconds: float = 0.05
     rules: StragglerRules = StragglerRules()

@@ -93,9 +93,10 @@ flags.DEFINE_float("probe_every_seconds", ProbeSettings.every_seconds, "Seconds 
                    "probes, each a timed local forward and backward pass at a step the group agrees on (0: no "
                    "probes); longer, up to ten times, where the group's lower median probe runs longer than "
                    "--probe_seconds (a pass longer than it, a CPU quota), or a reported straggler's does, so the "
-                   "group's probes keep to --probe_seconds / --probe_every_seconds of its time. At the default, "
-                   "three probes (--straggler_window=3) take 24 s, so that a straggler is reported within about "
-                   "30 s where probes are not put off.", lower_bound=0.0)
+                   "group's probes keep to --probe_seconds / --probe_every_seconds of its time. A worker over "
+                   "--straggler_factor is confirmed at half the interval (at most 4 intervals of 16): at the "
+                   "default, bench_straggler's slowed worker was reported 9-14 s after its slowdown.",
+                   lower_bound=0.0)
 flags.DEFINE_float("probe_seconds", ProbeSettings.seconds, "How long each probe runs its passes (at least 1.5 "
                    "periods of a CPU quota the worker runs under: a shorter probe can end before the quota stops it).",
                    lower_bound=0.001)
