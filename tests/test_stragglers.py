@@ -85,22 +85,21 @@ def test_eviction_pays_only_when_the_rest_outrun_the_group_over_the_window_after
     assert not worth_evicting([1.0, 1.0, 1.0, 1.8], {2, 3}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
 
 
-def test_probes_are_put_off_where_the_median_probe_runs_longer_than_its_seconds():
+def test_probes_are_put_off_where_the_slowest_probe_not_suspected_runs_longer_than_its_seconds():
     """A pass longer than `seconds` (a large model) or a quota's period and a half: the next probe comes that much
-    later, up to ten times, so probes keep to `seconds / every_seconds` of the time; a straggler's own long
-    probe moves nothing before its report, in a group of two either; after it, its probe sets the pace (the
-    group waits for it)."""
+    later, up to ten times, so probes keep to `seconds / every_seconds` of the time. A suspect's long probe
+    moves nothing (its report is not put off, in a group of two either); reported, or within the factor, a
+    rank's long probe paces them (the group waits for it)."""
     settings = ProbeSettings(every_seconds=10.0, seconds=0.05)
     assert probe_interval(settings, []) == probe_interval(settings, [0.0, 0.0]) == 10.0
     assert probe_interval(settings, [0.04, 0.05, 0.03]) == 10.0  # never sooner than every_seconds
     assert probe_interval(settings, [0.2, 0.2, 0.05, 0.0]) == pytest.approx(40.0)  # 0.2 / 0.05; no probe moves none
-    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.9]) == probe_interval(settings, [0.05, 0.9]) == 10.0
+    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.15]) == pytest.approx(30.0)  # a quota's host, not slow
+    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.9], suspects=[3]) == 10.0
+    assert probe_interval(settings, [0.05, 0.9], suspects=[1]) == 10.0
+    assert probe_interval(settings, [0.05, 0.2, 0.05, 0.9], suspects=[3]) == pytest.approx(40.0)
     assert probe_interval(settings, [30.0, 30.0]) == 100.0  # an outlier of a clock cannot stop the probes
-    # Rank 3 reported: its probe sets the pace, and none other's outlier; it recovered: back to the median's.
-    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.2], reported=[3]) == pytest.approx(40.0)
-    assert probe_interval(settings, [0.05, 0.9, 0.05, 0.05], reported=[3]) == 10.0
-    assert probe_interval(settings, [0.05, 0.05, 0.05, 0.2], reported=[]) == 10.0
-    assert probe_interval(settings, [0.05, 0.9], reported=[1]) == 100.0  # capped alike
+    assert probe_interval(settings, [0.9, 0.9], suspects=[0, 1]) == 100.0  # all suspected: the lower median's
 
 
 def test_a_suspect_is_confirmed_at_half_the_interval_within_a_budget_that_noise_cannot_overspend():
@@ -109,16 +108,16 @@ def test_a_suspect_is_confirmed_at_half_the_interval_within_a_budget_that_noise_
     than 4 of the last 16 intervals were hurried."""
     watch = StragglerWatch(StragglerRules(factor=1.5, window=3))
     slow, even = [1.0, 1.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]
-    assert not watch.suspected
-    assert watch.observe(slow) == ([], []) and watch.suspected
-    assert watch.observe(slow) == ([], []) and watch.suspected
-    assert watch.observe(slow) == ([3], []) and not watch.suspected  # reported: no more hurry
+    assert watch.suspects == []
+    assert watch.observe(slow) == ([], []) and watch.suspects == [3]
+    assert watch.observe(slow) == ([], []) and watch.suspects == [3]
+    assert watch.observe(slow) == ([3], []) and watch.suspects == []  # reported: no more hurry
     watch.observe(even)  # rank 3 on its way back: its recovery is not hurried
-    assert not watch.suspected and 3 in watch.stragglers
+    assert watch.suspects == [] and 3 in watch.stragglers
     other = StragglerWatch(StragglerRules(factor=1.5, window=3))
     other.observe(slow)
     other.observe(even)  # one slow probe, then none: the suspicion is off
-    assert not other.suspected
+    assert other.suspects == []
     assert not hurry(False, []) and hurry(True, []) and hurry(True, [True] * 3 + [False] * 13)
     assert not hurry(True, [True] * 4 + [False] * 12)
     assert hurry(True, [True] * 4 + [False] * 16)  # the budget's window moved past them

@@ -70,21 +70,21 @@ class ProbeSettings:
 LONGEST_PROBE_STRETCH = 10.0
 
 
-def probe_interval(settings: ProbeSettings, durations: Sequence[float], reported: Collection[int] = ()) -> float:
+def probe_interval(settings: ProbeSettings, durations: Sequence[float], suspects: Collection[int] = ()) -> float:
     """Seconds from one probe to the next: `every_seconds`, stretched where the group's probes take longer
     than `seconds` (a pass longer than it, a CPU quota's period and a half), so that they keep to
     `seconds / every_seconds` of its time (up to `LONGEST_PROBE_STRETCH`): on a large model the reports come
-    later and the cost stays put. By the lower median's probe, not the slowest: a straggler's own probe does
-    not put off its report, in a group of two either. Once it is reported (its rank in `reported`), by its
-    probe too: the group waits for every one of them (under a quota of a sixth of a core, 150-240 ms against
-    the median's 50 ms: 2.3 % of the group's time at 10 s), and with its report out, only its recovery, and
-    another rank's report, come later. Any other rank's outlier moves nothing. Halved while a suspect's
-    window is confirmed (`hurry`)."""
+    later and the cost stays put. By the slowest probe (the group waits for each, at every probe: a worker
+    under a quota, within the factor, timed 150-240 ms against the others' 50 ms, and cost the group 3.2 %
+    of its time at 8 s) of the ranks not `suspects` (`StragglerWatch.suspects`): a slowdown's long probes do
+    not put its report off, in a group of two either; reported, the straggler paces them, and only its
+    recovery, and another rank's report, come later. A rank's outlier reads over the factor with its long
+    probe and moves nothing. Halved while a suspect's window is confirmed (`hurry`)."""
     measured = [d for d in durations if d > 0]
     if not measured:
         return settings.every_seconds
-    slowest_reported = max((durations[rank] for rank in reported if 0 <= rank < len(durations)), default=0.0)
-    stretch = max(statistics.median_low(measured), slowest_reported) / settings.seconds
+    paced = [d for rank, d in enumerate(durations) if d > 0 and rank not in suspects]
+    stretch = max(paced, default=statistics.median_low(measured)) / settings.seconds
     return settings.every_seconds * min(LONGEST_PROBE_STRETCH, max(1.0, stretch))
 
 
@@ -93,7 +93,7 @@ HURRIED_AT_MOST, HURRY_HISTORY = 4, 16
 
 
 def hurry(suspected: bool, hurried_before: Sequence[bool]) -> bool:
-    """Whether the next probe comes at half `probe_interval`: a rank is suspected (`StragglerWatch.suspected`:
+    """Whether the next probe comes at half `probe_interval`: a rank is suspected (`StragglerWatch.suspects`:
     over the factor, its window not yet whole), and fewer than HURRIED_AT_MOST of the last HURRY_HISTORY
     intervals were halved. Each probe waits for an agreement, which at a straggler's pace comes only every
     few of its slow steps (seconds): a window of whole 8 s intervals took up to 34 s to report in
@@ -134,9 +134,9 @@ class StragglerWatch:
         self._streak: Dict[int, int] = {}  # rank -> probes in a row on the other side of the factor
 
     @property
-    def suspected(self) -> bool:
-        """Whether a rank not reported is over the factor at the newest probes, short of a whole window."""
-        return any(streak and rank not in self.stragglers for rank, streak in self._streak.items())
+    def suspects(self) -> List[int]:
+        """The ranks not reported that are over the factor at the newest probes, short of a whole window."""
+        return [rank for rank, streak in self._streak.items() if streak and rank not in self.stragglers]
 
     def observe(self, seconds: Sequence[float]) -> Tuple[List[int], List[int]]:
         """One probe of every rank (seconds, by rank); returns the ranks that became stragglers and those that

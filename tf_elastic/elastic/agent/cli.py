@@ -91,8 +91,8 @@ flags.DEFINE_enum("echo_ranks", "all", ECHO_CHOICES, "Whose output the agent ech
                   "log lines) always. Every worker's output also goes to RUN_DIR/logs/HOST/round-R/rank-N.log.")
 flags.DEFINE_float("probe_every_seconds", ProbeSettings.every_seconds, "Seconds between the workers' straggler "
                    "probes, each a timed local forward and backward pass at a step the group agrees on (0: no "
-                   "probes); longer, up to ten times, where the group's lower median probe runs longer than "
-                   "--probe_seconds (a pass longer than it, a CPU quota), or a reported straggler's does, so the "
+                   "probes); longer, up to ten times, where the slowest probe of the workers not suspected of "
+                   "straggling runs longer than --probe_seconds (a pass longer than it, a CPU quota), so the "
                    "group's probes keep to --probe_seconds / --probe_every_seconds of its time. A worker over "
                    "--straggler_factor is confirmed at half the interval (at most 4 intervals of 16): at the "
                    "default, bench_straggler's slowed worker was reported 9-14 s after its slowdown.",

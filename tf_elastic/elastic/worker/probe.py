@@ -12,8 +12,8 @@ defaults (8 s, 0.05 s) the timed probes cost the group 0.76-0.89 % of the traini
 its slowed worker, under a quota, times a period and a half, 0.91-1.48 % after it; a round's first due
 probe traces the pass (0.5 s at 4 workers there), a fixed cost (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
-(`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the group's lower median
-probe, or a reported straggler's, runs longer than `seconds`, the next is put off in proportion, up to ten
+(`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the slowest probe of the
+ranks not suspected of straggling runs longer than `seconds`, the next is put off in proportion, up to ten
 times (`stragglers.probe_interval`), so the probes keep to `seconds / every_seconds` of the group's time, and
 the reports (or, once a straggler is reported, its recovery) come that much later.
 
@@ -128,14 +128,14 @@ class GroupProbe:
             self.last = beat if now - beat < self.interval / 2 else now  # unless it came late by half of one
 
     def _space_out(self, durations: List[float]) -> None:
-        interval = probe_interval(self.settings, durations, list(self.watch.stragglers))
+        interval = probe_interval(self.settings, durations, self.watch.suspects)
         if self.world.is_chief and not self._said / 1.5 <= interval <= 1.5 * self._said:
             why = ("--probe_every_seconds" if interval == self.settings.every_seconds else
-                   f"the group's lower median probe, or a reported straggler's, runs longer than --probe_seconds, "
+                   f"the slowest probe (of the ranks not suspected of straggling) runs longer than --probe_seconds, "
                    f"and probes are put off in proportion (up to {LONGEST_PROBE_STRETCH:g}x --probe_every_seconds)")
             logging.info("straggler probes every %.0f s from now: %s", interval, why)
             self._said = interval  # said again only once it moves by half (a straggler's probes jitter)
-        hurried = hurry(self.watch.suspected or self.input_watch.suspected, self._hurried)
+        hurried = hurry(bool(self.watch.suspects or self.input_watch.suspects), self._hurried)
         self._hurried.append(hurried)
         self.interval = interval / 2 if hurried else interval  # not logged: noise makes suspects
 
