@@ -112,6 +112,35 @@ def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
 
 
+def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_and_an_inputs_never(two_cpu_strategy):
+    """Rank 1 reads 3x the median at every other probe (never a whole window): each such reading halves the
+    next interval while the last 16 intervals hold fewer than 4 halved ones. A rank whose input the group waits
+    for hurries nothing (an input straggler is never evicted for, and its noise would spend the budget)."""
+    with two_cpu_strategy.scope():
+        model = _dict_model()
+    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
+                         seconds=0.01, window=3)
+    intervals = []
+    try:
+        for n in range(48):
+            group = [0.01, 0.03 if n % 2 == 0 else 0.01, 0.01]
+            probe.pending = True  # as after a probe: the group's times ride this agreement
+            probe.after_agreement(False, [*group, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.01, 0.01, 0.01])
+            intervals.append(probe.interval)
+        hurried = [interval == pytest.approx(5.0) for interval in intervals]
+        assert set(intervals) == {5.0, 10.0} and hurried[0] and not hurried[1]
+        assert max(sum(hurried[n:n + 16]) for n in range(len(hurried) - 15)) == 4 and sum(hurried) >= 10
+        fresh = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
+                             seconds=0.01, window=3)  # its budget unspent
+        for _ in range(4):
+            fresh.pending = True  # rank 1's step waited 60 % of the time for its input; compute alike
+            fresh.after_agreement(False, [0.01] * 3 + [1.0, 2.0, 3.0, 0.0, 0.6, 0.0] + [0.01] * 3)
+            assert fresh.interval == 10.0
+        assert fresh.input_watch.stragglers == {1: pytest.approx(2.5)}  # reported all the same
+    finally:
+        PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch, PULSE.input_slow = 0.0, False, 0.0, 0, 0.0
+
+
 def test_the_rank_whose_input_the_group_waits_for_is_a_straggler_by_input_and_never_evicted(two_cpu_strategy,
                                                                                               caplog):
     """The chief's step waited 0.6 s of the last second for its own input (its feed says so), its compute the

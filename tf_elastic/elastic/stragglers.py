@@ -8,7 +8,8 @@ same verdicts from the same numbers. The agreement also carries the share of the
 for its own input (`input_slowness`).
 A rank `factor` times slower than the median for `window` probes in a row is a straggler, and stays one
 until it is back within the factor for `window` probes in a row (hysteresis): a slowdown must last `window`
-probes, which come at half the interval once a rank is over the factor (`hurry`). A slowdown
+probes, which come at half the interval (within a budget) once a rank is over the factor (`hurry`): at the
+defaults 8 + 4 + 4 s, so a slowdown of 10-16 s can be reported, and evicted for. A slowdown
 every rank shares (a slow store, a slow network) moves the median with it and makes no straggler. Eviction
 (`worth_evicting`) weighs the group's throughput without the straggler's host against its throughput with it
 over the next window, paying the measured cost of a round, and never goes below `min_workers`; an evicted
@@ -98,9 +99,12 @@ def hurry(suspected: bool, hurried_before: Sequence[bool]) -> bool:
     intervals were halved. Each probe waits for an agreement, which at a straggler's pace comes only every
     few of its slow steps (seconds): a window of whole 8 s intervals took up to 34 s to report in
     `bench_straggler`. Noise makes suspects too (on 2 shared cores one rank of four read over the factor
-    every third probe or so, and at hundreds of ranks some rank may at most probes): the budget keeps the
-    probes within 8/7 of the cadence's cost, and a real slowdown is confirmed at half the interval unless
-    noise spent the budget just before it."""
+    every third probe or so, and at hundreds of ranks some rank may read over it at most probes): the budget
+    keeps the probes to 8/7 of the cadence's number, and a real slowdown is confirmed at half the interval
+    unless noise spent the budget just before it. A hurried probe costs its suspect's probe time (a suspect
+    does not pace the probes: `probe_interval`), 0.76-0.89 % of the time before the slowdown where whole
+    intervals cost 0.65 %. By the compute's suspects only: an input's share of waiting near the factor
+    would spend the budget, and an input straggler is never evicted for."""
     return suspected and sum(list(hurried_before)[-HURRY_HISTORY:]) < HURRIED_AT_MOST
 
 

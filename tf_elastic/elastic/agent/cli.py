@@ -93,7 +93,7 @@ flags.DEFINE_float("probe_every_seconds", ProbeSettings.every_seconds, "Seconds 
                    "probes, each a timed local forward and backward pass at a step the group agrees on (0: no "
                    "probes); longer, up to ten times, where the slowest probe of the workers not suspected of "
                    "straggling runs longer than --probe_seconds (a pass longer than it, a CPU quota), so the "
-                   "group's probes keep to --probe_seconds / --probe_every_seconds of its time. A worker over "
+                   "group's probes keep to about --probe_seconds / --probe_every_seconds of its time. A worker over "
                    "--straggler_factor is confirmed at half the interval (at most 4 intervals of 16): at the "
                    "default, bench_straggler's slowed worker was reported 9-14 s after its slowdown.",
                    lower_bound=0.0)
@@ -102,7 +102,9 @@ flags.DEFINE_float("probe_seconds", ProbeSettings.seconds, "How long each probe 
                    lower_bound=0.001)
 flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this many times the group's median, "
                    "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")
-flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clear) a straggler.", lower_bound=1)
+flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clear) a straggler. After the first "
+                     "over --straggler_factor the probes come at half the interval (at most 4 intervals of 16): "
+                     "at the defaults a slowdown of 8 + 4 + 4 s can be reported, and evicted for.", lower_bound=1)
 flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
                   "faster without (never below --min_workers); after --straggler_hold_off, rejoin once "
                   "this host's own pass, timed alone, is within --straggler_factor of the group's median.")

@@ -14,8 +14,9 @@ probe traces the pass (0.5 s at 4 workers there), a fixed cost (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
 (`probe_seconds`), and a pass can take longer than `seconds` (a large model): where the slowest probe of the
 ranks not suspected of straggling runs longer than `seconds`, the next is put off in proportion, up to ten
-times (`stragglers.probe_interval`), so the probes keep to `seconds / every_seconds` of the group's time, and
-the reports (or, once a straggler is reported, its recovery) come that much later.
+times (`stragglers.probe_interval`), so the probes keep to `seconds / every_seconds` of the group's time (and
+a suspect's hurried probes: `stragglers.hurry`), and the reports (or, once a straggler is reported, its
+recovery) come that much later.
 
 A straggler's own workers put their slowness in the heartbeat, where their agent writes the `straggler`
 event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers`, leaves when the rules
@@ -39,8 +40,8 @@ import numpy as np
 import tensorflow as tf
 from absl import logging
 
-from tf_elastic.elastic.stragglers import (HURRY_HISTORY, LONGEST_PROBE_STRETCH, ProbeSettings, StragglerWatch, hurry,
-                                           input_slowness, probe_interval, worth_evicting)
+from tf_elastic.elastic.stragglers import (HURRIED_AT_MOST, HURRY_HISTORY, LONGEST_PROBE_STRETCH, ProbeSettings,
+                                           StragglerWatch, hurry, input_slowness, probe_interval, worth_evicting)
 from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
@@ -133,9 +134,10 @@ class GroupProbe:
             why = ("--probe_every_seconds" if interval == self.settings.every_seconds else
                    f"the slowest probe (of the ranks not suspected of straggling) runs longer than --probe_seconds, "
                    f"and probes are put off in proportion (up to {LONGEST_PROBE_STRETCH:g}x --probe_every_seconds)")
-            logging.info("straggler probes every %.0f s from now: %s", interval, why)
+            logging.info("straggler probes every %.0f s from now (half that while a rank is over the factor, for at "
+                         "most %d intervals of %d): %s", interval, HURRIED_AT_MOST, HURRY_HISTORY, why)
             self._said = interval  # said again only once it moves by half (a straggler's probes jitter)
-        hurried = hurry(bool(self.watch.suspects or self.input_watch.suspects), self._hurried)
+        hurried = hurry(bool(self.watch.suspects), self._hurried)
         self._hurried.append(hurried)
         self.interval = interval / 2 if hurried else interval  # not logged: noise makes suspects
 
