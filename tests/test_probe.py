@@ -91,6 +91,13 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
 
 
+def _read_group(probe: GroupProbe, seconds, waiting=(0.0, 0.0, 0.0), durations=None) -> None:
+    """The times of a group of three (hosts a, b, c) as they ride the agreement after a probe: each rank's
+    probe `seconds`, its share of `waiting` for input, and its probe's `durations` (default: `seconds`)."""
+    probe.pending = True
+    probe.after_agreement(False, [*seconds, 1.0, 2.0, 3.0, *waiting, *(durations or seconds)])
+
+
 def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(two_cpu_strategy):
     """The heartbeat's group median is the median of the last window's probe medians (its own pass, on
     probation, is the median of a window of probes): one probe's swing does not move it. None until the
@@ -103,8 +110,7 @@ def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(
     try:
         for group in ([0.010, 0.011, 0.012], [0.006, 0.006, 0.007], [0.011, 0.012, 0.011], [0.012, 0.012, 0.013],
                       [0.0, 0.0, 0.0]):
-            probe.pending = True  # as after a probe: the group's times ride this agreement
-            probe.after_agreement(False, [*group, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, *group])
+            _read_group(probe, group)
             published.append(PULSE.median)
         # Medians 0.011, 0.006 (a swing), 0.011, 0.012; a round of probes that timed nothing leaves it.
         assert published == [0.0, 0.0, 0.011, 0.011, 0.011]
@@ -123,18 +129,15 @@ def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_and_an_inputs_n
     intervals = []
     try:
         for n in range(48):
-            group = [0.01, 0.03 if n % 2 == 0 else 0.01, 0.01]
-            probe.pending = True  # as after a probe: the group's times ride this agreement
-            probe.after_agreement(False, [*group, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.01, 0.01, 0.01])
+            _read_group(probe, [0.01, 0.03 if n % 2 == 0 else 0.01, 0.01], durations=[0.01] * 3)
             intervals.append(probe.interval)
         hurried = [interval == pytest.approx(5.0) for interval in intervals]
         assert set(intervals) == {5.0, 10.0} and hurried[0] and not hurried[1]
         assert max(sum(hurried[n:n + 16]) for n in range(len(hurried) - 15)) == 4 and sum(hurried) >= 10
         fresh = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
                              seconds=0.01, window=3)  # its budget unspent
-        for _ in range(4):
-            fresh.pending = True  # rank 1's step waited 60 % of the time for its input; compute alike
-            fresh.after_agreement(False, [0.01] * 3 + [1.0, 2.0, 3.0, 0.0, 0.6, 0.0] + [0.01] * 3)
+        for _ in range(4):  # rank 1's step waited 60 % of the time for its input; compute alike
+            _read_group(fresh, [0.01] * 3, waiting=[0.0, 0.6, 0.0])
             assert fresh.interval == 10.0
         assert fresh.input_watch.stragglers == {1: pytest.approx(2.5)}  # reported all the same
     finally:
