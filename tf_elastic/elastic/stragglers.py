@@ -44,7 +44,7 @@ class ProbeSettings:
     the straggler rules; and the group's `min_workers`, below which no host is evicted. Every 8 s: a
     slowdown's first probe comes within 8 s, and at the default window of three the two more that confirm
     it at half the interval (`hurry`), each a few of the straggler's slow steps late (it waits for an
-    agreement): reported after 8.9-14.3 s in five runs of `bench_straggler` (at whole intervals,
+    agreement): reported after 8.9-17.8 s in seven runs of `bench_straggler` (at whole intervals,
     22.4-34.1 s)."""
     every_seconds: float = 8.0
     seconds: float = 0.05
@@ -102,9 +102,9 @@ def hurry(suspected: bool, hurried_before: Sequence[bool]) -> bool:
     every third probe or so, and at hundreds of ranks some rank may read over it at most probes): the budget
     keeps the probes to 8/7 of the cadence's number, and a real slowdown is confirmed at half the interval
     unless noise spent the budget just before it. A hurried probe costs its suspect's probe time (a suspect
-    does not pace the probes: `probe_interval`), 0.76-0.89 % of the time before the slowdown where whole
-    intervals cost 0.65 %. By the compute's suspects only: an input's share of waiting near the factor
-    would spend the budget, and an input straggler is never evicted for."""
+    does not pace the probes: `probe_interval`): 0.76-1.09 % of the training time before the slowdown in
+    five runs, where whole intervals cost 0.65 % in one. By the compute's suspects only: an input's share
+    of waiting near the factor would spend the budget, and an input straggler is never evicted for."""
     return suspected and sum(list(hurried_before)[-HURRY_HISTORY:]) < HURRIED_AT_MOST
 
 

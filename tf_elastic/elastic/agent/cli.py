@@ -95,7 +95,7 @@ flags.DEFINE_float("probe_every_seconds", ProbeSettings.every_seconds, "Seconds 
                    "straggling runs longer than --probe_seconds (a pass longer than it, a CPU quota), so the "
                    "group's probes keep to about --probe_seconds / --probe_every_seconds of its time. A worker over "
                    "--straggler_factor is confirmed at half the interval (at most 4 intervals of 16): at the "
-                   "default, bench_straggler's slowed worker was reported 9-14 s after its slowdown.",
+                   "default, bench_straggler's slowed worker was reported 9-18 s after its slowdown.",
                    lower_bound=0.0)
 flags.DEFINE_float("probe_seconds", ProbeSettings.seconds, "How long each probe runs its passes (at least 1.5 "
                    "periods of a CPU quota the worker runs under: a shorter probe can end before the quota stops it).",

@@ -7,8 +7,8 @@ busy after a round's start, made its probe read 12-33x the others' on a host tha
 agreement hands every rank every rank's time, and `stragglers.StragglerWatch` names the slow ones the same
 way on every rank. Probes are due every `every_seconds` (on a beat: an agreement's lateness does not add
 up; a suspect's window is confirmed at half the interval, within a budget: `stragglers.hurry`): at the
-defaults (8 s, 0.05 s) the timed probes cost the group 0.76-0.89 % of the training time in
-`bench_straggler` on 2 shared cores before its slowdown, 5.1-5.6 % in the 9-12 s before the report while
+defaults (8 s, 0.05 s) the timed probes cost the group 0.76-1.09 % of the training time in
+`bench_straggler` on 2 shared cores before its slowdown, 3.5-5.6 % in the 9-18 s before the report while
 its slowed worker, under a quota, times a period and a half, 0.91-1.48 % after it; a round's first due
 probe traces the pass (0.5 s at 4 workers there), a fixed cost (`take_spent`).
 Where the worker's CPU has a quota (a container's limit) a probe times a period and a half of it
