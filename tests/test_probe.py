@@ -91,6 +91,14 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
 
 
+def _rank_0_of_three(strategy) -> GroupProbe:
+    """Rank 0's probe in a group of three hosts (a, b, c): every 10 s, of 10 ms, a window of 3."""
+    with strategy.scope():
+        model = _dict_model()
+    return _group_probe(strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0, seconds=0.01,
+                        window=3)
+
+
 def _read_group(probe: GroupProbe, seconds, waiting=(0.0, 0.0, 0.0), durations=None) -> None:
     """The times of a group of three (hosts a, b, c) as they ride the agreement after a probe: each rank's
     probe `seconds`, its share of `waiting` for input, and its probe's `durations` (default: `seconds`)."""
@@ -102,10 +110,7 @@ def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(
     """The heartbeat's group median is the median of the last window's probe medians (its own pass, on
     probation, is the median of a window of probes): one probe's swing does not move it. None until the
     round has had a window of probes (its agent keeps the last round's)."""
-    with two_cpu_strategy.scope():
-        model = _dict_model()
-    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
-                         seconds=0.01, window=3)
+    probe = _rank_0_of_three(two_cpu_strategy)
     published = []
     try:
         for group in ([0.010, 0.011, 0.012], [0.006, 0.006, 0.007], [0.011, 0.012, 0.011], [0.012, 0.012, 0.013],
@@ -122,10 +127,7 @@ def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_and_an_inputs_n
     """Rank 1 reads 3x the median at every other probe (never a whole window): each such reading halves the
     next interval while the last 16 intervals hold fewer than 4 halved ones. A rank whose input the group waits
     for hurries nothing (an input straggler is never evicted for, and its noise would spend the budget)."""
-    with two_cpu_strategy.scope():
-        model = _dict_model()
-    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
-                         seconds=0.01, window=3)
+    probe = _rank_0_of_three(two_cpu_strategy)
     intervals = []
     try:
         for n in range(48):
@@ -134,8 +136,7 @@ def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_and_an_inputs_n
         hurried = [interval == pytest.approx(5.0) for interval in intervals]
         assert set(intervals) == {5.0, 10.0} and hurried[0] and not hurried[1]
         assert max(sum(hurried[n:n + 16]) for n in range(len(hurried) - 15)) == 4 and sum(hurried) >= 10
-        fresh = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=10.0,
-                             seconds=0.01, window=3)  # its budget unspent
+        fresh = _rank_0_of_three(two_cpu_strategy)  # its budget unspent
         for _ in range(4):  # rank 1's step waited 60 % of the time for its input; compute alike
             _read_group(fresh, [0.01] * 3, waiting=[0.0, 0.6, 0.0])
             assert fresh.interval == 10.0
