@@ -44,7 +44,7 @@ class ProbeSettings:
     the straggler rules; and the group's `min_workers`, below which no host is evicted. Every 8 s: a
     slowdown's first probe comes within 8 s, and at the default window of three the two more that confirm
     it at half the interval (`hurry`), each a few of the straggler's slow steps late (it waits for an
-    agreement): reported after 8.9-17.8 s in eight runs of `bench_straggler` (at whole intervals,
+    agreement): reported after 8.9-17.8 s in nine runs of `bench_straggler` (at whole intervals,
     22.4-34.1 s)."""
     every_seconds: float = 8.0
     seconds: float = 0.05
