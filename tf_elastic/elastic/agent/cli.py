@@ -19,7 +19,7 @@ from tf_elastic.elastic.agent.round import Timeouts
 from tf_elastic.elastic.agent.worker_output import ECHO_CHOICES
 from tf_elastic.elastic.flag_checks import require_finite_floats, run_program
 from tf_elastic.elastic.protocol import PATTERN_CHARACTERS, Env
-from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
+from tf_elastic.elastic.stragglers import HURRIED_AT_MOST, HURRY_HISTORY, ProbeSettings, StragglerRules
 from tf_elastic.elastic.store import BACKENDS, StoreError, StoreOptions, open_store
 
 flags.DEFINE_string("nproc", "1", "Workers on this host: a number, or 'gpu' for one per visible GPU. The visible "
@@ -94,7 +94,8 @@ flags.DEFINE_float("probe_every_seconds", ProbeSettings.every_seconds, "Seconds 
                    "probes); longer, up to ten times, where the slowest probe of the workers not suspected of "
                    "straggling runs longer than --probe_seconds (a pass longer than it, a CPU quota), so the "
                    "group's probes keep to about --probe_seconds / --probe_every_seconds of its time. A worker over "
-                   "--straggler_factor is confirmed at half the interval (at most 4 intervals of 16): at the "
+                   f"--straggler_factor is confirmed at half the interval (at most {HURRIED_AT_MOST} intervals of "
+                   f"{HURRY_HISTORY}): at the "
                    "default, bench_straggler's slowed worker was reported 9-18 s after its slowdown.",
                    lower_bound=0.0)
 flags.DEFINE_float("probe_seconds", ProbeSettings.seconds, "How long each probe runs its passes (at least 1.5 "
@@ -103,7 +104,8 @@ flags.DEFINE_float("probe_seconds", ProbeSettings.seconds, "How long each probe 
 flags.DEFINE_float("straggler_factor", 1.5, "A worker whose probe takes this many times the group's median, "
                    "--straggler_window probes in a row, is a straggler (reported; evicted with --evict_stragglers).")
 flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clear) a straggler. After the first "
-                     "over --straggler_factor the probes come at half the interval (at most 4 intervals of 16): "
+                     f"over --straggler_factor the probes come at half the interval (at most {HURRIED_AT_MOST} "
+                     f"intervals of {HURRY_HISTORY}): "
                      "at the defaults a slowdown of 8 + 4 + 4 s can be reported, and evicted for.", lower_bound=1)
 flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
                   "faster without (never below --min_workers); after --straggler_hold_off, rejoin once "

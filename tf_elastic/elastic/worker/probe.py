@@ -129,7 +129,8 @@ class GroupProbe:
             self.last = beat if now - beat < self.interval / 2 else now  # unless it came late by half of one
 
     def _space_out(self, durations: List[float]) -> None:
-        interval = probe_interval(self.settings, durations, self.watch.suspects)
+        suspects = self.watch.suspects
+        interval = probe_interval(self.settings, durations, suspects)
         if self.world.is_chief and not self._said / 1.5 <= interval <= 1.5 * self._said:
             why = ("--probe_every_seconds" if interval == self.settings.every_seconds else
                    f"the slowest probe (of the ranks not suspected of straggling) runs longer than --probe_seconds, "
@@ -137,7 +138,7 @@ class GroupProbe:
             logging.info("straggler probes every %.0f s from now (half that while a rank is over the factor, for at "
                          "most %d intervals of %d): %s", interval, HURRIED_AT_MOST, HURRY_HISTORY, why)
             self._said = interval  # said again only once it moves by half (a straggler's probes jitter)
-        hurried = hurry(bool(self.watch.suspects), self._hurried)
+        hurried = hurry(bool(suspects), self._hurried)
         self._hurried.append(hurried)
         self.interval = interval / 2 if hurried else interval  # not logged: noise makes suspects
 
@@ -162,8 +163,8 @@ class GroupProbe:
         self.spent += min(max(0.0, max(durations) - self.duration),
                           LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
         began, ended = self.watch.observe(seconds)
-        input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         self._space_out(durations)
+        input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
         if measured:
