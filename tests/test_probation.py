@@ -23,7 +23,7 @@ if seconds == "hang":
     time.sleep(600)
 if seconds == "fail":
     sys.exit(1)
-open(path, "w").write(str(float(seconds) * int(batch)))
+open(path, "w").write(f"{float(seconds) * int(batch)} {float(seconds) * 10}")
 """
 
 
@@ -40,10 +40,11 @@ def _launcher(tmp_path, seconds):
 
 
 def test_the_slowest_slot_is_the_hosts_time_and_each_slot_runs_in_a_world_of_its_own(tmp_path):
+    """The slowest slot's pass, and the slowest slot's input read alone (each slot writes both)."""
     launch, started = _launcher(tmp_path, ["0.01", "0.03"])
     host_dir = HostDir(tmp_path / "host")
     host_dir.path.mkdir()
-    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=60, heartbeat_timeout=3.0) == 0.06
+    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=60, heartbeat_timeout=3.0) == (0.06, 0.3)
     assert [p.returncode for p in started] == [0, 0]
     assert World.from_env({"TF_CONFIG": "", Env.PROBATION: "x,1"}).size == 1
 
@@ -53,7 +54,7 @@ def test_a_slot_still_at_it_after_the_limit_is_killed_and_its_host_is_too_slow(t
     launch, started = _launcher(tmp_path, ["0.01", "hang"])
     host_dir = HostDir(tmp_path / "host")
     host_dir.path.mkdir()
-    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=5, heartbeat_timeout=3.0) == math.inf
+    assert time_own_pass(launch, host_dir, slots=2, batch=2, timeout=5, heartbeat_timeout=3.0) == (math.inf,) * 2
     assert started[1].returncode == -9
     assert subprocess.run(["kill", "-0", str(started[1].pid)], capture_output=True).returncode != 0
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
-from tf_elastic.elastic.worker.probe import GroupProbe, _forward_and_backward, time_alone
+from tf_elastic.elastic.worker.probe import INPUT_TIMING_SECONDS, GroupProbe, _forward_and_backward, time_alone
 from tf_elastic.elastic.worker.world import PULSE, World
 
 
@@ -75,9 +75,10 @@ def test_the_group_probe_reads_the_groups_times_into_the_heartbeat(two_cpu_strat
             probe.after_agreement(True, [])
             assert probe.pending
             mine = probe.slots()
-            assert len(mine) == 12 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
-            assert 0 < mine[1] <= mine[10] == probe.duration
-            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.06, mine[10], 0.005])
+            assert len(mine) == 21 and mine[1] == probe.seconds and mine[0] == mine[2] == 0 and mine[7] == 0.0
+            assert 0 < mine[1] <= mine[10] == probe.duration and mine[13] > 0 and mine[16] == mine[19] == 0.0
+            probe.after_agreement(False, [0.01, 0.03, 0.01, 1.0, mine[4], 3.0, 0.0, 0.0, 0.0, 0.06, mine[10], 0.005,
+                                          0.2, mine[13], 0.2, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
             # The slowest probe of the others sets the pace, halved while rank 1 is suspected (short of its
             # window); once it is reported, its own probe paces too.
             basis, halved = (max(0.06, mine[10]), 1.0) if reported else (0.06, 2.0)
@@ -99,11 +100,14 @@ def _rank_0_of_three(strategy) -> GroupProbe:
                         window=3)
 
 
-def _read_group(probe: GroupProbe, seconds, waiting=(0.0, 0.0, 0.0), durations=None) -> None:
+def _read_group(probe: GroupProbe, seconds, waiting=(0.0, 0.0, 0.0), durations=None, step_seconds=(0.2, 0.2, 0.2),
+                inputs=(0.0, 0.0, 0.0)) -> None:
     """The times of a group of three (hosts a, b, c) as they ride the agreement after a probe: each rank's
-    probe `seconds`, its share of `waiting` for input, and its probe's `durations` (default: `seconds`)."""
+    probe `seconds`, its share of `waiting` for input, its probe's `durations` (default: `seconds`), its
+    `step_seconds`, and its input read alone (`inputs`, seconds a step; 0: not read; each read 0.5 s)."""
     probe.pending = True
-    probe.after_agreement(False, [*seconds, 1.0, 2.0, 3.0, *waiting, *(durations or seconds)])
+    probe.after_agreement(False, [*seconds, 1.0, 2.0, 3.0, *waiting, *(durations or seconds), *step_seconds, *inputs,
+                                  *(0.5 if read else 0.0 for read in inputs)])
 
 
 def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(two_cpu_strategy):
@@ -126,7 +130,8 @@ def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(
 def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_and_an_inputs_never(two_cpu_strategy):
     """Rank 1 reads 3x the median at every other probe (never a whole window): each such reading halves the
     next interval while the last 16 intervals hold fewer than 4 halved ones. A rank whose input the group waits
-    for hurries nothing (an input straggler is never evicted for, and its noise would spend the budget)."""
+    for hurries nothing (its eviction is weighed by the others' input read alone, and its noise would spend the
+    budget)."""
     probe = _rank_0_of_three(two_cpu_strategy)
     intervals = []
     try:
@@ -145,30 +150,47 @@ def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_and_an_inputs_n
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch, PULSE.input_slow = 0.0, False, 0.0, 0, 0.0
 
 
-def test_the_rank_whose_input_the_group_waits_for_is_a_straggler_by_input_and_never_evicted(two_cpu_strategy,
-                                                                                              caplog):
-    """The chief's step waited 0.6 s of the last second for its own input (its feed says so), its compute the
-    others': its slot carries the share, and after `window` probes it is a straggler by its input (2.5x: the
-    group would go that much faster if its input kept up), named once by the chief's log; not by compute,
-    and not worth evicting (the slowest input does all the waiting, however little slower it is)."""
+def test_the_rank_whose_input_the_group_waits_for_is_evicted_only_where_the_others_input_keeps_up(
+        two_cpu_strategy, caplog):
+    """Rank 0's step waited 0.6 s of each second for its own input (its feed says so), its compute the others':
+    its slot carries the share, and after `window` probes it is a straggler by its input (2.5x), named once
+    by the chief's log, not by compute. Only then, once a window of probes, do the others read their own input
+    alone (rank 1 here; rank 0 does not: the group's pace is its input's): at 0.1 s a step against the
+    group's 1 s, its host is worth evicting (without it a step takes the rest of the group's, 0.4 s); read
+    again at 0.9 s a step (the others' input would hold the group back nearly as much), it is not. Where the
+    agent does not evict (`World.evicts_stragglers`), no input is read."""
     with two_cpu_strategy.scope():
         model = _dict_model()
-    probe = _group_probe(two_cpu_strategy, model, World(rank=0, size=3, host_id="a"), every_seconds=0.01, seconds=0.01)
-    probe.input_wait = lambda: 0.6
-    probe.after_agreement(True, [])  # traces the pass
-    with caplog.at_level("INFO"):
-        for _ in range(3):
-            probe._waits_since = time.monotonic() - 1.0
-            probe.after_agreement(True, [])
-            mine = probe.slots()
-            assert 0.5 < mine[6] <= 0.6, mine
-            probe.after_agreement(False, [0.01, 0.01, 0.01, mine[3], 2.0, 3.0, 0.6, 0.0, 0.0, 0.01, 0.01, 0.01])
+    worlds = [World(rank=rank, size=3, host_id="abc"[rank], evicts_stragglers=True) for rank in (0, 1)]
+    worlds.append(World(rank=2, size=3, host_id="c"))  # as rank 2, where evictions are off
+    probes = [_group_probe(two_cpu_strategy, model, world, every_seconds=0.01, seconds=0.01, window=3)
+              for world in worlds]
+    reads = []
+    for probe in probes:
+        probe.round_seconds = 1.0  # this test process is old: a round of a fresh worker's cost
+        probe.input_wait = lambda: 0.6 if probe.world.rank == 0 else 0.0
+        probe.time_input = lambda seconds, rank=probe.world.rank: reads.append((rank, seconds)) or 0.05
+        probe.after_agreement(True, [])  # traces the pass
+    evicted = []
     try:
-        assert PULSE.slow == 0.0 and not PULSE.evict and PULSE.input_slow == pytest.approx(2.5)
+        with caplog.at_level("INFO", logger="absl"):
+            for number, others_read in enumerate((0, 0, 0, 0.1, 0, 0, 0.9), start=1):
+                for probe in probes:
+                    probe._waits_since = time.monotonic() - 1.0
+                    probe.after_agreement(True, [])
+                    assert 0.5 < probe.slots()[6] <= 0.6 if probe.world.rank == 0 else probe.slots()[7] == 0.0
+                    _read_group(probe, [0.01, 0.01, 0.01], waiting=(0.6, 0.0, 0.0), step_seconds=(1.0, 1.0, 1.0),
+                                inputs=(0.0, others_read, others_read))
+                    if probe.world.rank == 0:
+                        evicted.append(PULSE.evict)
+                        assert PULSE.slow == 0.0 and PULSE.input_slow == (pytest.approx(2.5) if number >= 3 else 0.0)
+        assert evicted == [False, False, False, True, True, True, False]  # decided at each read alone only
+        # At probes 4 and 7, by rank 1; not by rank 2, whose agent does not evict.
+        assert reads == [(1, INPUT_TIMING_SECONDS), (1, INPUT_TIMING_SECONDS)]
         named = [r.getMessage() for r in caplog.records if "waits for the input" in r.getMessage()]
         assert len(named) == 1 and named[0].startswith("the group waits for the input of rank 0 (60% "), named
     finally:
-        PULSE.input_slow = 0.0
+        PULSE.slow, PULSE.evict, PULSE.input_slow, PULSE.median, PULSE.step_seconds = 0.0, False, 0.0, 0.0, 0.0
 
 
 def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_strategy, caplog):
@@ -184,7 +206,7 @@ def test_a_pass_longer_than_the_probes_seconds_puts_off_the_next_probe(two_cpu_s
     assert mine[6] == probe.duration >= mine[0] > 0.005, mine  # timing-ok: the case's premise, one long pass
     # absl's own logger: a flags parse earlier in this process (tests/test_flags.py) sets it to WARNING.
     with caplog.at_level("INFO", logger="absl"):  # probes of 3 and 2 ms, as a pass of these 3 and 2x as long
-        probe.after_agreement(False, [mine[0], mine[0], mine[2], mine[2], 0.0, 0.0, 0.003, 0.002])
+        probe.after_agreement(False, [mine[0], mine[0], mine[2], mine[2], 0.0, 0.0, 0.003, 0.002, *[0.0] * 6])
     assert probe.interval == pytest.approx(1.5)  # 0.5 s stretched by the slower of the two (3x)
     probe.last = time.monotonic() - 1.25
     assert probe.due() == 0.0  # it would be at every_seconds, or at the quicker one's 2x
@@ -218,8 +240,15 @@ def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_str
     with two_cpu_strategy.scope():
         model = _dict_model()
     settings = ProbeSettings(seconds=0.01, rules=StragglerRules(1.5, 3))
-    seconds = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings)
-    assert seconds > 0 and float((tmp_path / "slot-0").read_text()) == seconds  # timing-ok: a measurement, written
-    assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings) == 0.0
-    assert (tmp_path / "slot-1").read_text() == "0.0" and sorted(p.name for p in tmp_path.iterdir()) == [
+    rows = []
+
+    def time_input(seconds, rows_a_step):  # a feed's input read alone (its own tests: test_*feed.py)
+        rows.append((seconds, rows_a_step))
+        return 0.125
+
+    seconds, read = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings, time_input)
+    assert seconds > 0 and read == 0.125 and rows == [(INPUT_TIMING_SECONDS, 8)]  # 4 rows on each of 2 replicas
+    assert (tmp_path / "slot-0").read_text() == f"{seconds!r} 0.125"  # timing-ok: a measurement, written
+    assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings, time_input) == (0.0, 0.125)
+    assert (tmp_path / "slot-1").read_text() == "0.0 0.125" and sorted(p.name for p in tmp_path.iterdir()) == [
         "slot-0", "slot-1"]

@@ -1,5 +1,7 @@
 """`worker/data/ready_times.py`: how long the step waited for batches that tf.data reads inside the step (a
-`Source`'s, a PyDataset's), through the feeds' `take_input_wait`, on a real strategy's distributed dataset."""
+`Source`'s, a PyDataset's), through the feeds' `take_input_wait`, on a real strategy's distributed dataset;
+and how fast each feed's input reads alone (`time_input`, `data/feed.py`'s `seconds_per_step`), what an input
+straggler's eviction is weighed by."""
 import time
 
 import keras
@@ -9,6 +11,7 @@ import tensorflow as tf
 from tensorflow.python.data.experimental.ops import testing
 
 from tf_elastic.elastic.worker import data
+from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 from tf_elastic.elastic.worker.data.planned_feed import PlannedFeed
 from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
 from tf_elastic.elastic.worker.world import World
@@ -104,3 +107,85 @@ def test_a_wait_far_behind_the_newest_element_is_looked_up_not_lost():
     ready.called(1)
     ready.called(SLOTS // 2 + 2)  # far ahead (its own element never stamped: no wait of it counts)
     assert 0.04 < ready.take() < 5.0
+
+
+def _arrays():
+    return np.arange(EXAMPLES, dtype=np.float32).reshape(-1, 1), np.zeros(EXAMPLES, np.int64)
+
+
+def _planned(source_class, strategy):
+    feed = PlannedFeed(source_class(*_arrays()), None, World(), worker_batch=2, seed=0)
+    feed.begin(0, 0)
+    feed.distributed(strategy)  # two local replicas: a step reads two elements of one example
+    return feed
+
+
+def _dataset(per_batch_us: int):
+    return DatasetFeed(tf.data.Dataset.from_tensor_slices(_arrays()).batch(2).apply(testing.sleep(per_batch_us)))
+
+
+@pytest.mark.parametrize("kind", ["source", "dataset"])
+def test_a_feeds_input_read_alone_says_how_slow_it_is_and_moves_nothing_the_steps_read(kind, two_cpu_strategy):
+    """A feed's input read alone by a side pipeline: a source read at 30 ms an example reads a step of two in
+    60 ms or more, a tf.data pipeline of 60 ms a batch a step in 60 ms or more, and the same read at once in
+    less; the batch the steps read next is the same after it (the feed's digest of it, or its position and
+    first batch). A PyDataset is not read alone (its `__getitem__` may draw from shared state)."""
+    make = {"source": lambda slow: _planned(_SlowReads if slow else data.ArraySource, two_cpu_strategy),
+            "dataset": lambda slow: _dataset(60000 if slow else 0)}[kind]
+    seconds = {}
+    for slow in (True, False):
+        feed = make(slow)
+        if kind == "dataset":
+            feed.restore(0, 0, b"")
+        before = feed.position() if kind == "source" else feed.identity()
+        seconds[slow] = feed.time_input(0.2)
+        assert (feed.position() if kind == "source" else feed.identity()) == before
+    assert seconds[True] >= 0.06 and 0 < seconds[False] < seconds[True], seconds
+    if kind == "source":
+        first = next(iter(feed.distributed(two_cpu_strategy)))
+        assert sorted(float(t.numpy()[0, 0]) for t in two_cpu_strategy.experimental_local_results(first[0])) == \
+            sorted(float(i) for i in feed.batches[0])
+    assert PyDatasetFeed(_Batches(0.0)).time_input(0.2) == 0.0
+
+
+def test_a_read_alone_of_a_reshuffled_pipeline_leaves_the_next_epochs_order_as_a_worker_that_did_not_read():
+    """A fresh iterator of a pipeline that reshuffles each epoch draws the next epoch's seeds: a rank that read
+    its input alone must still train the order of one that did not (the straggler's ranks never read)."""
+    def feed():
+        made = DatasetFeed(tf.data.Dataset.range(EXAMPLES).shuffle(EXAMPLES, seed=7).batch(4))
+        made.restore(0, 0, b"")
+        return made
+
+    read, twin = feed(), feed()
+    assert read.time_input(0.05) > 0
+    for made in (read, twin):
+        made.start(b"", 1)  # the next epoch, as `next_epoch` starts it
+    assert read.identity() == twin.identity() and read.identity()[0] != 0
+
+
+def test_a_read_alone_is_timed_in_its_steady_state_and_one_that_fails_or_hangs_times_nothing():
+    """What the pipeline buffered while its first element was made comes out at once: a read timed over the
+    second half of its time only sees the 0.2 s an element the source then takes (16 buffered ones counted
+    would say 0.03 s). A read that fails, or has not ended at the limit, times nothing."""
+    def buffered_then_slow():
+        time.sleep(0.3)
+        yield from range(17)
+        while True:
+            time.sleep(0.2)
+            yield 0
+
+    assert data.feed.seconds_per_step(buffered_then_slow(), 1, 0.5) >= 0.2
+
+    def failing():
+        yield 0
+        raise OSError("the disk went away")
+
+    def hanging():
+        yield 0
+        time.sleep(2.0)
+        yield 0
+
+    assert data.feed.seconds_per_step(failing(), 1, 0.1) == 0.0
+    assert data.feed.seconds_per_step(hanging(), 1, 0.1, limit=0.3) == 0.0
+    assert data.feed.seconds_per_step(iter([1]), 1, 0.1) == 0.0  # only the first element, which starts the read
+    assert data.feed.seconds_per_step(iter(range(3)), 4, 0.0) == 0.0  # two of a step of four

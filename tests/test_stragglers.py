@@ -10,8 +10,9 @@ import pytest
 from tf_elastic.elastic import audit
 from tf_elastic.elastic.protocol import Event
 from tf_elastic.elastic.stragglers import (ProbeSettings, StragglerRules, StragglerWatch, back_within, hold_off,
-                                          hurry, input_slowness, probe_interval, slowness, worth_evicting)
-from tf_elastic.testing import soak
+                                          hurry, input_slowness, probe_interval, slowness, worth_evicting,
+                                          worth_evicting_for_input)
+from tf_elastic.testing import data_files, slow_disk, soak
 from tf_elastic.testing.local_job import LocalJob, assert_replicas_identical
 from tf_elastic.testing.throttle import Throttle
 
@@ -83,6 +84,34 @@ def test_eviction_pays_only_when_the_rest_outrun_the_group_over_the_window_after
     assert not worth_evicting([1.0, 0.0, 3.0], {2}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
     # A host of two ranks leaves whole: both count.
     assert not worth_evicting([1.0, 1.0, 1.0, 1.8], {2, 3}, window_seconds=60.0, round_seconds=0.0, min_workers=1)
+
+
+def test_an_input_straggler_is_worth_evicting_only_where_the_others_input_read_alone_outruns_the_group():
+    """A step of 1 s in which rank 3 waited 60 % for its input: without it a step takes the other 0.4 s, or the
+    slowest staying input read alone, whichever is longer. 3 ranks at 0.4 s beat 4 at 1 s; at 0.9 s (their
+    input would hold them back nearly as much) they do not. Not before every staying rank's input was read;
+    never below `min_workers`; a host of two ranks leaves whole; a round's cost is paid."""
+    waiting, fast, slow = [0.0, 0.0, 0.0, 0.6], [0.1, 0.1, 0.1, 0.0], [0.1, 0.9, 0.1, 0.0]
+    assert worth_evicting_for_input(1.0, waiting, fast, {3}, window_seconds=60.0, round_seconds=10.0, min_workers=1)
+    assert not worth_evicting_for_input(1.0, waiting, slow, {3}, window_seconds=60.0, round_seconds=0.0,
+                                        min_workers=1)  # 3/0.9 = 3.3 < 4/1
+    assert not worth_evicting_for_input(1.0, [0.0, 0.0, 0.0, 0.2], fast, {3}, window_seconds=60.0, round_seconds=0.0,
+                                        min_workers=1)  # a wait of 20 %: 3/0.8 = 3.75 < 4
+    assert not worth_evicting_for_input(1.0, waiting, [0.1, 0.0, 0.1, 0.0], {3}, window_seconds=60.0,
+                                        round_seconds=0.0, min_workers=1)  # rank 1's input not read
+    assert not worth_evicting_for_input(1.0, waiting, fast, {3}, window_seconds=60.0, round_seconds=50.0,
+                                        min_workers=1)
+    assert not worth_evicting_for_input(1.0, waiting, fast, {3}, window_seconds=60.0, round_seconds=0.0,
+                                        min_workers=4)
+    assert not worth_evicting_for_input(0.0, waiting, fast, {3}, window_seconds=60.0, round_seconds=0.0,
+                                        min_workers=1)  # the group's pace not measured
+    assert not worth_evicting_for_input(1.0, waiting, fast, set(), window_seconds=60.0, round_seconds=0.0,
+                                        min_workers=1)
+    # A host of ranks 2 and 3 (rank 2 waited little: the rest is the longer wait's): 2/0.4 = 5 > 4/1.
+    assert worth_evicting_for_input(1.0, [0.0, 0.0, 0.1, 0.6], [0.1, 0.1, 0.0, 0.0], {2, 3}, window_seconds=60.0,
+                                    round_seconds=0.0, min_workers=1)
+    assert not worth_evicting_for_input(1.0, [0.0, 0.0, 0.1, 0.6], [0.1, 0.1, 0.0, 0.0], {2, 3}, window_seconds=60.0,
+                                        round_seconds=0.0, min_workers=3)
 
 
 def test_probes_are_put_off_where_the_slowest_probe_not_suspected_runs_longer_than_its_seconds():
@@ -219,4 +248,65 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
     assert job.left_gracefully() == ["a", "b", "c"], job.events(Event.EXIT)
     counts = audit.exactly_once(job.run_dir, examples, 16 * 3, stopped=final["samples"] > 0)
     reached = final["epoch"] + (final["samples"] > 0)  # the stop's commit, mid-epoch or at an epoch's end
+    assert counts == {"epochs": reached, "repeated": 0, "skipped": 0, "off_plan": 0}, counts
+
+
+# c's reads from the disk, while capped: a step's 16 records (each miss reads ahead) take seconds, the
+# group's step a tenth of one.
+READ_BYTES_PER_SECOND = 64 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.alone
+@pytest.mark.skipif(slow_disk.available() is not None, reason=f"no slow disk here: {slow_disk.available()}")
+def test_a_host_whose_reads_are_slow_is_reported_by_its_input_evicted_and_readmitted(tmp_path):
+    """Three hosts of one worker train on TFRecords from one disk; c's agent and workers read it through a
+    cap (blkio, cgroup v1; `testing/slow_disk.py`), a and b at full speed. The group waits for c's input
+    (its compute is the others'): it is reported, by its input; a and b read their own input alone, which
+    keeps up, and with --evict_stragglers c leaves gracefully; on probation, still capped, its input read
+    alone is over the factor of the group's step and it stays out; uncapped, it rejoins and is not evicted
+    again in the RETURNED_SECONDS it then trains, after which a SIGTERM to every agent stops the job. Every
+    example once per epoch (the last one up to the stop); every round's replicas hold the same bits."""
+    train, validation = data_files.digits()  # 16 x 16
+    with slow_disk.slow_disk(tmp_path / "disk") as disk:
+        records = disk.path / "tfrecord"
+        data_files.write_tfrecords(records, "train", *train, shards=4)
+        data_files.write_tfrecords(records, "validation", *validation, shards=2)
+        on_digits = ("--dataset=",)
+        job = LocalJob(tmp_path, [f"--dataset=tfrecord:{records}", "--image_size=16", "--index_cache_dir=",
+                                  *[arg for arg in soak.TRAIN if not arg.startswith(on_digits)],
+                                  f"--epochs={EPOCHS}"], AGENT, trainer="launch.train")
+        try:
+            for host in "abc":
+                job.start_agent(host)
+            three = job.first_step_after(0, world_size=3, timeout=300)
+            job.wait_for(lambda: job.events(Event.SPARE_READY, source="agent:c"), timeout=180, what="c's spare")
+            # A window of probes with no input held back: the group's step, a probation's yardstick.
+            job.wait_for(lambda: time.time() > three["time"] + 10, timeout=60)
+            disk.add(job.agents["c"].pid)
+            disk.limit(READ_BYTES_PER_SECOND)
+            evicted = job.wait_for(lambda: job.events(Event.EVICTED), timeout=120, what="an eviction by input")
+            two = job.first_step_after(evicted[0]["time"], world_size=2)
+            job.wait_for(lambda: job.events(Event.PROBATION), timeout=180, what="c's probation while capped")
+            disk.limit(None)
+            back = job.first_step_after(two["time"], world_size=3)
+            job.wait_for(lambda: job.events(Event.COMMIT, round=back["round"]) and time.time() > back["time"] +
+                         RETURNED_SECONDS, timeout=120, what=f"{RETURNED_SECONDS} s of training with c back")
+            for agent in job.agents.values():
+                agent.send_signal(signal.SIGTERM)
+            assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
+        finally:
+            job.cleanup()
+    reported = job.events(Event.STRAGGLER)
+    assert reported and {(e["host"], e["cause"]) for e in reported} == {("c", "input")}, reported
+    assert [(e["host"], e["cause"]) for e in job.events(Event.EVICTED)] == [("c", "input")], "once, not again"
+    first, last = job.events(Event.PROBATION)[0], job.events(Event.PROBATION)[-1]
+    assert not first["back"] and first["input_seconds"] / first["step_seconds"] >= 3, first  # timing-ok
+    assert last["back"] and last["input_seconds"] / last["step_seconds"] < 3, last  # timing-ok
+    for round_, size in ((two["round"], 2), (back["round"], 3)):
+        assert_replicas_identical(job, round_, size=size)
+    final = job.events(Event.COMMIT)[-1]
+    assert final["round"] >= back["round"] and job.left_gracefully() == ["a", "b", "c"], job.events(Event.EXIT)
+    counts = audit.exactly_once(job.run_dir, three["examples"], 16 * 3, stopped=final["samples"] > 0)
+    reached = final["epoch"] + (final["samples"] > 0)
     assert counts == {"epochs": reached, "repeated": 0, "skipped": 0, "off_plan": 0}, counts

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from tf_elastic.elastic.protocol import Heartbeat
@@ -106,11 +107,15 @@ def test_the_heartbeat_outlives_disk_errors_and_workers_ignore_notice_signals_un
 
 
 def test_the_heartbeat_carries_a_stragglers_slowness_and_the_groups_median_and_reads_older_fields():
-    beat = Heartbeat(7, 9, 11, slow=2.3456, evict=True, median=0.012345678, batch=16, input_slow=2.5)
+    # The group's numbers come from a sum over workers, NumPy's: their repr ("np.float64(0.25)") once made every
+    # heartbeat unreadable, and the agent took the worker for hung.
+    beat = Heartbeat(7, 9, 11, slow=2.3456, evict=True, median=np.float64(0.012345678), batch=16, input_slow=2.5,
+                     step_seconds=np.float64(0.25))
     assert Heartbeat.from_text(beat.to_text()) == Heartbeat(7, 9, 11, slow=2.346, evict=True, median=0.012345678,
-                                                            batch=16, input_slow=2.5)
+                                                            batch=16, input_slow=2.5, step_seconds=0.25)
     assert Heartbeat.from_text("7 9 11") == Heartbeat(7, 9, 11)  # workers of the versions before
     assert Heartbeat.from_text("7 9 11 2.5 1 0.01 16") == Heartbeat(7, 9, 11, 2.5, True, 0.01, 16)
+    assert Heartbeat.from_text("7 9 11 2.5 1 0.01 16 2.0") == Heartbeat(7, 9, 11, 2.5, True, 0.01, 16, 2.0)
     assert Heartbeat.from_text(beat.to_text() + " 0.5 x") == Heartbeat.from_text(beat.to_text())  # a newer one
     assert Heartbeat.from_text("7 9 11 2.5 1") == Heartbeat(7, 9, 11, slow=2.5, evict=True)
     for torn in ("7 9", "7 9 11 2.3", "7 9 11 x 1", "7 9 11 2.3 y", "7 9 11 2.3 1 0.1", "7 9 11 2.3 1 x 16",

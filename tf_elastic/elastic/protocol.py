@@ -37,8 +37,12 @@ class Env:
     WARM_READY = "TF_ELASTIC_WARM_READY"  # a file a warm worker creates once it is ready to be handed a world
     # The straggler probe's cadence and rules (`worker.probe.ProbeSettings.to_text`).
     PROBE = "TF_ELASTIC_PROBE"
+    # "1" where the agent evicts stragglers (`--evict_stragglers`): only then do workers read their input alone
+    # while another's input holds the group back (what an input straggler's eviction is weighed by).
+    EVICT_STRAGGLERS = "TF_ELASTIC_EVICT_STRAGGLERS"
     # A host on probation (evicted as a straggler): "RESULT_FILE,PER_REPLICA_BATCH". The worker times the
-    # model's pass alone at that batch, writes the seconds to the file, and exits before training.
+    # model's pass alone at that batch and reads its input alone, writes both ("PASS INPUT", seconds per pass
+    # and per step) to the file, and exits before training.
     PROBATION = "TF_ELASTIC_PROBATION"
     # Secrets the agent reads and never passes on.
     JOB_TOKEN = "TF_ELASTIC_JOB_TOKEN"
@@ -100,7 +104,7 @@ class Event(str, enum.Enum):
     STRAGGLER = "straggler"
     STRAGGLER_RECOVERED = "straggler_recovered"
     EVICTED = "evicted"  # this host left as a straggler (`--evict_stragglers`) and sits out a hold-off
-    PROBATION = "probation"  # an evicted host timed its own pass against the group's median: `back` or not
+    PROBATION = "probation"  # an evicted host timed its own pass and input against the group's: `back` or not
     # Worker.
     RESTORE = "restore"
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
@@ -245,7 +249,9 @@ class Heartbeat:
     rows a replica, what a host on probation is measured against (every rank knows it alike; the chief's
     agent publishes it). `input_slow`: how many
     times faster the group would go if this worker's input kept up, while it is a straggler by its input
-    (0: it is not one; `stragglers.input_slowness`)."""
+    (0: it is not one; `stragglers.input_slowness`). `step_seconds`: the group's wall seconds per step (the
+    median of a window's; 0: no window yet), what a host on probation's input read alone is measured
+    against."""
     step: int
     progress: int
     beat: int
@@ -254,25 +260,27 @@ class Heartbeat:
     median: float = 0.0
     batch: int = 0
     input_slow: float = 0.0
+    step_seconds: float = 0.0
 
     def to_text(self) -> str:
-        return (f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {self.median!r} "
-                f"{self.batch} {self.input_slow:.3f}")
+        # float(): a NumPy number's repr is "np.float64(...)", which no reader parses (the agent heard silence).
+        return (f"{self.step} {self.progress} {self.beat} {self.slow:.3f} {int(self.evict)} {float(self.median)!r} "
+                f"{self.batch} {self.input_slow:.3f} {float(self.step_seconds)!r}")
 
     @classmethod
     def from_text(cls, text: str) -> Optional["Heartbeat"]:
-        """The heartbeat `text` says (a worker of an older version writes 3, 5 or 7 fields; fields after the
-        8th, a newer version's, are left unread); None if torn."""
+        """The heartbeat `text` says (a worker of an older version writes 3, 5, 7 or 8 fields; fields after
+        the 9th, a newer version's, are left unread); None if torn."""
         parts = text.split()
         if len(parts) in (4, 6) or not parts[2:] or not all(p.isdigit() for p in parts[:3] + parts[4:5] + parts[6:7]):
             return None  # torn or foreign content: no news
         try:
-            slow, median, input_slow = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"]) +
-                                        (parts[7:8] or ["0"]))
+            slow, median, input_slow, step_seconds = (float(p) for p in (parts[3:4] or ["0"]) + (parts[5:6] or ["0"])
+                                                      + (parts[7:8] or ["0"]) + (parts[8:9] or ["0"]))
         except ValueError:
             return None
         return cls(*map(int, parts[:3]), slow=slow, evict=parts[4:5] == ["1"], median=median,
-                   batch=int((parts[6:7] or ["0"])[0]), input_slow=input_slow)
+                   batch=int((parts[6:7] or ["0"])[0]), input_slow=input_slow, step_seconds=step_seconds)
 
 
 def write_heartbeat(path: Path, heartbeat: Heartbeat) -> None:

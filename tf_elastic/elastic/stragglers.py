@@ -11,11 +11,12 @@ until it is back within the factor for `window` probes in a row (hysteresis): a 
 probes, which come at half the interval (within a budget) once a rank is over the factor (`hurry`): at the
 defaults 8 + 4 + 4 s, so a slowdown of 10-16 s can be reported, and evicted for. A slowdown
 every rank shares (a slow store, a slow network) moves the median with it and makes no straggler. Eviction
-(`worth_evicting`) weighs the group's throughput without the straggler's host against its throughput with it
-over the next window, paying the measured cost of a round, and never goes below `min_workers`; an evicted
+(`worth_evicting`; by input, `worth_evicting_for_input`) weighs the group's throughput without the straggler's
+host against its throughput with it over the next window, paying the measured cost of a round, and never goes
+below `min_workers`; an evicted
 host sits out a hold-off that doubles with each eviction (`hold_off`), so a host that keeps degrading does
 not flap, and then rejoins only once its own pass, timed alone, is back within the factor of the group's
-median (`back_within`; `agent/probation.py`).
+median, and its input read alone within the factor of the group's step (`back_within`; `agent/probation.py`).
 """
 import dataclasses
 import math
@@ -104,7 +105,8 @@ def hurry(suspected: bool, hurried_before: Sequence[bool]) -> bool:
     unless noise spent the budget just before it. A hurried probe costs its suspect's probe time (a suspect
     does not pace the probes: `probe_interval`): 0.76-1.09 % of the training time before the slowdown in
     five runs, where whole intervals cost 0.65 % in one. By the compute's suspects only: an input's share
-    of waiting near the factor would spend the budget, and an input straggler is never evicted for."""
+    of waiting near the factor would spend the budget, and an input straggler's eviction is weighed at
+    the probe after its report, by the others' input read alone (`worth_evicting_for_input`)."""
     return suspected and sum(list(hurried_before)[-HURRY_HISTORY:]) < HURRIED_AT_MOST
 
 
@@ -113,9 +115,9 @@ def input_slowness(waiting: Sequence[float]) -> List[float]:
     the group would go if that input kept up, 1 / (1 - share): what `StragglerWatch(baseline=min)` judges
     for the input cause, against the rank that waited least (in a synchronous group one input does the
     waiting and the others wait in the collective, so the median of two would halve it; a slow store every
-    rank waits for makes no straggler). Reported, never evicted for: the slowest input does all the waiting,
-    however little slower it is, and how much faster the others' input could go is hidden behind the
-    group's pace, so the group's pace without it cannot be told."""
+    rank waits for makes no straggler). The slowest input does all the waiting, however little slower it
+    is, and how much faster the others' input could go is hidden behind the group's pace: its eviction is
+    weighed by their input read alone (`worth_evicting_for_input`)."""
     return [1.0 / max(1e-3, 1.0 - min(1.0, max(0.0, share))) for share in waiting]
 
 
@@ -166,15 +168,41 @@ class StragglerWatch:
 def worth_evicting(seconds: Sequence[float], leaving: Collection[int], window_seconds: float,
                    round_seconds: float, min_workers: int) -> bool:
     """Whether the group trains more over the next `window_seconds` without the ranks `leaving` (a
-    straggler's host) than with them. A synchronous step goes at the slowest rank's pace, and each rank
-    adds its share of the global work: with them, `W / slowest`; without, `(W - k) / slowest of the rest`,
-    after a round change costing `round_seconds`. Never below `min_workers`."""
-    staying = [s for rank, s in enumerate(seconds) if rank not in leaving and s > 0]
-    if len(staying) < max(1, min_workers) or len(staying) == len(seconds) or not all(s > 0 for s in seconds):
+    straggler's host) than with them, by their compute. A synchronous step goes at the slowest rank's pace:
+    with them at the slowest probe's (`seconds`), without at the slowest of the rest's."""
+    staying = [s for rank, s in enumerate(seconds) if rank not in leaving]
+    if not all(s > 0 for s in seconds):
         return False
-    with_them = len(seconds) / max(seconds) * window_seconds
-    without = len(staying) / max(staying) * max(0.0, window_seconds - round_seconds)
-    return without > with_them
+    return _trains_more(len(seconds), len(staying), max(seconds), max(staying, default=0.0), window_seconds,
+                        round_seconds, min_workers)
+
+
+def worth_evicting_for_input(step_seconds: float, waiting: Sequence[float], input_seconds: Sequence[float],
+                             leaving: Collection[int], window_seconds: float, round_seconds: float,
+                             min_workers: int) -> bool:
+    """Whether the group trains more over the next `window_seconds` without the ranks `leaving` (an input
+    straggler's host) than with them. With them a step takes `step_seconds`, of which the leaving ranks'
+    steps waited the share `waiting` for their input (the others waited for them in the collective); without,
+    the rest of it, or the slowest staying rank's input (`input_seconds`: seconds a step of its own input,
+    read alone by a side pipeline while the others wait, `GroupProbe`), whichever is longer: the others'
+    prefetch buffers are full, so how fast their input could go is known only from such a read. Never
+    where a staying rank's input was not timed (0)."""
+    staying = [s for rank, s in enumerate(input_seconds) if rank not in leaving]
+    if not leaving or not all(s > 0 for s in staying) or step_seconds <= 0:
+        return False
+    rest = step_seconds * (1.0 - min(1.0, max(waiting[rank] for rank in leaving)))
+    return _trains_more(len(input_seconds), len(staying), step_seconds, max([rest, *staying]), window_seconds,
+                        round_seconds, min_workers)
+
+
+def _trains_more(size: int, staying: int, with_them: float, without: float, window_seconds: float,
+                 round_seconds: float, min_workers: int) -> bool:
+    """Each rank adds its share of the global work to a step: with the ranks leaving, `size` shares a step of
+    `with_them` seconds; without, `staying` shares a step of `without` seconds, after a round change costing
+    `round_seconds`. Never below `min_workers`."""
+    if staying < max(1, min_workers) or staying == size or with_them <= 0 or without <= 0:
+        return False
+    return staying / without * max(0.0, window_seconds - round_seconds) > size / with_them * window_seconds
 
 
 def hold_off(evictions: int, first: float = 30.0, longest: float = 1800.0) -> float:

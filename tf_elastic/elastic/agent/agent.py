@@ -35,8 +35,7 @@ from tf_elastic.elastic.stragglers import ProbeSettings
 
 # What a straggler's log line says of its slowness, by cause.
 _STRAGGLER_SAYS = {"compute": "its probe takes %.2fx the group's median",
-                   "input": "the group waits for its input and would go %.2fx faster if it kept up (reported, never "
-                            "evicted for)"}
+                   "input": "the group waits for its input and would go %.2fx faster if it kept up"}
 
 
 class RoundResult(enum.Enum):
@@ -108,8 +107,9 @@ class ElasticAgent:
         self._training_round = -1  # the last round whose first training step was logged
         self._effects: Optional[Callable[[], RoundResult]] = None  # a verdict's, until the store let them through
         self._slow: Dict[Tuple[int, str], float] = {}  # (rank, cause) -> slowness, this round's stragglers here
-        self._group_probe: Optional[Tuple[float, int]] = None  # the group's median probe and batch, as last seen
-        self._published: Optional[Tuple[float, int]] = None  # what this agent last published of it (the chief's)
+        # The group's median probe, its batch and its seconds per step, as last seen.
+        self._group_probe: Optional[Tuple[float, int, float]] = None
+        self._published: Optional[Tuple[float, int, float]] = None  # what this agent last published of it (the chief's)
         self.evictions = 0
 
     def run(self) -> int:
@@ -201,7 +201,7 @@ class ElasticAgent:
     def _report_stragglers(self, round_: Round, running: List[Worker]) -> bool:
         """Logs each of this host's workers that the group's probes name a straggler, by its compute or by its
         input, once, and once more when it recovers; returns whether the rules say the group would train more
-        without this host (by compute only)."""
+        without this host (by its compute, or by its input: `stragglers.worth_evicting_for_input`)."""
         for worker in running:
             for cause, slow in (("compute", worker.last.slow if worker.last else 0.0),
                                 ("input", worker.last.input_slow if worker.last else 0.0)):
@@ -226,9 +226,12 @@ class ElasticAgent:
     def _share_group_probe(self, running: List[Worker]) -> None:
         """Notes the group's median probe (a window's: every rank's heartbeat carries it, once its round had a
         window of probes); the chief's agent publishes each new one in the store, for hosts on probation."""
-        seen = next(((w.last.median, w.last.batch) for w in running if w.last and w.last.median > 0), None)
+        seen = next(((w.last.median, w.last.batch, w.last.step_seconds) for w in running
+                     if w.last and w.last.median > 0), None)
         if seen is None:
             return
+        if not seen[2] and self._group_probe:  # the group's step not known yet this round: the last one known
+            seen = (*seen[:2], self._group_probe[2])
         self._group_probe = seen
         if any(w.rank == 0 for w in running) and seen != self._published:
             self.job.publish_probe(*seen)
@@ -296,6 +299,7 @@ class ElasticAgent:
         env.update(self.config.extra_env or {})
         env.update({Env.AGENT_PID: str(os.getpid()), Env.LOCAL_RANK: str(slot),
                     Env.PROBE: self.config.probe.to_text(),
+                    Env.EVICT_STRAGGLERS: "1" if self.config.evict_stragglers else "0",
                     Env.STOP_SIGNALS: ",".join(signal.Signals(s).name for s in self.config.preemption_signals)})
         if self.config.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.config.devices[slot]
@@ -538,17 +542,19 @@ class ElasticAgent:
         self.evictions += 1
         seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
         self._step_out(round_, running, "evict")
-        self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds,
-                          slowness=round(max((slow for (_, cause), slow in self._slow.items() if cause == "compute"),
+        cause = "compute" if any(why == "compute" for _, why in self._slow) else "input"
+        self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds, cause=cause,
+                          slowness=round(max((slow for (_, why), slow in self._slow.items() if why == cause),
                                              default=0.0), 3), evictions=self.evictions)
-        logging.warning("round %d: %s leaves as a straggler (eviction %d); it may rejoin in %.0fs", round_.number,
-                        self.host_id, self.evictions, seconds)
+        logging.warning("round %d: %s leaves as a straggler by its %s (eviction %d); it may rejoin in %.0fs",
+                        round_.number, self.host_id, cause, self.evictions, seconds)
         self._slow.clear()
         return RoundResult.EVICTED
 
     def _probation(self) -> None:
-        """An evicted host sits out its hold-off, then times its own pass against the group's median probe
-        (`probation.time_own_pass`); while it is not back within the straggler factor it sits out another
+        """An evicted host sits out its hold-off, then times its own pass against the group's median probe,
+        and its input read alone against the group's seconds per step (`probation.time_own_pass`); while
+        either is not back within the straggler factor it sits out another
         hold-off of the same length (a probe on probation costs the group nothing; what the doubling at each
         eviction prevents is a rejoin that the group pays for). Returns when it may rejoin, on a notice, or
         once the job ended (the next join says how)."""
@@ -558,19 +564,23 @@ class ElasticAgent:
                 group = self.job.group_probe() or self._group_probe
             except StoreError:
                 group = self._group_probe
-            own = None if group is None else probation.time_own_pass(
-                self._launch_for_probation, self.host_dir, self.config.nproc, group[1],
-                self.config.startup_timeout, self.config.heartbeat_timeout, cancelled=lambda: self.notices.received)
-            median = group[0] if group else None
-            back = stragglers.back_within(own, median, self.config.probe.rules.factor)
+            own, read = (None if group is None else probation.time_own_pass(
+                self._launch_for_probation, self.host_dir, self.config.nproc, group[1], self.config.startup_timeout,
+                self.config.heartbeat_timeout, cancelled=lambda: self.notices.received)) or (None, None)
+            median, step = group[0::2] if group else (None, None)
+            factor = self.config.probe.rules.factor
+            back = stragglers.back_within(own, median, factor) and stragglers.back_within(read, step, factor)
             late = own == math.inf  # still starting or timing at --startup_timeout: too slow to time
             self.events.write(Event.PROBATION, host=self.host_id, seconds=None if late else own, median=median,
-                              back=back, late=late, evictions=self.evictions, hold_off=0.0 if back else seconds)
+                              input_seconds=None if late else read, step_seconds=step, back=back, late=late,
+                              evictions=self.evictions, hold_off=0.0 if back else seconds)
             measured = (f"longer than --startup_timeout={self.config.startup_timeout:g}s to start and time" if late
-                        else f"{own:.4f}s" if own else "(not measured)")
+                        else f"{own:.4f}s, its input {f'{read:.4f}s' if read else '(not measured)'} a step,"
+                        if own else "(not measured)")
             logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
-                        "group's median %s: %s", self.host_id, measured,
-                        f"{median:.4f}s" if median else "(none)", "it rejoins" if back else "it sits out again")
+                        "group's median %s and %s a step: %s", self.host_id, measured,
+                        f"{median:.4f}s" if median else "(none)", f"{step:.4f}s" if step else "(none)",
+                        "it rejoins" if back else "it sits out again")
             if self.config.warm_start:  # probation used the spares: warm again (while sitting out, if it does)
                 self.spares.fill(self.config.nproc)
             if back:

@@ -107,11 +107,13 @@ flags.DEFINE_integer("straggler_window", 3, "Probes in a row that make (and clea
                      f"over --straggler_factor the probes come at half the interval (at most {HURRIED_AT_MOST} "
                      f"intervals of {HURRY_HISTORY}): "
                      "at the defaults a slowdown of 8 + 4 + 4 s can be reported, and evicted for.", lower_bound=1)
-flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler the group trains "
-                  "faster without (never below --min_workers); after --straggler_hold_off, rejoin once "
-                  "this host's own pass, timed alone, is within --straggler_factor of the group's median.")
-flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before it times its own pass, "
-                   "and between such probes while it is still slow; doubled at each eviction.", lower_bound=0.0)
+flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host is a straggler (by its compute or "
+                  "its input) the group trains faster without (never below --min_workers); after "
+                  "--straggler_hold_off, rejoin once this host's own pass and input, timed alone, are within "
+                  "--straggler_factor of the group's median pass and step.")
+flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before it times its own pass "
+                   "and input, and between such probes while it is still slow; doubled at each eviction.",
+                   lower_bound=0.0)
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")

@@ -129,20 +129,22 @@ class JobRecord:
             raise JobEnded(outcome.status, outcome.reason, outcome.at)
 
     # The group's probe ----------------------------------------------------------------------------
-    def publish_probe(self, median: float, batch: int) -> None:
-        """The group's median probe (a window's; seconds per pass at `batch` rows a replica), for a host on
-        probation."""
-        self.store.set(self.keys.probe, json.dumps({"median": median, "batch": batch, "at": time.time()}))
+    def publish_probe(self, median: float, batch: int, step_seconds: float = 0.0) -> None:
+        """The group's median probe (a window's; seconds per pass at `batch` rows a replica) and its seconds
+        per step (0: not known), for a host on probation."""
+        self.store.set(self.keys.probe, json.dumps({"median": median, "batch": batch, "step_seconds": step_seconds,
+                                                    "at": time.time()}))
 
-    def group_probe(self) -> Optional[Tuple[float, int]]:
-        """The newest published (median, batch); None when there is none or it is not readable."""
+    def group_probe(self) -> Optional[Tuple[float, int, float]]:
+        """The newest published (median, batch, step seconds: 0 where not known or not readable); None when
+        there is none or it is not readable."""
         try:
             record = json.loads(self.store.get(self.keys.probe) or "{}")
-            median, batch = record.get("median"), record.get("batch")
+            median, batch, step = record.get("median"), record.get("batch"), record.get("step_seconds")
         except (ValueError, AttributeError):
             return None
         if is_finite_number(median) and median > 0 and isinstance(batch, int) and batch > 0:
-            return float(median), batch
+            return float(median), batch, float(step) if is_finite_number(step) and step > 0 else 0.0
         return None
 
     # Blacklist ------------------------------------------------------------------------------------

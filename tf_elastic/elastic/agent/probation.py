@@ -1,13 +1,14 @@
-"""Probation: an evicted straggler's host times its own pass before it rejoins.
+"""Probation: an evicted straggler's host times its own pass, and reads its input alone, before it rejoins.
 
 An evicted host sits out a hold-off (`stragglers.hold_off`). Rejoining on the clock alone, a host that was
 still slow rejoined slow and was evicted again a window later (`bench_straggler`: 2 evictions in 240 s, the
 group at 0.38x meanwhile). So after each hold-off its agent starts one worker per local slot in a world of
 its own (`Env.PROBATION`): the worker runs the user's script as far as `elastic.fit`, times the model's pass
-at the group's batch as the group's probe does (`probe.time_alone`), and exits without training. The agent
-rejoins only once the slowest slot is back within the straggler factor of the group's median probe
-(`stragglers.back_within`; the median of a window of probes' medians, as its own pass is the median of a
-window of probes), which the chief's agent publishes (`JobRecord.publish_probe`); else it sits out
+at the group's batch as the group's probe does and reads its input alone for a step's rows
+(`probe.time_alone`), and exits without training. The agent rejoins only once the slowest slot is back within
+the straggler factor of the group's median probe (`stragglers.back_within`; the median of a window of probes'
+medians, as its own pass is the median of a window of probes), and the slowest input within it of the group's
+seconds a step, both of which the chief's agent publishes (`JobRecord.publish_probe`); else it sits out
 another hold-off and probes again. Only an eviction doubles the hold-off: a probe on probation costs the
 group nothing, so a host that recovered is back within a hold-off and a probe.
 """
@@ -15,7 +16,7 @@ import math
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from tf_elastic.elastic.agent import workers
 from tf_elastic.elastic.protocol import Env, HostDir
@@ -24,9 +25,11 @@ Launch = Callable[[int, Dict[str, str]], subprocess.Popen]  # (local slot, world
 
 
 def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, timeout: float,
-                  heartbeat_timeout: float, cancelled: Callable[[], bool] = lambda: False) -> Optional[float]:
-    """Seconds per pass of this host's slowest slot, each timed alone at `batch` rows a replica, all at once.
-    `math.inf` when a slot was still at it after `timeout` seconds (its host is too slow to start and time a
+                  heartbeat_timeout: float, cancelled: Callable[[], bool] = lambda: False
+                  ) -> Optional[Tuple[float, float]]:
+    """Seconds per pass of this host's slowest slot, each timed alone at `batch` rows a replica, all at once,
+    and per step of the slowest slot's input read alone (0: not known; `probe.time_alone`). `math.inf` for
+    both when a slot was still at it after `timeout` seconds (its host is too slow to start and time a
     pass within the limit a worker's start has: throttled to 0.15 of a core, TensorFlow's import alone took
     longer, and a host still throttled rejoined as "not measured"). None when a slot ended without a time (a
     script that never calls `elastic.fit`, a model whose inputs are unknown, a worker that failed) or
@@ -52,13 +55,16 @@ def time_own_pass(launch: Launch, host_dir: HostDir, slots: int, batch: int, tim
     for process in processes:
         workers.kill(process)  # ends one that ran past the timeout (and what it started); reaps the rest
     seconds = [_read_seconds(result) for result in results]
-    if all(s > 0 for s in seconds):
-        return max(seconds)
-    return math.inf if late else None
+    if all(own_pass > 0 for own_pass, _ in seconds):
+        return max(own_pass for own_pass, _ in seconds), max(read for _, read in seconds)
+    return (math.inf, math.inf) if late else None
 
 
-def _read_seconds(path: Path) -> float:
+def _read_seconds(path: Path) -> Tuple[float, float]:
+    """(seconds per pass, per step of input) a slot wrote; (0, 0) where it wrote nothing readable. A worker
+    of a version before the input's read wrote the pass alone: its input is not known (0)."""
     try:
-        return float(path.read_text())
+        numbers = [float(number) for number in path.read_text().split()]
     except (OSError, ValueError):
-        return 0.0
+        return 0.0, 0.0
+    return (numbers[0], numbers[1] if len(numbers) > 1 else 0.0) if numbers else (0.0, 0.0)

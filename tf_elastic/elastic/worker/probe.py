@@ -23,17 +23,20 @@ event (host, rank, slowness, cause) and a log line and, with `--evict_stragglers
 say the group would train more without its host. The same rules judge, where the feed knows it (a user's
 tf.data pipeline it hands the step; a source's or a PyDataset's batches, stamped as ready: `ReadyTimes`), how
 much of the time each rank's step waited for its own input (`stragglers.input_slowness`): a
-rank the group waits for is a straggler by its input, reported (cause `input`), never evicted for. Every
+rank the group waits for is a straggler by its input, reported (cause `input`); then, once a window of
+probes, the others read their own input alone (`time_input`, a side pipeline; `INPUT_TIMING_SECONDS`) and the
+rules weigh its eviction by it (`stragglers.worth_evicting_for_input`). Every
 rank's heartbeat also carries the group's median probe and its batch, which the chief's agent publishes:
-an evicted host on probation times its own pass alone (`time_alone`, in a worker that trains nothing) and
-rejoins only once it is back within the factor of it.
+an evicted host on probation times its own pass and reads its input alone (`time_alone`, in a worker that
+trains nothing) and rejoins only once both are back within the factor of the group's (its median probe, its
+seconds a step).
 """
 import collections
 import os
 import statistics
 import time
 import zlib
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Set, Tuple
 
 import keras
 import numpy as np
@@ -41,12 +44,20 @@ import tensorflow as tf
 from absl import logging
 
 from tf_elastic.elastic.stragglers import (HURRIED_AT_MOST, HURRY_HISTORY, LONGEST_PROBE_STRETCH, ProbeSettings,
-                                           StragglerWatch, hurry, input_slowness, probe_interval, worth_evicting)
+                                           StragglerWatch, hurry, input_slowness, probe_interval, worth_evicting,
+                                           worth_evicting_for_input)
 from tf_elastic.elastic.worker.cpu_quota import quota_period_seconds
 from tf_elastic.elastic.worker.world import PULSE, World, seconds_in_round
 
 # The group's throughput with and without a straggler's host is weighed over this many seconds ahead.
 EVICTION_HORIZON_SECONDS = 120.0
+# While a rank's input is a straggler, the others read their own input alone for at least this long, at
+# most once a window of probes (`GroupProbe._read`): what eviction weighs it against.
+INPUT_TIMING_SECONDS = 0.5
+# What each rank's slots carry, a block of `size` each: its probe's seconds per pass, its host's key, its share of
+# the time waiting for input, how long its probe ran, its seconds per step, its input's seconds per step read
+# alone (0: not timed) and how long that read ran.
+_BLOCKS = 7
 
 
 def _host_key(host_id: Optional[str], rank: int) -> float:
@@ -71,11 +82,18 @@ class GroupProbe:
         self.spent = self.traced = 0.0  # seconds of timed probes, and of tracing them, since `take_spent`
         self.batch = 0  # rows a replica of the probe's pass
         self.input_wait: Callable[[], float] = float  # seconds the step waited for input since the last call
+        self.time_input: Callable[[float], float] = lambda seconds: 0.0  # the feed's input read alone, per step
         self.waiting = 0.0  # the share of the time it waited, between the last two probes
-        self._waits_since = time.monotonic()
+        self.step_seconds = 0.0  # wall seconds per step between the last two probes
+        self.input_seconds = self.input_duration = 0.0  # the input read alone at the last probe (0: not read)
+        self._waits_since, self._steps_at = time.monotonic(), 0
+        self._readers: Set[int] = set()  # the ranks that read their input alone at the next probe (`_read`)
+        self._probes_since_input = settings.rules.window  # probes read since the input was last read alone
+        self._input_evict = False  # the last input read alone said this host is worth evicting
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
         self._medians = collections.deque(maxlen=settings.rules.window)  # the group's, at the window's probes
+        self._step_times = collections.deque(maxlen=settings.rules.window)  # the group's seconds per step, likewise
         self._hurried = collections.deque(maxlen=HURRY_HISTORY)  # whether each interval was halved (`hurry`)
 
     @property
@@ -87,6 +105,7 @@ class GroupProbe:
         traced at the first probe, so that a round shorter than the cadence never pays for it)."""
         self.round_seconds = seconds_in_round()
         self.last = self._waits_since = time.monotonic()
+        self._steps_at = PULSE.step
         self.input_wait()  # the round's start is not a wait for input
         if self.world.probes_stragglers:
             self.batch = max(1, per_replica_batch)
@@ -97,14 +116,16 @@ class GroupProbe:
         return float(self.enabled and time.monotonic() - self.last >= self.interval)
 
     def slots(self) -> List[float]:
-        """This worker's probe time and host key in its rank's slots; nothing unless a probe is pending (every
-        rank knows that alike: they all probed at the same step)."""
+        """This worker's numbers of its last probe in its rank's slots, a block of `size` each (`_BLOCKS`);
+        nothing unless a probe is pending (every rank knows that alike: they all probed at the same step)."""
         if not self.pending:
             return []
         size, rank = self.world.size, self.world.rank
-        slots = [0.0] * (4 * size)
-        slots[rank], slots[size + rank] = self.seconds, _host_key(self.world.host_id, rank)
-        slots[2 * size + rank], slots[3 * size + rank] = self.waiting, self.duration
+        slots = [0.0] * (_BLOCKS * size)
+        mine = (self.seconds, _host_key(self.world.host_id, rank), self.waiting, self.duration, self.step_seconds,
+                self.input_seconds, self.input_duration)
+        for block, value in enumerate(mine):
+            slots[block * size + rank] = value
         return slots
 
     def after_agreement(self, due: bool, total: Sequence[float]) -> None:
@@ -112,21 +133,34 @@ class GroupProbe:
         if self.pending:
             self.pending = False
             size = self.world.size
-            self._read(*(list(total[k * size:(k + 1) * size]) for k in range(4)))
+            self._read(*(list(total[k * size:(k + 1) * size]) for k in range(_BLOCKS)))
         if due and self.enabled:
             now, began = time.monotonic(), time.perf_counter()  # the look-up of the input waits is spent too
             self.waiting = self.input_wait() / max(now - self._waits_since, 1e-9)
-            self._waits_since = now
+            self.step_seconds = (now - self._waits_since) / max(1, PULSE.step - self._steps_at)
             if self._warm:
-                self.seconds, self.duration, _ = self._pass(probe_seconds(self.settings))
-                self.pending = True
+                self._probe()
                 self.spent += time.perf_counter() - began
             else:  # the round's first probe traces the pass, on every rank at once: it times nothing
                 self._pass(0.0)
                 self._warm = True
                 self.traced += time.perf_counter() - began
+            # The next interval's steps and waits are counted from here: the probe's time is no step's.
+            self._waits_since, self._steps_at = time.monotonic(), PULSE.step
             beat = self.last + self.interval  # when this probe was due: the next is due an interval after it,
             self.last = beat if now - beat < self.interval / 2 else now  # unless it came late by half of one
+
+    def _probe(self) -> None:
+        """Times the pass, and where the group agreed on it (`_weigh_input`) reads this worker's input alone;
+        both ride the next agreement."""
+        self.seconds, self.duration, _ = self._pass(probe_seconds(self.settings))
+        self.input_seconds = self.input_duration = 0.0
+        if self.world.rank in self._readers:
+            read = time.perf_counter()
+            self.input_seconds = self.time_input(INPUT_TIMING_SECONDS)
+            self.input_duration = time.perf_counter() - read
+        self._readers = set()
+        self.pending = True
 
     def _space_out(self, durations: List[float]) -> None:
         suspects = self.watch.suspects
@@ -150,10 +184,11 @@ class GroupProbe:
         spent, self.spent, traced, self.traced = self.spent, 0.0, self.traced, 0.0
         return spent, traced
 
-    def _read(self, seconds: List[float], hosts: List[float], waiting: List[float], durations: List[float]) -> None:
+    def _read(self, seconds: List[float], hosts: List[float], waiting: List[float], durations: List[float],
+              step_seconds: List[float], inputs: List[float], input_durations: List[float]) -> None:
         """Every rank judges the same numbers alike; each says in its heartbeat whether it is a straggler, by
         its compute or by its input (its agent writes the events and the log lines), and whether its host is
-        worth evicting (by its compute only: `stragglers.input_slowness`); and all put off the next probe
+        worth evicting (by its compute, or by its input: `_weigh_input`); and all put off the next probe
         alike where probes take longer than `ProbeSettings.seconds`. The heartbeat's group median, a host on
         probation's yardstick, is the median of the window's probes' medians, once the round has had a window
         of probes: that host's own pass is the median of a window of probes too (`time_alone`), and one
@@ -162,6 +197,7 @@ class GroupProbe:
         # The wait for the slowest rank's probe; bounded, as a clock stepped during a probe is not its time.
         self.spent += min(max(0.0, max(durations) - self.duration),
                           LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
+        self.spent += max(0.0, max(input_durations) - self.input_duration)  # and for the slowest input read
         began, ended = self.watch.observe(seconds)
         self._space_out(durations)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
@@ -169,8 +205,12 @@ class GroupProbe:
         median = float(np.median(measured)) if measured else 0.0
         if measured:
             self._medians.append(median)
+        if max(step_seconds) > 0 and not (self.input_watch.stragglers or self.input_watch.suspects):
+            self._step_times.append(max(step_seconds))  # the pace no input held back: a probation's yardstick
         whole = len(self._medians) == self._medians.maxlen  # until then its agent keeps the last round's
         PULSE.median, PULSE.batch = statistics.median(self._medians) if whole else 0.0, self.batch
+        if len(self._step_times) == self._step_times.maxlen:
+            PULSE.step_seconds = float(statistics.median(self._step_times))
         if self.world.is_chief:
             for rank in began:
                 logging.warning("rank %d is a straggler: its probe takes %.2fx the median's %.4fs (its step waited "
@@ -188,25 +228,51 @@ class GroupProbe:
         mine = self.watch.stragglers.get(self.world.rank, 0.0)
         leaving = {rank for rank, key in enumerate(hosts) if key == hosts[self.world.rank]}
         PULSE.slow = mine
-        PULSE.evict = bool(mine) and self.round_seconds is not None and worth_evicting(
+        by_input = self._weigh_input(hosts, step_seconds, waiting, inputs, leaving)  # on every rank, every probe
+        PULSE.evict = by_input or bool(mine) and self.round_seconds is not None and worth_evicting(
             seconds, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds, self.settings.min_workers)
 
+    def _weigh_input(self, hosts: List[float], step_seconds: List[float], waiting: List[float],
+                     inputs: List[float], leaving: Set[int]) -> bool:
+        """Whether this host is worth evicting for its input, as the newest read of the others' input alone
+        says (`stragglers.worth_evicting_for_input`); and which ranks read their input alone at the next
+        probe, from the agreed numbers alike on every rank: where evictions are on (`World.evicts_stragglers`)
+        and the input stragglers are all on one host, with at least `min_workers` ranks left without it, once
+        a window of probes (each read costs the group the slowest rank's `INPUT_TIMING_SECONDS` or more), the
+        ranks of the other hosts (the straggler's input pace is known: the group waits for it)."""
+        self._probes_since_input += 1
+        slow_hosts = {hosts[rank] for rank in self.input_watch.stragglers}
+        others = {rank for rank, key in enumerate(hosts) if key not in slow_hosts}
+        if self.world.evicts_stragglers and len(slow_hosts) == 1 and len(others) >= max(1, self.settings.min_workers) \
+                and self._probes_since_input >= self.settings.rules.window:
+            self._readers, self._probes_since_input = others, 0
+        if self.world.rank not in self.input_watch.stragglers:
+            self._input_evict = False
+        elif any(inputs) and self.round_seconds is not None:
+            self._input_evict = worth_evicting_for_input(
+                max(step_seconds), waiting, inputs, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds,
+                self.settings.min_workers)
+        return self._input_evict
 
-def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings) -> float:
+
+def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings,
+               time_input: Callable[[float, int], float]) -> Tuple[float, float]:
     """A host on probation (`Env.PROBATION`: "RESULT_FILE,BATCH"): times the model's pass on this worker's
     replicas at the group's batch, as the group's probe does (traced untimed, then the median of `window`
-    probes of `seconds`), with no group to wait for; writes the seconds per pass to RESULT_FILE (0: the
-    model's inputs are not known) and returns them."""
+    probes of `seconds`), with no group to wait for, and its input read alone at a step's rows
+    (`time_input(seconds, rows a step)`, a feed's); writes "PASS INPUT" (seconds per pass, and per step of
+    input; 0: the model's inputs are not known) to RESULT_FILE and returns them."""
     path, batch = probation.rsplit(",", 1)
     timed = _forward_and_backward(model, strategy, int(batch))
     seconds = 0.0
     if timed is not None:
         timed(0.0)
         seconds = statistics.median(timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
+    read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync)
     with open(path + ".tmp", "w") as f:
-        f.write(repr(seconds))
+        f.write(f"{seconds!r} {read!r}")
     os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone
-    return seconds
+    return seconds, read
 
 
 def probe_seconds(settings: ProbeSettings) -> float:

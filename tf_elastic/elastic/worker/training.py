@@ -155,6 +155,7 @@ class _ElasticTrainer:
         # The epoch's `model.fit` counts an optimizer iteration too many where its data runs out (`_train`).
         self.iterations_counted = keras_compat.IterationsThatCountSteps(model.optimizer, lambda: 0, False)
         self.probe.input_wait = feed.take_input_wait  # when the step waited for its batches
+        self.probe.time_input = feed.time_input  # its input read alone, while another's holds the group back
         # Alone, an agreement is no collective: every `sync_every_steps` costs nothing.
         self.cadence = AgreementCadence(config.sync_every_steps, config.sync_every_seconds if world.size > 1 else None,
                                         world.is_chief)
@@ -418,7 +419,7 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
     if world.probation:  # an evicted host times its pass alone, then ends: it trains nothing
-        time_alone(model, strategy, world.probation, ProbeSettings.from_text(world.probe))
+        time_alone(model, strategy, world.probation, ProbeSettings.from_text(world.probe), feed.time_input)
         exit_now(ExitCode.DONE)
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None

@@ -43,6 +43,7 @@ class World:
     host_id: Optional[str] = None
     stop_signals: Tuple[int, ...] = (signal.SIGTERM,)  # each asks for a commit and a stop
     probe: Optional[str] = None  # the straggler probe's settings (`stragglers.ProbeSettings.from_text`)
+    evicts_stragglers: bool = False  # its agent evicts stragglers (`Env.EVICT_STRAGGLERS`)
     probation: Optional[str] = None  # a host on probation: time the pass alone (`Env.PROBATION`), no training
 
     @property
@@ -99,6 +100,7 @@ class World:
             host_id=env.get(Env.HOST_ID) or None,
             stop_signals=_signals(env.get(Env.STOP_SIGNALS)),
             probe=env.get(Env.PROBE),
+            evicts_stragglers=env.get(Env.EVICT_STRAGGLERS) == "1",
             probation=env.get(Env.PROBATION) or None,
         )
 
@@ -119,6 +121,7 @@ class Pulse:
         self.slow, self.evict = 0.0, False  # set by the straggler probe (`probe.GroupProbe`)
         self.input_slow = 0.0  # and by its input (`stragglers.input_slowness`; 0: not a straggler by it)
         self.median, self.batch = 0.0, 0  # the group's median probe (a window's) and its rows a replica
+        self.step_seconds = 0.0  # the group's seconds per step (a window's median)
         self.world_at: Optional[float] = None  # when a warm worker received its round (`time.time()`)
         self.path: Optional[Path] = None  # set by `start_heartbeat`
         self._failing = False
@@ -131,7 +134,7 @@ class Pulse:
             self.beats += 1
             try:
                 write_heartbeat(self.path, Heartbeat(self.step, self.progress, self.beats, self.slow, self.evict,
-                                                     self.median, self.batch, self.input_slow))
+                                                     self.median, self.batch, self.input_slow, self.step_seconds))
                 self._failing = False
             except OSError as error:
                 # A full or vanished host-local disk: the agent hears silence and restarts this worker.

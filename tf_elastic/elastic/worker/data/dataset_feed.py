@@ -47,7 +47,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.data.ops.directed_interleave_op import _DirectedInterleaveDataset as DirectedInterleaveDataset
 from tensorflow.python.ops import gen_data_flow_ops, gen_dataset_ops
 
-from tf_elastic.elastic.worker.data.feed import local_replicas
+from tf_elastic.elastic.worker.data.feed import local_replicas, seconds_per_step
 from tf_elastic.elastic.worker.data.iterator_state import exhausted_mix, held_error
 from tf_elastic.elastic.worker.data.source import digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
@@ -272,6 +272,24 @@ class DatasetFeed:
         with self._lock:
             self._supersede()
             self._made += 1
+
+    def time_input(self, seconds: float, rows_a_step: Optional[int] = None) -> float:
+        """Seconds per step of this worker's input read alone (`feed.seconds_per_step`; `rows_a_step`: every
+        worker reads whole global batches): a fresh pass of the pipeline, from its start (its iterator at the
+        step's position cannot be copied). A fresh iterator draws the next epoch's reshuffle seeds, on the
+        ranks that read only: they are put back as the epoch's start left them, as a restore does. 0 where
+        a second iterator cannot be made (a `cache` file another iterator writes)."""
+        del rows_a_step
+        with self._pulling:
+            try:
+                elements = iter(self.dataset)
+            except tf.errors.OpError as error:
+                logging.warning("the input could not be read alone (%s): it is not weighed", error.message[:200])
+                return 0.0
+            finally:
+                if self._epoch_start:
+                    _restored(self.dataset, self._epoch_start)
+        return seconds_per_step(elements, 1, seconds)
 
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call: from a step's

@@ -99,6 +99,13 @@ class PyDatasetFeed:
         what the straggler probe reports besides compute."""
         return self.ready_times.take()
 
+    def time_input(self, seconds: float, rows_a_step: Optional[int] = None) -> float:
+        """0: a PyDataset's input is not read alone. Its `__getitem__` may draw from state it shares (a
+        seeded generator: read one batch at a time, in order, it draws the same on every worker), and a read
+        beside the pipeline's, on the ranks not straggling only, would draw differently on them."""
+        del seconds, rows_a_step
+        return 0.0
+
     def replica_dataset(self, replicas: int, first: int, count: int, stamp=None) -> tf.data.Dataset:
         """Per-replica batches for this worker's replicas `first`..`first+count-1` of `replicas`, `count` for
         each global batch from the next untrained one to the epoch's end (`stamp`: applied to the global
