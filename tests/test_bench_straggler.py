@@ -1,6 +1,10 @@
 """`launch/bench/bench_straggler.py`'s table (its runs are the ten-minute benchmark; the job it drives is
 tested in test_stragglers.py)."""
-from launch.bench.bench_straggler import PHASES, table
+from pathlib import Path
+from types import SimpleNamespace
+
+from launch.bench.bench_straggler import PHASES, _train_args, table
+from tf_elastic.testing.soak import TRAIN
 
 
 def test_the_table_shows_each_runs_phases_the_evicted_hosts_probations_and_who_was_reported():
@@ -13,3 +17,11 @@ def test_the_table_shows_each_runs_phases_the_evicted_hosts_probations_and_who_w
            "0.71 % (0.93 %) | 1/1; 1 |")
     assert row in text, text
     assert "3-worker alone: 2.00 steps/s; 4-worker alone: 2.50 steps/s" in text and "cgroup" in text
+
+
+def test_a_run_of_slow_reads_trains_on_tfrecords_on_the_slow_disk_and_otherwise_on_the_digits_in_memory():
+    disk = SimpleNamespace(path=Path("/mnt/slow"))
+    assert _train_args(None) == TRAIN
+    args = _train_args(disk)
+    assert args[:3] == ["--dataset=tfrecord:/mnt/slow/tfrecord", "--image_size=16", "--index_cache_dir="]
+    assert args[3:] == [arg for arg in TRAIN if not arg.startswith("--dataset=")] and len(args) == len(TRAIN) + 2

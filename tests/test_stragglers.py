@@ -257,7 +257,6 @@ READ_BYTES_PER_SECOND = 64 * 1024
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 @pytest.mark.skipif(slow_disk.available() is not None, reason=f"no slow disk here: {slow_disk.available()}")
 def test_a_host_whose_reads_are_slow_is_reported_by_its_input_evicted_and_readmitted(tmp_path):
     """Three hosts of one worker train on TFRecords from one disk; c's agent and workers read it through a

@@ -24,6 +24,13 @@ With `--host_quota --quota_period_ms=20` the hosts emulate machines of their own
 get no more than their share (on shared cores they get more, and a host on probation at 80 % of its share
 times its pass 1.67x slower than the three do, though 1.25x slower than it would in a group of four), and
 a period and a half (30 ms) is shorter than a probe, so none is put off.
+
+With `--slow_disk_kbps` the host's reads are slowed instead of its CPU: the hosts train on TFRecords of the
+digits on one disk (`testing/slow_disk.py`: a loop device, root only), of which the slowed host's reads are
+capped at that rate in the slow phase (a blkio cgroup; a thread keeps the files out of the page cache) and not
+from the mild phase on: a straggler by its input, whose eviction is weighed by the others' input read alone.
+
+    python -m launch.bench.bench_straggler --modes="report only,evict" --slow_disk_kbps=64
 """
 import contextlib
 import os
@@ -36,6 +43,7 @@ from absl import app, flags
 
 from tf_elastic.elastic.flag_checks import require_finite_floats
 from tf_elastic.elastic.protocol import Event
+from tf_elastic.testing import data_files, slow_disk
 from tf_elastic.testing.local_job import LocalJob, stop_jobs_on_sigterm
 from tf_elastic.testing.soak import TRAIN
 from tf_elastic.testing.throttle import Throttle
@@ -58,6 +66,9 @@ flags.DEFINE_integer("quota_period_ms", 100, "The CFS period of the bench's quot
                      "With --host_quota, 20 emulates hosts that share no cores (the group of three gets no more "
                      "than its share when one leaves) whose probes are not put off (a period and a half is 30 ms, "
                      "shorter than --probe_seconds).", lower_bound=1, upper_bound=1000)
+flags.DEFINE_integer("slow_disk_kbps", 0, "Slow the host's reads instead of its CPU: the data as TFRecords on a "
+                     "disk of which the host's reads are capped at this many KB/s in the slow phase, and not from "
+                     "the mild phase on (root only; 0: throttle its CPU).", lower_bound=0)
 require_finite_floats(__name__)
 
 MODES = {"no action": ["--probe_every_seconds=0"], "report only": [],
@@ -80,11 +91,13 @@ def _first(events: List[Dict], after: float) -> Optional[float]:
     return min(later) if later else None
 
 
-def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: float) -> Dict[str, object]:
-    """One job through the four phases; returns its figures."""
+def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: float,
+             disk: Optional[slow_disk.SlowDisk] = None) -> Dict[str, object]:
+    """One job through the four phases (`disk`: the slowed host's reads are capped, not its CPU); returns its
+    figures."""
     names = [chr(ord("a") + i) for i in range(hosts)]
     root.mkdir(parents=True)
-    job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={hosts}", *MODES[mode]],
+    job = LocalJob(root, [*_train_args(disk), "--epochs=100000"], [*AGENT, f"--max_workers={hosts}", *MODES[mode]],
                    trainer="launch.train")
     fair = cores / hosts
     with contextlib.ExitStack() as stack:
@@ -92,9 +105,11 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
         job.first_step_after(0, world_size=hosts, timeout=600)
         moments = [time.time()]
         for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
-            if phase == "slow" and not FLAGS.host_quota:
-                throttle.add(job.agents[names[-1]].pid)
-            if phase != "before":
+            if phase == "slow" and (disk or not FLAGS.host_quota):
+                (disk or throttle).add(job.agents[names[-1]].pid)
+            if phase != "before" and disk:
+                disk.limit(FLAGS.slow_disk_kbps * 1024 if phase == "slow" else None)
+            elif phase != "before":
                 throttle.set(fair if cores_of_phase is None and FLAGS.host_quota else cores_of_phase)
             time.sleep(seconds[PHASES.index(phase)])
             moments.append(time.time())
@@ -110,7 +125,8 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
             "probations": [e["back"] for e in job.events(Event.PROBATION)],
-            "throttle": throttle.kind, "late_in_slow": steps_per_second(job, slow_at + TARGET_SECONDS, mild_at),
+            "throttle": f"reads capped at {FLAGS.slow_disk_kbps} KB/s (blkio)" if disk else throttle.kind,
+            "late_in_slow": steps_per_second(job, slow_at + TARGET_SECONDS, mild_at),
             "probe_cost": _probe_cost(job)}
 
 
@@ -141,9 +157,18 @@ def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
     return (spent / total, (spent + traced) / total) if total else None
 
 
-def baseline(root: Path, workers: int, seconds: float) -> Optional[float]:
+def _train_args(disk: Optional[slow_disk.SlowDisk]) -> List[str]:
+    """`launch.train`'s: the digits in memory, or as TFRecords on `disk` (16 x 16, as in memory)."""
+    if disk is None:
+        return list(TRAIN)
+    return [f"--dataset=tfrecord:{disk.path / 'tfrecord'}", "--image_size=16", "--index_cache_dir=",
+            *[arg for arg in TRAIN if not arg.startswith("--dataset=")]]
+
+
+def baseline(root: Path, workers: int, seconds: float, disk: Optional[slow_disk.SlowDisk] = None) -> Optional[float]:
     root.mkdir(parents=True)
-    job = LocalJob(root, [*TRAIN, "--epochs=100000"], [*AGENT, f"--max_workers={workers}"], trainer="launch.train")
+    job = LocalJob(root, [*_train_args(disk), "--epochs=100000"], [*AGENT, f"--max_workers={workers}"],
+                   trainer="launch.train")
     with contextlib.ExitStack() as stack:
         _start_agents(job, [chr(ord("a") + host) for host in range(workers)], FLAGS.cores / FLAGS.hosts, stack)
         began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + WARM_UP
@@ -190,9 +215,26 @@ def main(argv: List[str]) -> None:
         if FLAGS.host_quota and check.kind != "cgroup":
             raise app.UsageError("--host_quota needs a writable cgroup with the cpu controller")
     root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
-    alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds) for n in (FLAGS.hosts - 1, FLAGS.hosts)}
-    results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores) for mode in FLAGS.modes]
+    with contextlib.ExitStack() as stack:
+        disk = stack.enter_context(_disk(root)) if FLAGS.slow_disk_kbps else None
+        alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds, disk)
+                 for n in (FLAGS.hosts - 1, FLAGS.hosts)}
+        results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores, disk)
+                   for mode in FLAGS.modes]
     print(table(results, alone, FLAGS.hosts), flush=True)
+
+
+@contextlib.contextmanager
+def _disk(root: Path):
+    """The slow disk, with the digits as TFRecords on it (or a one-line error where it cannot be made)."""
+    why = slow_disk.available()
+    if why:
+        raise app.UsageError(f"--slow_disk_kbps needs a slow disk: {why}")
+    with slow_disk.slow_disk(root / "disk") as disk:
+        train, validation = data_files.digits()
+        data_files.write_tfrecords(disk.path / "tfrecord", "train", *train, shards=4)
+        data_files.write_tfrecords(disk.path / "tfrecord", "validation", *validation, shards=2)
+        yield disk
 
 
 if __name__ == "__main__":

@@ -186,7 +186,10 @@ def worth_evicting_for_input(step_seconds: float, waiting: Sequence[float], inpu
     the rest of it, or the slowest staying rank's input (`input_seconds`: seconds a step of its own input,
     read alone by a side pipeline while the others wait, `GroupProbe`), whichever is longer: the others'
     prefetch buffers are full, so how fast their input could go is known only from such a read. Never
-    where a staying rank's input was not timed (0)."""
+    where a staying rank's input was not timed (0). Exact where a worker reads its share of each batch (a
+    source): its rows a step, compute and input alike, scale as the batch is dealt. Where every worker reads
+    the whole global batch (a user's tf.data pipeline), the staying input a step does not grow as the shares
+    do, and this evicts later than it could, never where the group would lose."""
     staying = [s for rank, s in enumerate(input_seconds) if rank not in leaving]
     if not leaving or not all(s > 0 for s in staying) or step_seconds <= 0:
         return False

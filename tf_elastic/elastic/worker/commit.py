@@ -34,6 +34,9 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 from tf_elastic.elastic.worker.world import World
 from tf_elastic.schedules import BatchResizeSchedule
 
+# Commits are written asynchronously: the step goes on while the checkpoint's files are written.
+_ASYNC = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
+
 
 class CommittedState:
     """What survives a failure. A host's first worker (`World.keeps_commits`) keeps the host's commits:
@@ -100,15 +103,13 @@ class CommittedState:
         if self.durable:
             self.durable.check_writable()
         keras_compat.install_async_checkpoint_fix()
-        options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True)
-
-        def write(prefix: str) -> str:
-            with _plain_variables():  # the first write makes its host copies: on this worker only
-                return self.checkpoint.write(prefix, options=options)
-
-        self._write = write
         if self._pool is not None and world.keeps_commits:
             self._warm_up()
+
+    def _write(self, prefix: str) -> str:
+        """The state's checkpoint at `prefix`, asynchronously (`CheckpointOptions`)."""
+        with _plain_variables():  # the first write makes its host copies: on this worker only
+            return self.checkpoint.write(prefix, options=_ASYNC)
 
     def _listed(self) -> List:
         """What training reads and writes: every model variable (weights, statistics, random seeds; not

@@ -399,52 +399,73 @@ def fit(model: keras.Model, x: Union[np.ndarray, Source, Sequence[Tuple[str, int
     The world, strategy and run dir are `elastic.run`'s (pass them to run without it); the schedule is the
     optimizer's learning rate when it is a `BatchResizeSchedule`. The optimizer is built here, before the
     state to commit is captured. Raises `StopRequested` after a SIGTERM (committed at the next agreed
-    step), `PeerFailure` when a collective failed and `ConfigurationError` for input a restart cannot fix.
-    """
+    step), `PeerFailure` when a collective failed and `ConfigurationError` for input a restart cannot fix."""
     keras_compat.install_fit_fix()
     world, strategy, run_dir = _context(world, strategy, run_dir)
     config, schedule = config or FitConfig(), schedule_of(model.optimizer, schedule)
     is_dataset = isinstance(x, (tf.data.Dataset, keras.utils.PyDataset))
     _refuse_what_fit_cannot_honour(shuffle=True if is_dataset else shuffle, initial_epoch=initial_epoch,
                                    steps_per_epoch=steps_per_epoch)
-    x, y, sample_weight, validation_data = _split_off_validation(x, y, sample_weight, validation_data,
-                                                                 validation_split)
-    _require_count("validation_steps", validation_steps, optional=True)
-    _require_count("validation_batch_size", validation_batch_size, optional=True)
-    _require_count("epochs", epochs)
+    x, y, sample_weight, validation_data = _split_off_validation(x, y, sample_weight, validation_data, validation_split)
+    _require_counts(epochs=epochs, validation_steps=validation_steps, validation_batch_size=validation_batch_size)
     feed, global_batch = _training_feed(x, y, sample_weight, world, strategy, config.seed, batch_size=batch_size,
                                         per_replica_batch_size=per_replica_batch_size, class_weight=class_weight,
                                         preprocess=preprocess, shuffle=shuffle)
     validation = _Validation(_validation_dataset(validation_data, validation_batch_size or global_batch,
                                                  validation_preprocess, validation_steps), validation_freq)
     _build_optimizer(model, strategy)
-    if world.probation:  # an evicted host times its pass alone, then ends: it trains nothing
-        time_alone(model, strategy, world.probation, ProbeSettings.from_text(world.probe), feed.time_input)
-        exit_now(ExitCode.DONE)
+    _end_here_on_probation(model, strategy, world, feed)
+    trainer, group = _trainer(model, feed, world, strategy, run_dir, config, schedule, input_state=is_dataset)
+    trainer.validation = validation
+    return _train(trainer, group, epochs, callbacks, verbose)
+
+
+def _raise_as_what_failed(trainer: "_ElasticTrainer", error: tf.errors.OpError) -> None:
+    """Raises what a step's `error` says of the group: a peer failed (`PeerFailure`), the input is bad
+    (`ConfigurationError`), or the error itself."""
+    world = trainer.world
+    failure = trainer.feed.failure if isinstance(trainer.feed, DatasetFeed) else None
+    if failure is None and isinstance(error, COLLECTIVE_FAILURES):
+        trainer.events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank,
+                             error=type(error).__name__, step=trainer.step)
+        logging.error("collective failure at step %d: %s", trainer.step, error_line(error, 300))
+        raise PeerFailure(trainer.step, error_line(error, 300)) from None
+    # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
+    # may not read: the error names the file; a restart would only meet it again (on every host). A
+    # user's tf.data pipeline fails in the feed's thread (or in a buffer a commit found), and the feed
+    # keeps its own error (`failure`): Keras saw UnknownError, and no failure of it is a peer's.
+    if not isinstance(failure or error, BAD_INPUT):
+        raise error
+    raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(failure or error)}") from error
+
+
+def _trainer(model: keras.Model, feed: Feed, world: World, strategy: tf.distribute.Strategy, run_dir: str,
+             config: FitConfig, schedule: Optional[BatchResizeSchedule], input_state: bool
+             ) -> Tuple["_ElasticTrainer", Optional[GroupState]]:
+    """The trainer of `fit`, with what it commits (`input_state`: the feed's own position too) and the group
+    that agrees on it (None alone on one replica)."""
     durable = DurableCopies(config.checkpoint_dir or str(RunDir(run_dir).durable)) if config.durable_every_commits \
         else None
     events = EventLog(run_dir, source=f"worker:{world.rank}")
     state = CommittedState(world, run_dir, model, schedule, durable=durable,
                            durable_every_commits=config.durable_every_commits, events=events, background=True,
-                           input_state=is_dataset)
+                           input_state=input_state)
     sum_fn = sum_over_workers(strategy, world)
     group = GroupState(strategy, world, state.variables, state.names, sum_fn) \
         if strategy.num_replicas_in_sync > 1 else None
-    history = _History()
     trainer = _ElasticTrainer(model=model, feed=feed, world=world, strategy=strategy, state=state, config=config,
                               events=events, sum_fn=sum_fn, group=group, schedule=schedule)
-    trainer.validation = validation
-    everyone = _CallbacksOfOneFit([_ElasticCallback(trainer), *(callbacks or ()), history, _EpochEndCommit(trainer)],
-                                  verbose=verbose,
-                                  epochs=epochs, model=model)
-    _train(trainer, group, epochs, everyone, dict(verbose=verbose))
-    return history
+    return trainer, group
 
 
-def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int, callbacks: "_CallbacksOfOneFit",
-           fit_args: Dict) -> None:
-    """Restores, trains the remaining epochs, and says how this worker ended (an event, or what it raises)."""
+def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
+           user_callbacks: Optional[Sequence[keras.callbacks.Callback]], verbose) -> keras.callbacks.History:
+    """Restores, trains the remaining epochs with the user's callbacks, and says how this worker ended (an
+    event, or what it raises); returns the epochs' `History`."""
     state, world, events, model = trainer.state, trainer.world, trainer.events, trainer.model
+    history, fit_args = _History(), dict(verbose=verbose)
+    callbacks = _CallbacksOfOneFit([_ElasticCallback(trainer), *(user_callbacks or ()), history,
+                                    _EpochEndCommit(trainer)], verbose=verbose, epochs=epochs, model=model)
     previous = {}
     try:
         trainer.check_same_data()
@@ -476,19 +497,7 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
         state.close()  # the commit thread's work done: the last agreement announces every commit in force
         trainer.announce_commits()
     except tf.errors.OpError as error:
-        failure = trainer.feed.failure if isinstance(trainer.feed, DatasetFeed) else None
-        if failure is None and isinstance(error, COLLECTIVE_FAILURES):
-            events.write(Event.COLLECTIVE_FAILURE, round=world.round, rank=world.rank, error=type(error).__name__,
-                         step=trainer.step)
-            logging.error("collective failure at step %d: %s", trainer.step, error_line(error, 300))
-            raise PeerFailure(trainer.step, error_line(error, 300)) from None
-        # Bad data (a corrupt image, a record that does not parse, a label out of range) or data this job
-        # may not read: the error names the file; a restart would only meet it again (on every host). A
-        # user's tf.data pipeline fails in the feed's thread (or in a buffer a commit found), and the feed
-        # keeps its own error (`failure`): Keras saw UnknownError, and no failure of it is a peer's.
-        if not isinstance(failure or error, BAD_INPUT):
-            raise
-        raise ConfigurationError(f"bad input at step {trainer.step}: {describe_error(failure or error)}") from error
+        _raise_as_what_failed(trainer, error)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -502,6 +511,7 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
                  state_digest=digest)
     if trainer.stopped:
         raise StopRequested(trainer.step)
+    return history
 
 
 def _data_text(fingerprint, examples) -> str:
@@ -532,6 +542,21 @@ def global_batch_size(replicas: int, batch_size: Optional[int] = None,
                                  f"--world_size_divides), or per_replica_batch_size (a global batch that follows "
                                  f"the world).")
     return batch_size
+
+
+def _end_here_on_probation(model: keras.Model, strategy: tf.distribute.Strategy, world: World, feed: Feed) -> None:
+    """An evicted host on probation times its pass and its input alone (`probe.time_alone`), then ends: it
+    trains nothing."""
+    if world.probation:
+        time_alone(model, strategy, world.probation, ProbeSettings.from_text(world.probe), feed.time_input)
+        exit_now(ExitCode.DONE)
+
+
+def _require_counts(epochs, validation_steps, validation_batch_size) -> None:
+    """`fit`'s counts: `epochs` a whole number >= 1, the validation's too or None."""
+    _require_count("validation_steps", validation_steps, optional=True)
+    _require_count("validation_batch_size", validation_batch_size, optional=True)
+    _require_count("epochs", epochs)
 
 
 def _require_count(name: str, value, optional: bool = False) -> None:
