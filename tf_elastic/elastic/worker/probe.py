@@ -252,6 +252,10 @@ class GroupProbe:
             self._input_evict = worth_evicting_for_input(
                 max(step_seconds), waiting, inputs, leaving, EVICTION_HORIZON_SECONDS, self.round_seconds,
                 self.settings.min_workers)
+            logging.info("the group waits for this worker's input (%.0f%% of a step of %.3fs); the other hosts read "
+                         "theirs alone at %.3fs a step at most: its host is %sworth evicting (a round costs %.0fs)",
+                         100 * waiting[self.world.rank], max(step_seconds), max(inputs),
+                         "" if self._input_evict else "not ", self.round_seconds)
         return self._input_evict
 
 

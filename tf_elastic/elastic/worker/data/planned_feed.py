@@ -18,6 +18,11 @@ from tf_elastic.elastic.worker.data_plan import DataPlan
 from tf_elastic.elastic.worker.world import World
 
 
+# A read alone (`time_input`) reads at most this many batches: far more than its half second takes, and not
+# an epoch's indices made into one array.
+READ_ALONE_BATCHES = 256
+
+
 class PlannedFeed:
     def __init__(self, source: Source, preprocess: Optional[Preprocess], world: World, worker_batch: int, seed: int,
                  class_weight: Optional[Dict[int, float]] = None, index_log: Optional[TextIO] = None,
@@ -83,7 +88,7 @@ class PlannedFeed:
         if not ahead:
             return 0.0
         start = int(np.random.default_rng().integers(len(ahead)))  # a measurement's, not the training's
-        indices = np.concatenate(ahead[start:] + ahead[:start])
+        indices = np.concatenate((ahead[start:] + ahead[:start])[:READ_ALONE_BATCHES])
         return feed.seconds_per_step(self.pipeline(indices, per_replica), self._local, seconds)
 
     def take_input_wait(self) -> float:
