@@ -220,12 +220,7 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
             two = job.first_step_after(evicted[0]["time"], world_size=2)
             job.wait_for(lambda: job.events(Event.PROBATION), timeout=120, what="c's probation while throttled")
             throttle.set(None)
-        back = job.first_step_after(two["time"], world_size=3)
-        job.wait_for(lambda: job.events(Event.COMMIT, round=back["round"]) and time.time() > back["time"] +
-                     RETURNED_SECONDS, timeout=120, what=f"{RETURNED_SECONDS} s of training with c back")
-        for agent in job.agents.values():
-            agent.send_signal(signal.SIGTERM)
-        assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
+        back = _train_with_c_back_then_stop(job, two)
     finally:
         job.cleanup()
     reported = job.events(Event.STRAGGLER)
@@ -249,6 +244,19 @@ def test_a_throttled_host_is_reported_evicted_and_readmitted_and_nothing_is_lost
     counts = audit.exactly_once(job.run_dir, examples, 16 * 3, stopped=final["samples"] > 0)
     reached = final["epoch"] + (final["samples"] > 0)  # the stop's commit, mid-epoch or at an epoch's end
     assert counts == {"epochs": reached, "repeated": 0, "skipped": 0, "off_plan": 0}, counts
+
+
+def _train_with_c_back_then_stop(job: LocalJob, two: dict) -> dict:
+    """Waits for c's rejoin after the round of two (`two`, its first step) and RETURNED_SECONDS of training
+    with it, then stops the job with a SIGTERM to every agent (each leaves at an agreed step); returns the
+    round of three's first step."""
+    back = job.first_step_after(two["time"], world_size=3)
+    job.wait_for(lambda: job.events(Event.COMMIT, round=back["round"]) and time.time() > back["time"] +
+                 RETURNED_SECONDS, timeout=120, what=f"{RETURNED_SECONDS} s of training with c back")
+    for agent in job.agents.values():
+        agent.send_signal(signal.SIGTERM)
+    assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
+    return back
 
 
 # c's reads from the disk, while capped: a step's 16 records (each miss reads ahead) take seconds, the
@@ -288,12 +296,7 @@ def test_a_host_whose_reads_are_slow_is_reported_by_its_input_evicted_and_readmi
             two = job.first_step_after(evicted[0]["time"], world_size=2)
             job.wait_for(lambda: job.events(Event.PROBATION), timeout=180, what="c's probation while capped")
             disk.limit(None)
-            back = job.first_step_after(two["time"], world_size=3)
-            job.wait_for(lambda: job.events(Event.COMMIT, round=back["round"]) and time.time() > back["time"] +
-                         RETURNED_SECONDS, timeout=120, what=f"{RETURNED_SECONDS} s of training with c back")
-            for agent in job.agents.values():
-                agent.send_signal(signal.SIGTERM)
-            assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
+            back = _train_with_c_back_then_stop(job, two)
         finally:
             job.cleanup()
     reported = job.events(Event.STRAGGLER)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-from tf_elastic.testing.throttle import descendants
+from tf_elastic.testing.throttle import descendants, move_to_cgroup
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 EVICT_EVERY_S = 0.05
@@ -79,14 +79,7 @@ class SlowDisk:
     def add(self, pid: int) -> None:
         """`pid` and the processes below it into the cgroup, each before its children are read (see
         `Throttle.add`); processes they start later are members from birth."""
-        descendants(pid, self._move)
-
-    def _move(self, pid: int) -> bool:
-        try:
-            (self.cgroup / "cgroup.procs").write_text(str(pid))
-            return True
-        except OSError:
-            return False  # it ended meanwhile
+        descendants(pid, lambda member: move_to_cgroup(self.cgroup, member))
 
     def limit(self, bytes_per_second: Optional[int]) -> None:
         """Cap the members' reads from the disk at `bytes_per_second` (None: no cap, and no eviction). The

@@ -38,6 +38,15 @@ def children(pid: int) -> List[int]:
     return found
 
 
+def move_to_cgroup(cgroup: Path, pid: int) -> bool:
+    """Moves process `pid` (all its threads) into `cgroup`; False where it ended meanwhile."""
+    try:
+        (cgroup / "cgroup.procs").write_text(str(pid))
+        return True
+    except OSError:
+        return False
+
+
 def descendants(pid: int, visit: Callable[[int], bool] = lambda pid: True) -> List[int]:
     """`pid` and every process below it; `visit(process)` runs before its children are read (False: it ended,
     and is left out)."""
@@ -77,14 +86,7 @@ class Throttle:
         as a round begins, would time a throttled host's probation at full speed.)"""
         self.roots.append(pid)
         if self.path is not None:
-            descendants(pid, self._move)
-
-    def _move(self, pid: int) -> bool:
-        try:
-            (self.path / "cgroup.procs").write_text(str(pid))
-            return True
-        except OSError:
-            return False  # it ended meanwhile
+            descendants(pid, lambda member: move_to_cgroup(self.path, member))
 
     def set(self, cores: Optional[float]) -> None:
         self._cores = cores
