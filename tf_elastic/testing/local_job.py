@@ -54,16 +54,17 @@ class LocalJob:
         self.agents: Dict[str, subprocess.Popen] = {}
 
     def start_agent(self, host: str, command: Optional[List[str]] = None, env: Optional[Dict[str, str]] = None,
-                    faults: bool = False, **flags) -> subprocess.Popen:
+                    faults: bool = False, cwd: Optional[Path] = None, **flags) -> subprocess.Popen:
         """Starts `host`'s agent with `flags` beside the job's, running `command` (default: the job's trainer
-        module with the job's arguments, with `tf_elastic.testing.faults` installed if `faults`)."""
+        module with the job's arguments, with `tf_elastic.testing.faults` installed if `faults`), in `cwd`
+        (default: the checkout; its workers' relative paths resolve there: a host's own data)."""
         trainer = faults_command(self.trainer) if faults else [sys.executable, "-m", self.trainer]
         args = [*AGENT_COMMAND, f"--rdzv={self.rdzv}", f"--job_id={self.job_id}",
                 f"--run_dir={self.run_dir_of(host)}", f"--host_id={host}", *self.agent_args,
                 *[f"--{k}={v}" for k, v in flags.items()], "--", *(command or [*trainer, *self.train_args])]
         log = open(self.tmp / f"agent-{host}.log", "ab")
         env = repo_env(**(env or {}))
-        self.agents[host] = subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.agents[host] = subprocess.Popen(args, cwd=cwd or REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         return self.agents[host]
 
     def in_rendezvous(self, host: str) -> bool:

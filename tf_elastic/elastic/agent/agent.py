@@ -572,7 +572,8 @@ class ElasticAgent:
             back = stragglers.back_within(own, median, factor) and stragglers.back_within(read, step, factor)
             late = own == math.inf  # still starting or timing at --startup_timeout: too slow to time
             self.events.write(Event.PROBATION, host=self.host_id, seconds=None if late else own, median=median,
-                              input_seconds=None if late else read, step_seconds=step, back=back, late=late,
+                              input_seconds=None if late or read == math.inf else read, step_seconds=step,
+                              back=back, late=late,
                               evictions=self.evictions, hold_off=0.0 if back else seconds)
             measured = (f"longer than --startup_timeout={self.config.startup_timeout:g}s to start and time" if late
                         else f"{own:.4f}s, its input {f'{read:.4f}s' if read else '(not measured)'} a step,"

@@ -7,6 +7,7 @@ own share under MultiWorkerMirroredStrategy, each worker's replicas would train 
 worker's pipeline as it is: its elements are per-replica batches, dealt to the worker's local replicas in
 order, so replica j of a step trains element `step * local + j`: a worker batch split as the plan splits it.
 """
+import math
 import threading
 import time
 from typing import Callable, Iterable, List
@@ -43,8 +44,9 @@ def seconds_per_step(elements: Iterable, per_step: int, seconds: float,
     `time_input`). Read for `seconds` after the first element (which starts the read: files opened, a
     shuffle's buffer filled), and timed over the second half of that time only: what the pipeline's own
     buffers filled while the first element was made comes out at once, and counted would make a slow disk
-    look quick (it read 16 records a step in 0.06 s that took 1.5 s). 0 where the read fails, ends before a
-    step was read, or runs past `limit` (it is left to end at its next element)."""
+    look quick (it read 16 records a step in 0.06 s that took 1.5 s). 0 where the read fails or ends before a
+    step was read; `math.inf` where it runs past `limit` (too slow to time: it is left to end at its next
+    element)."""
     arrivals: List[float] = []
     stop = threading.Event()
 
@@ -61,7 +63,9 @@ def seconds_per_step(elements: Iterable, per_step: int, seconds: float,
     reader.start()
     reader.join(limit)
     stop.set()
-    if reader.is_alive() or len(arrivals) <= per_step:
+    if reader.is_alive():
+        return math.inf
+    if len(arrivals) <= per_step:
         return 0.0
     last = len(arrivals) - 1
     half = min(last - 1, next(i for i, t in enumerate(arrivals) if t >= arrivals[last] / 2))
