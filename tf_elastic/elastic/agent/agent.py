@@ -33,6 +33,13 @@ from tf_elastic.elastic.store import Store, StoreError
 from tf_elastic.elastic.stragglers import ProbeSettings
 
 
+def _seconds_or_why(read: Optional[float]) -> str:
+    """A probation's input read alone, as its log line says it."""
+    if read == math.inf:
+        return "(too slow to time)"
+    return f"{read:.4f}s" if read else "(not measured)"
+
+
 # What a straggler's log line says of its slowness, by cause.
 _STRAGGLER_SAYS = {"compute": "its probe takes %.2fx the group's median",
                    "input": "the group waits for its input and would go %.2fx faster if it kept up"}
@@ -576,7 +583,7 @@ class ElasticAgent:
                               back=back, late=late,
                               evictions=self.evictions, hold_off=0.0 if back else seconds)
             measured = (f"longer than --startup_timeout={self.config.startup_timeout:g}s to start and time" if late
-                        else f"{own:.4f}s, its input {f'{read:.4f}s' if read else '(not measured)'} a step,"
+                        else f"{own:.4f}s, its input {_seconds_or_why(read)} a step,"
                         if own else "(not measured)")
             logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
                         "group's median %s and %s a step: %s", self.host_id, measured,

@@ -32,8 +32,8 @@ def to_replicas(strategy: tf.distribute.Strategy, world_size: int, worker_batch:
     return strategy.distribute_datasets_from_function(lambda context: batched(worker_batch // local))
 
 
-# A read alone that has not ended after this many seconds (its first element included) times nothing: the
-# group waits for it at the next collective.
+# A read alone that has not ended after this many seconds (its first element included) is too slow to time
+# (`math.inf`): the group waits for it at the next collective.
 LONGEST_READ_SECONDS = 5.0
 
 
