@@ -17,7 +17,7 @@ from conftest import run_python
 from test_rendezvous import _host_rendezvous
 from tf_elastic.elastic import audit
 from tf_elastic.elastic.agent import workers
-from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent, RoundResult
+from tf_elastic.elastic.agent.agent import AgentConfig, ElasticAgent, RoundResult, eviction_cause
 from tf_elastic.elastic.agent.round import Round, Timeouts
 from tf_elastic.elastic.agent.worker_output import WorkerOutput
 from tf_elastic.elastic.events import EventLog, read_events
@@ -207,6 +207,14 @@ def test_each_cause_of_a_straggler_is_reported_once_and_recovers_alone_and_only_
     said = [(e["event"], e["cause"], e.get("slowness")) for e in read_events(tmp_path / "run")
             if e["event"] in (Event.STRAGGLER, Event.STRAGGLER_RECOVERED)]
     assert said == [("straggler", "input", 2.5), ("straggler", "compute", 3.0), ("straggler_recovered", "input", None)]
+
+
+def test_an_eviction_names_each_cause_its_host_straggles_by():
+    assert eviction_cause({(0, "compute"): 3.0, (1, "compute"): 2.0}) == {
+        "cause": "compute", "slowness": 3.0}
+    assert eviction_cause({(1, "input"): 2.5}) == {"cause": "input", "slowness": 2.5}
+    assert eviction_cause({(0, "input"): 2.5, (1, "compute"): 1.7}) == {
+        "cause": "compute and input", "slowness": 1.7, "input_slowness": 2.5}
 
 
 def test_host_dirs_of_live_agents_are_kept_whatever_their_pid(tmp_path, monkeypatch):

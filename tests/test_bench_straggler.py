@@ -1,9 +1,8 @@
 """`launch/bench/bench_straggler.py`'s table (its runs are the ten-minute benchmark; the job it drives is
 tested in test_stragglers.py)."""
-from pathlib import Path
 from types import SimpleNamespace
 
-from launch.bench.bench_straggler import PHASES, _train_args, table
+from launch.bench.bench_straggler import PHASES, DataCopies, _train_args, table
 from tf_elastic.testing.soak import TRAIN
 
 
@@ -19,9 +18,13 @@ def test_the_table_shows_each_runs_phases_the_evicted_hosts_probations_and_who_w
     assert "3-worker alone: 2.00 steps/s; 4-worker alone: 2.50 steps/s" in text and "cgroup" in text
 
 
-def test_a_run_of_slow_reads_trains_on_tfrecords_on_the_slow_disk_and_otherwise_on_the_digits_in_memory():
-    disk = SimpleNamespace(path=Path("/mnt/slow"))
+def test_a_run_of_slow_reads_trains_each_host_on_its_own_copy_the_slowed_ones_on_the_slow_disk(tmp_path):
+    """Each host's `data` (relative to its agent's cwd) is the plain copy, the slowed host's the slow disk's:
+    one copy for all would have the slow disk's cache eviction reach every host's reads."""
+    copies = DataCopies(tmp_path / "plain", SimpleNamespace(path=tmp_path / "slow"))
     assert _train_args(None) == TRAIN
-    args = _train_args(disk)
-    assert args[:3] == ["--dataset=tfrecord:/mnt/slow/tfrecord", "--image_size=16", "--index_cache_dir="]
+    args = _train_args(copies)
+    assert args[:3] == ["--dataset=tfrecord:data", "--image_size=16", "--index_cache_dir="]
     assert args[3:] == [arg for arg in TRAIN if not arg.startswith("--dataset=")] and len(args) == len(TRAIN) + 2
+    a, d = copies.host_dir(tmp_path / "job", "a", slowed=False), copies.host_dir(tmp_path / "job", "d", slowed=True)
+    assert (a / "data").readlink() == tmp_path / "plain" and (d / "data").readlink() == tmp_path / "slow" / "tfrecord"

@@ -25,10 +25,12 @@ get no more than their share (on shared cores they get more, and a host on proba
 times its pass 1.67x slower than the three do, though 1.25x slower than it would in a group of four), and
 a period and a half (30 ms) is shorter than a probe, so none is put off.
 
-With `--slow_disk_kbps` the host's reads are slowed instead of its CPU: the hosts train on TFRecords of the
-digits on one disk (`testing/slow_disk.py`: a loop device, root only), of which the slowed host's reads are
-capped at that rate in the slow phase (a blkio cgroup; a thread keeps the files out of the page cache) and not
-from the mild phase on: a straggler by its input, whose eviction is weighed by the others' input read alone.
+With `--slow_disk_kbps` the host's reads are slowed instead of its CPU: every host trains on its own copy of
+the digits as TFRecords (`data`, relative to the host's directory, its agent's cwd), the slowed host's on a disk
+of its own (`testing/slow_disk.py`: a loop device, root only), whose reads are capped at that rate in the slow
+phase (a blkio cgroup; a thread keeps its files out of the page cache) and not from the mild phase on: a
+straggler by its input, whose eviction is weighed by the others' input read alone. (With one copy for all,
+the cache eviction of the slowed host's files made every host's reads miss the cache, as no cluster's do.)
 
     python -m launch.bench.bench_straggler --modes="report only,evict" --slow_disk_kbps=64
 """
@@ -92,23 +94,23 @@ def _first(events: List[Dict], after: float) -> Optional[float]:
 
 
 def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: float,
-             disk: Optional[slow_disk.SlowDisk] = None) -> Dict[str, object]:
-    """One job through the four phases (`disk`: the slowed host's reads are capped, not its CPU); returns its
+             copies: Optional["DataCopies"] = None) -> Dict[str, object]:
+    """One job through the four phases (`copies`: the slowed host's reads are capped, not its CPU); returns its
     figures."""
     names = [chr(ord("a") + i) for i in range(hosts)]
     root.mkdir(parents=True)
-    job = LocalJob(root, [*_train_args(disk), "--epochs=100000"], [*AGENT, f"--max_workers={hosts}", *MODES[mode]],
-                   trainer="launch.train")
+    job = LocalJob(root, [*_train_args(copies), "--epochs=100000"],
+                   [*AGENT, f"--max_workers={hosts}", *MODES[mode]], trainer="launch.train")
     fair = cores / hosts
     with contextlib.ExitStack() as stack:
-        throttle = _start_agents(job, names, fair, stack)
+        throttle = _start_agents(job, names, fair, stack, copies)
         job.first_step_after(0, world_size=hosts, timeout=600)
         moments = [time.time()]
         for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
-            if phase == "slow" and (disk or not FLAGS.host_quota):
-                (disk or throttle).add(job.agents[names[-1]].pid)
-            if phase != "before" and disk:
-                disk.limit(FLAGS.slow_disk_kbps * 1024 if phase == "slow" else None)
+            if phase == "slow" and (copies or not FLAGS.host_quota):
+                (copies.slow if copies else throttle).add(job.agents[names[-1]].pid)
+            if phase != "before" and copies:
+                copies.slow.limit(FLAGS.slow_disk_kbps * 1024 if phase == "slow" else None)
             elif phase != "before":
                 throttle.set(fair if cores_of_phase is None and FLAGS.host_quota else cores_of_phase)
             time.sleep(seconds[PHASES.index(phase)])
@@ -125,21 +127,24 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
             "probations": [e["back"] for e in job.events(Event.PROBATION)],
-            "throttle": f"reads capped at {FLAGS.slow_disk_kbps} KB/s (blkio)" if disk else throttle.kind,
+            "throttle": f"reads capped at {FLAGS.slow_disk_kbps} KB/s (blkio)" if copies else throttle.kind,
             "late_in_slow": steps_per_second(job, slow_at + TARGET_SECONDS, mild_at),
             "probe_cost": _probe_cost(job)}
 
 
-def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextlib.ExitStack) -> Throttle:
-    """Starts every host's agent; with `--host_quota` each in a cgroup of its own at `fair` cores. Returns the
-    last host's throttle (the one a run slows). Leaving `stack` ends the job before it lifts the throttles:
-    a cgroup with processes in it cannot be removed."""
+def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextlib.ExitStack,
+                  copies: Optional["DataCopies"] = None) -> Throttle:
+    """Starts every host's agent (with `copies`, in a directory where `data` is its own copy: the last host's
+    on the slow disk); with `--host_quota` each in a cgroup of its own at `fair` cores. Returns the last
+    host's throttle (the one a run slows). Leaving `stack` ends the job before it lifts the throttles: a cgroup
+    with processes in it cannot be removed."""
     period_us = FLAGS.quota_period_ms * 1000
     throttles = [stack.enter_context(Throttle(f"tf_elastic-bench-{os.getpid()}-{name}", period_us))
                  for name in (names if FLAGS.host_quota else names[-1:])]
     stack.callback(job.cleanup)
     for name, throttle in zip(names, throttles if FLAGS.host_quota else [None] * len(names)):
-        job.start_agent(name)
+        slowed = name == chr(ord("a") + FLAGS.hosts - 1)  # in a baseline of 3 too, the host the runs slow
+        job.start_agent(name, cwd=copies.host_dir(job.tmp, name, slowed) if copies else None)
         if throttle is not None:
             throttle.add(job.agents[name].pid)
             throttle.set(fair)
@@ -157,20 +162,21 @@ def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
     return (spent / total, (spent + traced) / total) if total else None
 
 
-def _train_args(disk: Optional[slow_disk.SlowDisk]) -> List[str]:
-    """`launch.train`'s: the digits in memory, or as TFRecords on `disk` (16 x 16, as in memory)."""
-    if disk is None:
+def _train_args(copies: Optional["DataCopies"]) -> List[str]:
+    """`launch.train`'s: the digits in memory, or as TFRecords in each host's `data` (16 x 16, as in memory)."""
+    if copies is None:
         return list(TRAIN)
-    return [f"--dataset=tfrecord:{disk.path / 'tfrecord'}", "--image_size=16", "--index_cache_dir=",
+    return ["--dataset=tfrecord:data", "--image_size=16", "--index_cache_dir=",
             *[arg for arg in TRAIN if not arg.startswith("--dataset=")]]
 
 
-def baseline(root: Path, workers: int, seconds: float, disk: Optional[slow_disk.SlowDisk] = None) -> Optional[float]:
+def baseline(root: Path, workers: int, seconds: float, copies: Optional["DataCopies"] = None) -> Optional[float]:
     root.mkdir(parents=True)
-    job = LocalJob(root, [*_train_args(disk), "--epochs=100000"], [*AGENT, f"--max_workers={workers}"],
+    job = LocalJob(root, [*_train_args(copies), "--epochs=100000"], [*AGENT, f"--max_workers={workers}"],
                    trainer="launch.train")
     with contextlib.ExitStack() as stack:
-        _start_agents(job, [chr(ord("a") + host) for host in range(workers)], FLAGS.cores / FLAGS.hosts, stack)
+        names = [chr(ord("a") + host) for host in range(workers)]
+        _start_agents(job, names, FLAGS.cores / FLAGS.hosts, stack, copies)
         began = job.first_step_after(0, world_size=workers, timeout=600)["time"] + WARM_UP
         time.sleep(max(0.0, began + seconds - time.time()))
         return steps_per_second(job, began, time.time())
@@ -216,25 +222,41 @@ def main(argv: List[str]) -> None:
             raise app.UsageError("--host_quota needs a writable cgroup with the cpu controller")
     root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
     with contextlib.ExitStack() as stack:
-        disk = stack.enter_context(_disk(root)) if FLAGS.slow_disk_kbps else None
-        alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds, disk)
+        copies = stack.enter_context(_disk(root)) if FLAGS.slow_disk_kbps else None
+        alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds, copies)
                  for n in (FLAGS.hosts - 1, FLAGS.hosts)}
-        results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores, disk)
+        results = [run_mode(root / mode.replace(" ", "-"), mode, seconds, FLAGS.hosts, FLAGS.cores, copies)
                    for mode in FLAGS.modes]
     print(table(results, alone, FLAGS.hosts), flush=True)
 
 
+class DataCopies:
+    """The digits as TFRecords twice: in `plain` (the hosts that are not slowed share it, as hosts would read
+    the same files from their own disks: their page cache is never evicted) and on the `slow` disk."""
+
+    def __init__(self, plain: Path, slow: slow_disk.SlowDisk):
+        self.plain, self.slow = plain, slow
+
+    def host_dir(self, job_dir: Path, host: str, slowed: bool) -> Path:
+        """A directory for `host`'s agent to run in, where `data` is its copy."""
+        path = job_dir / "cwd" / host
+        path.mkdir(parents=True)
+        (path / "data").symlink_to(self.slow.path / "tfrecord" if slowed else self.plain)
+        return path
+
+
 @contextlib.contextmanager
 def _disk(root: Path):
-    """The slow disk, with the digits as TFRecords on it (or a one-line error where it cannot be made)."""
+    """The data's copies, one on the slow disk (or a one-line error where it cannot be made)."""
     why = slow_disk.available()
     if why:
         raise app.UsageError(f"--slow_disk_kbps needs a slow disk: {why}")
     with slow_disk.slow_disk(root / "disk") as disk:
         train, validation = data_files.digits()
-        data_files.write_tfrecords(disk.path / "tfrecord", "train", *train, shards=4)
-        data_files.write_tfrecords(disk.path / "tfrecord", "validation", *validation, shards=2)
-        yield disk
+        for data in (root / "plain", disk.path / "tfrecord"):
+            data_files.write_tfrecords(data, "train", *train, shards=4)
+            data_files.write_tfrecords(data, "validation", *validation, shards=2)
+        yield DataCopies(root / "plain", disk)
 
 
 if __name__ == "__main__":

@@ -103,7 +103,9 @@ class Event(str, enum.Enum):
     # by "input", the group waits for its input and would go `slowness` times faster if it kept up.
     STRAGGLER = "straggler"
     STRAGGLER_RECOVERED = "straggler_recovered"
-    EVICTED = "evicted"  # this host left as a straggler (`--evict_stragglers`) and sits out a hold-off
+    # This host left as a straggler (`--evict_stragglers`) and sits out a hold-off: by `cause` "compute",
+    # "input" or "compute and input" (`slowness` its compute's where compute is a cause; `input_slowness` too).
+    EVICTED = "evicted"
     PROBATION = "probation"  # an evicted host timed its own pass and input against the group's: `back` or not
     # Worker.
     RESTORE = "restore"

@@ -104,9 +104,9 @@ def hurry(suspected: bool, hurried_before: Sequence[bool]) -> bool:
     keeps the probes to 8/7 of the cadence's number, and a real slowdown is confirmed at half the interval
     unless noise spent the budget just before it. A hurried probe costs its suspect's probe time (a suspect
     does not pace the probes: `probe_interval`): 0.76-1.09 % of the training time before the slowdown in
-    five runs, where whole intervals cost 0.65 % in one. By the compute's suspects only: an input's share
-    of waiting near the factor would spend the budget, and an input straggler's eviction is weighed at
-    the probe after its report, by the others' input read alone (`worth_evicting_for_input`)."""
+    five runs, where whole intervals cost 0.65 % in one. By either cause's suspects: at whole intervals
+    an input straggler was reported after 16.6-33.1 s; an input whose share of waiting hovers at the factor
+    spends the budget as compute noise does, and costs no more than it."""
     return suspected and sum(list(hurried_before)[-HURRY_HISTORY:]) < HURRIED_AT_MOST
 
 

@@ -549,12 +549,11 @@ class ElasticAgent:
         self.evictions += 1
         seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
         self._step_out(round_, running, "evict")
-        cause = "compute" if any(why == "compute" for _, why in self._slow) else "input"
-        self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds, cause=cause,
-                          slowness=round(max((slow for (_, why), slow in self._slow.items() if why == cause),
-                                             default=0.0), 3), evictions=self.evictions)
+        said = eviction_cause(self._slow)
+        self.events.write(Event.EVICTED, round=round_.number, host=self.host_id, hold_off=seconds,
+                          evictions=self.evictions, **said)
         logging.warning("round %d: %s leaves as a straggler by its %s (eviction %d); it may rejoin in %.0fs",
-                        round_.number, self.host_id, cause, self.evictions, seconds)
+                        round_.number, self.host_id, said["cause"], self.evictions, seconds)
         self._slow.clear()
         return RoundResult.EVICTED
 
@@ -665,6 +664,20 @@ class ElasticAgent:
         self.events.write(Event.EXIT, code=int(code), reason=reason, host=self.host_id)
         (logging.info if code == AgentExit.OK else logging.error)("tf_elastic agent %s: %s", self.host_id, reason)
         return int(code)
+
+
+def eviction_cause(slow: Dict[Tuple[int, str], float]) -> Dict[str, object]:
+    """What the `evicted` event says of why, from this host's stragglers ((rank, cause) -> slowness): `cause`
+    "compute", "input" or, a host straggling by both, "compute and input"; `slowness` the slowest rank's by
+    its compute where that is a cause, else by its input; `input_slowness` too where both are."""
+    by_cause: Dict[str, float] = {}
+    for (_, cause), slowness in slow.items():
+        by_cause[cause] = round(max(slowness, by_cause.get(cause, 0.0)), 3)
+    said: Dict[str, object] = {"cause": " and ".join(sorted(by_cause)) or "compute",
+                               "slowness": by_cause.get("compute", by_cause.get("input", 0.0))}
+    if len(by_cause) == 2:
+        said["input_slowness"] = by_cause["input"]
+    return said
 
 
 def _account(error: Optional[str], traceback: Optional[List[str]]) -> Dict[str, object]:

@@ -172,7 +172,7 @@ class GroupProbe:
             logging.info("straggler probes every %.0f s from now (half that while a rank is over the factor, for at "
                          "most %d intervals of %d): %s", interval, HURRIED_AT_MOST, HURRY_HISTORY, why)
             self._said = interval  # said again only once it moves by half (a straggler's probes jitter)
-        hurried = hurry(bool(suspects), self._hurried)
+        hurried = hurry(bool(suspects or self.input_watch.suspects), self._hurried)
         self._hurried.append(hurried)
         self.interval = interval / 2 if hurried else interval  # not logged: noise makes suspects
 
@@ -199,8 +199,8 @@ class GroupProbe:
                           LONGEST_PROBE_STRETCH * max(self.duration, self.settings.seconds))
         self.spent += max(0.0, max(input_durations) - self.input_duration)  # and for the slowest input read
         began, ended = self.watch.observe(seconds)
-        self._space_out(durations)
         input_began, input_ended = self.input_watch.observe(input_slowness(waiting))
+        self._space_out(durations)
         measured = [s for s in seconds if s > 0]
         median = float(np.median(measured)) if measured else 0.0
         if measured:
