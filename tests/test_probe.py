@@ -1,4 +1,5 @@
 """`tf_elastic/elastic/worker/probe.py`: the local pass every rank times, on the models users bring."""
+import math
 import time
 
 import keras
@@ -244,13 +245,14 @@ def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_str
     settings = ProbeSettings(seconds=0.01, rules=StragglerRules(1.5, 3))
     rows = []
 
-    def time_input(seconds, rows_a_step):  # a feed's input read alone (its own tests: test_*feed.py)
-        rows.append((seconds, rows_a_step))
+    def time_input(seconds, rows_a_step, limit):  # a feed's input read alone (its own tests: test_*feed.py)
+        rows.append((seconds, rows_a_step, limit))
         return 0.125
 
     seconds, read = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings, time_input)
     assert seconds > 0 and read == 0.125  # timing-ok: measured, and the feed's read as it gave it
-    assert rows == [(INPUT_TIMING_SECONDS, 8)]  # 4 rows on each of 2 replicas
+    # 4 rows on each of 2 replicas; no limit of its own (a fresh pass's buffers fill first)
+    assert rows == [(INPUT_TIMING_SECONDS, 8, math.inf)]
     assert (tmp_path / "slot-0").read_text() == f"{seconds!r} 0.125"  # timing-ok: a measurement, written
     assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings, time_input) == (0.0, 0.125)
     assert (tmp_path / "slot-1").read_text() == "0.0 0.125" and sorted(p.name for p in tmp_path.iterdir()) == [

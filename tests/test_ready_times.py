@@ -165,6 +165,27 @@ def test_a_read_alone_of_a_reshuffled_pipeline_leaves_the_next_epochs_order_as_a
     assert read.identity() == twin.identity() and read.identity()[0] != 0
 
 
+def test_a_pipelines_read_alone_reads_on_from_where_its_pump_stands_not_from_the_pass_start(two_cpu_strategy):
+    """A pipeline slow for its first 10 batches (60 ms each), then quick: once the steps trained past them, the
+    read alone reads the batches not read yet (a copy of the iterator, its buffers with it), quick; a fresh
+    pass would read the slow start (and, on a real disk, pages the steps had just read). The next batch the
+    steps train is the same after it."""
+    slow = tf.data.Dataset.range(20).batch(2).apply(testing.sleep(60000))
+    feed = DatasetFeed(slow.concatenate(tf.data.Dataset.range(20, 4000).batch(2)))
+    feed.restore(0, 0, b"")
+    assert feed.time_input(0.2) >= 0.06  # timing-ok: a sleep's lower bound (nothing trained: the slow start)
+    steps = iter(feed.distributed(two_cpu_strategy))
+    for _ in range(10):
+        next(steps)
+        feed.trained(1)
+    before = feed.identity()
+    try:
+        assert feed.time_input(0.2) < 0.03  # timing-ok: the quick batches against a 60 ms sleep each
+        assert feed.identity() == before and before[0] != 0
+    finally:
+        feed.close()
+
+
 def test_a_read_alone_is_timed_in_its_steady_state_and_one_that_fails_or_hangs_times_nothing():
     """What the pipeline buffered while its first element was made comes out at once: a read timed over the
     second half of its time only sees the 0.2 s an element the source then takes (16 buffered ones counted

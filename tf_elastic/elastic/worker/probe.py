@@ -32,6 +32,7 @@ trains nothing) and rejoins only once both are back within the factor of the gro
 seconds a step).
 """
 import collections
+import math
 import os
 import statistics
 import time
@@ -260,11 +261,11 @@ class GroupProbe:
 
 
 def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings,
-               time_input: Callable[[float, int], float]) -> Tuple[float, float]:
+               time_input: Callable[[float, int, float], float]) -> Tuple[float, float]:
     """A host on probation (`Env.PROBATION`: "RESULT_FILE,BATCH"): times the model's pass on this worker's
     replicas at the group's batch, as the group's probe does (traced untimed, then the median of `window`
     probes of `seconds`), with no group to wait for, and its input read alone at a step's rows
-    (`time_input(seconds, rows a step)`, a feed's); writes "PASS INPUT" (seconds per pass, and per step of
+    (`time_input(seconds, rows a step, limit)`, a feed's); writes "PASS INPUT" (seconds per pass, and per step of
     input; 0: the model's inputs are not known) to RESULT_FILE and returns them."""
     path, batch = probation.rsplit(",", 1)
     timed = _forward_and_backward(model, strategy, int(batch))
@@ -272,7 +273,9 @@ def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings
     if timed is not None:
         timed(0.0)
         seconds = statistics.median(timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
-    read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync)
+    # No limit of its own: a fresh pass's first batch fills the pipeline's buffers (a large shuffle's can take
+    # longer than a group's read may), and the agent's --startup_timeout bounds this worker.
+    read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync, math.inf)
     with open(path + ".tmp", "w") as f:
         f.write(f"{seconds!r} {read!r}")
     os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone

@@ -47,7 +47,7 @@ from tensorflow.python.data.ops import options as options_lib
 from tensorflow.python.data.ops.directed_interleave_op import _DirectedInterleaveDataset as DirectedInterleaveDataset
 from tensorflow.python.ops import gen_data_flow_ops, gen_dataset_ops
 
-from tf_elastic.elastic.worker.data.feed import local_replicas, seconds_per_step
+from tf_elastic.elastic.worker.data.feed import LONGEST_READ_SECONDS, local_replicas, seconds_per_step
 from tf_elastic.elastic.worker.data.iterator_state import exhausted_mix, held_error
 from tf_elastic.elastic.worker.data.source import digest
 from tf_elastic.elastic.worker.errors import ConfigurationError
@@ -273,23 +273,37 @@ class DatasetFeed:
             self._supersede()
             self._made += 1
 
-    def time_input(self, seconds: float, rows_a_step: Optional[int] = None) -> float:
+    def time_input(self, seconds: float, rows_a_step: Optional[int] = None,
+                   limit: float = LONGEST_READ_SECONDS) -> float:
         """Seconds per step of this worker's input read alone (`feed.seconds_per_step`; `rows_a_step`: every
-        worker reads whole global batches): a fresh pass of the pipeline, from its start (its iterator at the
-        step's position cannot be copied). A fresh iterator draws the next epoch's reshuffle seeds, on the
-        ranks that read only: they are put back as the epoch's start left them, as a restore does. 0 where
-        a second iterator cannot be made (a `cache` file another iterator writes)."""
+        worker reads whole global batches): a copy of the pipeline's iterator (tf.data's checkpoint, its
+        buffers with it) reads on from where the pump stands, the batches not read yet, as a read from the
+        pass's start would come from the page cache; a fresh pass where there is no such position (before
+        the first step, a probation's; at the pass's end, where the next epoch starts) or where a copy would
+        be restored wrongly (a mix whose input ran out: its last anchor's). A new iterator draws the next
+        epoch's reshuffle seeds, on the ranks that read only: they are put back as the epoch's start left
+        them, as a restore does. 0 where it cannot be made (a `cache` file another iterator writes); `limit`:
+        `feed.seconds_per_step`'s."""
         del rows_a_step
         with self._pulling:
             try:
-                elements = iter(self.dataset)
-            except tf.errors.OpError as error:
-                logging.warning("the input could not be read alone (%s): it is not weighed", error.message[:200])
+                elements = self._copy()
+            except (tf.errors.OpError, ConfigurationError) as error:
+                logging.warning("the input could not be read alone (%s): it is not weighed", str(error)[:200])
                 return 0.0
             finally:
                 if self._epoch_start:
                     _restored(self.dataset, self._epoch_start)
-        return seconds_per_step(elements, 1, seconds)
+        return seconds_per_step(elements, 1, seconds, limit)
+
+    def _copy(self) -> Iterator:
+        """(`_pulling` held.) An iterator where the pump's stands (`time_input`)."""
+        if self._iterator is None or self._exhausted or self._failure is not None:
+            return iter(self.dataset)
+        saved = _save(self._iterator)
+        if self._anchored and exhausted_mix(saved):
+            return _restored(self.dataset, self._anchor[0])
+        return _restored(self.dataset, saved)
 
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call: from a step's

@@ -77,11 +77,13 @@ class PlannedFeed:
         return pipeline(self.source, indices, batch, preprocess=self.preprocess, seed=self.seed, epoch=self.epoch,
                         class_weight=self.class_weight, with_indices=self.index_log is not None, stamp=stamp)
 
-    def time_input(self, seconds: float, rows_a_step: Optional[int] = None) -> float:
+    def time_input(self, seconds: float, rows_a_step: Optional[int] = None,
+                   limit: float = feed.LONGEST_READ_SECONDS) -> float:
         """Seconds per step of this worker's input read alone (`feed.seconds_per_step`) at `rows_a_step` rows
         a step (default: its own), by a side pipeline over the epoch's batches this worker has not read yet
         (before its first step, a probation's: the epoch's), from one drawn at random: read again, those
-        just read, or read at the last time, would come from the page cache. Nothing the steps read moves."""
+        just read, or read at the last time, would come from the page cache. Nothing the steps read moves;
+        `limit`: `feed.seconds_per_step`'s."""
         per_replica = max(1, (rows_a_step or self.worker_batch) // self._local)
         ahead = self.batches[self.batch_in_epoch:] or self.plan.replica_batches(
             self.epoch, 0, self.world.size, self.world.rank, per_replica * self._local)
@@ -89,7 +91,7 @@ class PlannedFeed:
             return 0.0
         start = int(np.random.default_rng().integers(len(ahead)))  # a measurement's, not the training's
         indices = np.concatenate((ahead[start:] + ahead[:start])[:READ_ALONE_BATCHES])
-        return feed.seconds_per_step(self.pipeline(indices, per_replica), self._local, seconds)
+        return feed.seconds_per_step(self.pipeline(indices, per_replica), self._local, seconds, limit)
 
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call (`ReadyTimes`):

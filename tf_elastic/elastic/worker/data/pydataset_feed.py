@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_elastic.elastic.worker.data.dataset_feed import any_rows, batch_number, replica_share, rows_are_missing
-from tf_elastic.elastic.worker.data.feed import local_replicas
+from tf_elastic.elastic.worker.data.feed import LONGEST_READ_SECONDS, local_replicas
 from tf_elastic.elastic.worker.data.ready_times import ReadyTimes
 from tf_elastic.elastic.worker.errors import ConfigurationError
 
@@ -99,11 +99,12 @@ class PyDatasetFeed:
         what the straggler probe reports besides compute."""
         return self.ready_times.take()
 
-    def time_input(self, seconds: float, rows_a_step: Optional[int] = None) -> float:
+    def time_input(self, seconds: float, rows_a_step: Optional[int] = None,
+                   limit: float = LONGEST_READ_SECONDS) -> float:
         """0: a PyDataset's input is not read alone. Its `__getitem__` may draw from state it shares (a
         seeded generator: read one batch at a time, in order, it draws the same on every worker), and a read
         beside the pipeline's, on the ranks not straggling only, would draw differently on them."""
-        del seconds, rows_a_step
+        del seconds, rows_a_step, limit
         return 0.0
 
     def replica_dataset(self, replicas: int, first: int, count: int, stamp=None) -> tf.data.Dataset:
