@@ -215,6 +215,7 @@ def test_an_eviction_names_each_cause_its_host_straggles_by():
     assert eviction_cause({(1, "input"): 2.5}) == {"cause": "input", "slowness": 2.5}
     assert eviction_cause({(0, "input"): 2.5, (1, "compute"): 1.7}) == {
         "cause": "compute and input", "slowness": 1.7, "input_slowness": 2.5}
+    assert eviction_cause({}) == {"cause": "unknown", "slowness": 0.0}
 
 
 def test_host_dirs_of_live_agents_are_kept_whatever_their_pid(tmp_path, monkeypatch):

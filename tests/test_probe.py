@@ -1,5 +1,4 @@
 """`tf_elastic/elastic/worker/probe.py`: the local pass every rank times, on the models users bring."""
-import math
 import time
 
 import keras
@@ -7,7 +6,8 @@ import numpy as np
 import pytest
 
 from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
-from tf_elastic.elastic.worker.probe import INPUT_TIMING_SECONDS, GroupProbe, _forward_and_backward, time_alone
+from tf_elastic.elastic.worker.probe import (INPUT_TIMING_SECONDS, PROBATION_READ_SECONDS, GroupProbe,
+                                            _forward_and_backward, time_alone)
 from tf_elastic.elastic.worker.world import PULSE, World
 
 
@@ -251,8 +251,7 @@ def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_str
 
     seconds, read = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings, time_input)
     assert seconds > 0 and read == 0.125  # timing-ok: measured, and the feed's read as it gave it
-    # 4 rows on each of 2 replicas; no limit of its own (a fresh pass's buffers fill first)
-    assert rows == [(INPUT_TIMING_SECONDS, 8, math.inf)]
+    assert rows == [(INPUT_TIMING_SECONDS, 8, PROBATION_READ_SECONDS)]  # 4 rows on each of 2 replicas
     assert (tmp_path / "slot-0").read_text() == f"{seconds!r} 0.125"  # timing-ok: a measurement, written
     assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings, time_input) == (0.0, 0.125)
     assert (tmp_path / "slot-1").read_text() == "0.0 0.125" and sorted(p.name for p in tmp_path.iterdir()) == [

@@ -122,7 +122,9 @@ def _planned(source_class, strategy):
 
 
 def _dataset(per_batch_us: int):
-    return DatasetFeed(tf.data.Dataset.from_tensor_slices(_arrays()).batch(2).apply(testing.sleep(per_batch_us)))
+    """A pipeline of 5000 batches, `per_batch_us` each: a read alone of 0.2 s does not reach its end (a copy
+    that ran out times nothing)."""
+    return DatasetFeed(tf.data.Dataset.range(10000).batch(2).apply(testing.sleep(per_batch_us)))
 
 
 @pytest.mark.parametrize("kind", ["source", "dataset"])
@@ -132,7 +134,7 @@ def test_a_feeds_input_read_alone_says_how_slow_it_is_and_moves_nothing_the_step
     less; the batch the steps read next is the same after it (the feed's digest of it, or its position and
     first batch). A PyDataset is not read alone (its `__getitem__` may draw from shared state)."""
     make = {"source": lambda slow: _planned(_SlowReads if slow else data.ArraySource, two_cpu_strategy),
-            "dataset": lambda slow: _dataset(60000 if slow else 0)}[kind]
+            "dataset": lambda slow: _dataset(60000 if slow else 100)}[kind]
     seconds = {}
     for slow in (True, False):
         feed = make(slow)
@@ -154,8 +156,8 @@ def test_a_read_alone_of_a_reshuffled_pipeline_leaves_the_next_epochs_order_as_a
     """A fresh iterator of a pipeline that reshuffles each epoch draws the next epoch's seeds: a rank that read
     its input alone must still train the order of one that did not (the straggler's ranks never read)."""
     def feed():
-        made = DatasetFeed(tf.data.Dataset.range(EXAMPLES).shuffle(EXAMPLES, seed=7).batch(4))
-        made.restore(0, 0, b"")
+        made = DatasetFeed(tf.data.Dataset.range(4000).shuffle(4000, seed=7).batch(4).apply(testing.sleep(1000)))
+        made.restore(0, 0, b"")  # reads the first batch: the shuffle's input ran out, a copy is read
         return made
 
     read, twin = feed(), feed()
@@ -184,6 +186,19 @@ def test_a_pipelines_read_alone_reads_on_from_where_its_pump_stands_not_from_the
         assert feed.identity() == before and before[0] != 0
     finally:
         feed.close()
+
+
+def test_a_pipeline_with_a_cache_or_at_its_passs_end_is_not_read_alone(tmp_path):
+    """A `cache` is shared by every iterator of the pipeline (a second one beside the pump's would take its
+    file's lock, or reset its memory): not read. A copy that runs out before its time read the pass's last
+    batches from its buffers: it times nothing. Neither moves the next batch the steps train."""
+    for dataset in (tf.data.Dataset.range(400).cache().batch(2),
+                    tf.data.Dataset.range(400).cache(str(tmp_path / "cache")).batch(2),
+                    tf.data.Dataset.range(20).batch(2)):
+        feed = DatasetFeed(dataset)
+        feed.restore(0, 0, b"")
+        before = feed.identity()
+        assert feed.time_input(0.2) == 0.0 and feed.identity() == before
 
 
 def test_a_read_alone_is_timed_in_its_steady_state_and_one_that_fails_or_hangs_times_nothing():

@@ -108,7 +108,7 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
         moments = [time.time()]
         for phase, cores_of_phase in zip(PHASES, (None, fair / 3, fair * 0.8, None)):
             if phase == "slow" and (copies or not FLAGS.host_quota):
-                (copies.slow if copies else throttle).add(job.agents[names[-1]].pid)
+                (copies.slow if copies else throttle).add(job.agents[_slowed()].pid)
             if phase != "before" and copies:
                 copies.slow.limit(FLAGS.slow_disk_kbps * 1024 if phase == "slow" else None)
             elif phase != "before":
@@ -121,8 +121,8 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
     without = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts - 1]
     back = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts and e["time"] > slow_at]
     reports = job.events(Event.STRAGGLER)
-    return {"mode": mode, "rates": rates, "report": _first([e for e in reports if e["host"] == names[-1]], slow_at),
-            "reports": [(e["host"] == names[-1], e["cause"]) for e in reports],
+    return {"mode": mode, "rates": rates, "report": _first([e for e in reports if e["host"] == _slowed()], slow_at),
+            "reports": [(e["host"] == _slowed(), e["cause"]) for e in reports],
             "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
@@ -134,21 +134,25 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
 
 def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextlib.ExitStack,
                   copies: Optional["DataCopies"] = None) -> Throttle:
-    """Starts every host's agent (with `copies`, in a directory where `data` is its own copy: the last host's
-    on the slow disk); with `--host_quota` each in a cgroup of its own at `fair` cores. Returns the last
-    host's throttle (the one a run slows). Leaving `stack` ends the job before it lifts the throttles: a cgroup
-    with processes in it cannot be removed."""
+    """Starts every host's agent (with `copies`, in a directory where `data` is its own copy: the slowed
+    host's, `_slowed`, on the slow disk; a baseline of three has none); with `--host_quota` each in a cgroup
+    of its own at `fair` cores. Returns the last host's throttle (the one a run slows). Leaving `stack` ends
+    the job before it lifts the throttles: a cgroup with processes in it cannot be removed."""
     period_us = FLAGS.quota_period_ms * 1000
     throttles = [stack.enter_context(Throttle(f"tf_elastic-bench-{os.getpid()}-{name}", period_us))
                  for name in (names if FLAGS.host_quota else names[-1:])]
     stack.callback(job.cleanup)
     for name, throttle in zip(names, throttles if FLAGS.host_quota else [None] * len(names)):
-        slowed = name == chr(ord("a") + FLAGS.hosts - 1)  # in a baseline of 3 too, the host the runs slow
-        job.start_agent(name, cwd=copies.host_dir(job.tmp, name, slowed) if copies else None)
+        job.start_agent(name, cwd=copies.host_dir(job.tmp, name, name == _slowed()) if copies else None)
         if throttle is not None:
             throttle.add(job.agents[name].pid)
             throttle.set(fair)
     return throttles[-1]
+
+
+def _slowed() -> str:
+    """The host a run slows: the last of `--hosts`."""
+    return chr(ord("a") + FLAGS.hosts - 1)
 
 
 def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
@@ -220,7 +224,7 @@ def main(argv: List[str]) -> None:
     with Throttle(f"tf_elastic-bench-{os.getpid()}-check") as check:
         if FLAGS.host_quota and check.kind != "cgroup":
             raise app.UsageError("--host_quota needs a writable cgroup with the cpu controller")
-    root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-"))
+    root = Path(FLAGS.root or tempfile.mkdtemp(prefix="bench_straggler-")).resolve()  # agents run elsewhere
     with contextlib.ExitStack() as stack:
         copies = stack.enter_context(_disk(root)) if FLAGS.slow_disk_kbps else None
         alone = {n: baseline(root / f"alone-{n}", n, FLAGS.baseline_seconds, copies)

@@ -668,12 +668,13 @@ class ElasticAgent:
 
 def eviction_cause(slow: Dict[Tuple[int, str], float]) -> Dict[str, object]:
     """What the `evicted` event says of why, from this host's stragglers ((rank, cause) -> slowness): `cause`
-    "compute", "input" or, a host straggling by both, "compute and input"; `slowness` the slowest rank's by
+    "compute", "input" or, a host straggling by both, "compute and input" ("unknown" where a heartbeat said
+    to leave before it said why); `slowness` the slowest rank's by
     its compute where that is a cause, else by its input; `input_slowness` too where both are."""
     by_cause: Dict[str, float] = {}
     for (_, cause), slowness in slow.items():
         by_cause[cause] = round(max(slowness, by_cause.get(cause, 0.0)), 3)
-    said: Dict[str, object] = {"cause": " and ".join(sorted(by_cause)) or "compute",
+    said: Dict[str, object] = {"cause": " and ".join(sorted(by_cause)) or "unknown",
                                "slowness": by_cause.get("compute", by_cause.get("input", 0.0))}
     if len(by_cause) == 2:
         said["input_slowness"] = by_cause["input"]

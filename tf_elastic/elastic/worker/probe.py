@@ -32,7 +32,6 @@ trains nothing) and rejoins only once both are back within the factor of the gro
 seconds a step).
 """
 import collections
-import math
 import os
 import statistics
 import time
@@ -260,6 +259,12 @@ class GroupProbe:
         return self._input_evict
 
 
+# A probation's read alone runs at most this long: a fresh pass's first batch fills the pipeline's buffers (a
+# large shuffle's), longer than a group's read may take (`feed.LONGEST_READ_SECONDS`); within the agent's
+# --startup_timeout (120 s by default), so that past it the host is kept out as too slow, its pass timed.
+PROBATION_READ_SECONDS = 60.0
+
+
 def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings,
                time_input: Callable[[float, int, float], float]) -> Tuple[float, float]:
     """A host on probation (`Env.PROBATION`: "RESULT_FILE,BATCH"): times the model's pass on this worker's
@@ -273,9 +278,7 @@ def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings
     if timed is not None:
         timed(0.0)
         seconds = statistics.median(timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
-    # No limit of its own: a fresh pass's first batch fills the pipeline's buffers (a large shuffle's can take
-    # longer than a group's read may), and the agent's --startup_timeout bounds this worker.
-    read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync, math.inf)
+    read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync, PROBATION_READ_SECONDS)
     with open(path + ".tmp", "w") as f:
         f.write(f"{seconds!r} {read!r}")
     os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone

@@ -55,6 +55,9 @@ from tf_elastic.elastic.worker.errors import ConfigurationError
 _FAIL_ON_EXTERNAL_STATE = options_lib.ExternalStatePolicy.FAIL.value
 # sample_from_datasets' and choose_from_datasets' op: restored wrongly unless it stops at its first empty input.
 _MIXES = ("DirectedInterleaveDataset", "ExperimentalDirectedInterleaveDataset")
+_CACHES = ("CacheDataset", "CacheDatasetV2")
+# A read alone copies the iterator's checkpoint (its buffers) twice more; above this many bytes it reads nothing.
+LARGEST_COPY_BYTES = 256 << 20
 _BATCH, _END, _FAILED = 1, 0, -1  # what a reader's queue hands it: a batch, the pass's end, the pipeline's error
 # From this many workers on the chief says what reading the whole pipeline costs (each does W times the input
 # work of a sharded read: measured 0.54x to 0.66x plain FILE sharding's steps/s at 4 workers) and names the way out.
@@ -65,9 +68,13 @@ class DatasetFeed:
     """Feeds this worker's replicas their rows of each global batch of `dataset`, and saves its position."""
 
     def __init__(self, dataset: tf.data.Dataset, world_size: int = 1, rank: int = 0):
-        mixes = _check_pipeline(dataset)  # None: its graph was not read (any mix in it is taken as restored wrongly)
+        nodes = _check_pipeline(dataset)  # None: its graph was not read (any mix in it is taken as restored wrongly)
+        mixes = None if nodes is None else [node for node in nodes if node.op in _MIXES]
         self._anchored = mixes is None or any(not node.attr["stop_on_empty_dataset"].b for node in mixes)
         self._mixes_drain = mixes is not None and _mixes_drain(dataset, len(mixes))  # a held error there is raised
+        # A `cache` is shared by every iterator of the pipeline (a file's shards, or memory that a restore
+        # resets): no second iterator reads it beside the pump's (`time_input`).
+        self._cached = nodes is None or any(node.op in _CACHES for node in nodes)
         self.dataset, self.world_size, self.rank = dataset, world_size, rank
         if rank == 0 and world_size >= _SAY_WHOLE_READ_COST_FROM:
             logging.warning("x: each of the %d workers reads the whole tf.data pipeline and trains 1/%d of each "
@@ -275,35 +282,50 @@ class DatasetFeed:
 
     def time_input(self, seconds: float, rows_a_step: Optional[int] = None,
                    limit: float = LONGEST_READ_SECONDS) -> float:
-        """Seconds per step of this worker's input read alone (`feed.seconds_per_step`; `rows_a_step`: every
-        worker reads whole global batches): a copy of the pipeline's iterator (tf.data's checkpoint, its
-        buffers with it) reads on from where the pump stands, the batches not read yet, as a read from the
-        pass's start would come from the page cache; a fresh pass where there is no such position (before
-        the first step, a probation's; at the pass's end, where the next epoch starts) or where a copy would
-        be restored wrongly (a mix whose input ran out: its last anchor's). A new iterator draws the next
-        epoch's reshuffle seeds, on the ranks that read only: they are put back as the epoch's start left
-        them, as a restore does. 0 where it cannot be made (a `cache` file another iterator writes); `limit`:
-        `feed.seconds_per_step`'s."""
+        """Seconds per step of this worker's input read alone (`feed.seconds_per_step`, `limit` its;
+        `rows_a_step`: every worker reads whole global batches): a copy of the pump's iterator (tf.data's
+        checkpoint, its buffers with it) reads on from where the pump stands, the batches not read yet (a read
+        from the pass's start would come from the page cache, and fill a shuffle's buffer first); a fresh
+        pass where the pump has no position (a probation's worker) or its pass ended (the next epoch's), and a
+        mix whose input ran out reads from its anchor (a copy of it would be restored wrongly). A new iterator
+        draws the next epoch's reshuffle seeds on the ranks that read only: they are put back as the epoch's
+        start left them, as a restore does. 0 (not weighed): a pipeline with a `cache`, a checkpoint over
+        LARGEST_COPY_BYTES, an iterator that cannot be made, a copy that ran out before `seconds` (a pass's
+        last batches, from its buffers). The time it takes to copy is no wait for input."""
         del rows_a_step
+        if self._cached:
+            return 0.0
+        began = time.monotonic()
         with self._pulling:
             try:
-                elements = self._copy()
-            except (tf.errors.OpError, ConfigurationError) as error:
-                logging.warning("the input could not be read alone (%s): it is not weighed", str(error)[:200])
+                elements, copied = self._copy()
+            except tf.errors.OpError as error:
+                logging.warning("the input could not be read alone (%s): it is not weighed", error.message[:200])
                 return 0.0
             finally:
                 if self._epoch_start:
                     _restored(self.dataset, self._epoch_start)
-        return seconds_per_step(elements, 1, seconds, limit)
+                with self._lock:
+                    if self._starved_since is not None:
+                        self._starved_since += time.monotonic() - began
+        if elements is None:
+            return 0.0
+        ran_out = []
+        timed = seconds_per_step(_noting_the_end(elements, ran_out), 1, seconds, limit)
+        return 0.0 if copied and ran_out else timed
 
-    def _copy(self) -> Iterator:
-        """(`_pulling` held.) An iterator where the pump's stands (`time_input`)."""
+    def _copy(self) -> Tuple[Optional[Iterator], bool]:
+        """(`_pulling` held.) An iterator where the pump's stands (None: too large to copy), and whether it
+        is a copy (`time_input`)."""
         if self._iterator is None or self._exhausted or self._failure is not None:
-            return iter(self.dataset)
+            return iter(self.dataset), False
         saved = _save(self._iterator)
         if self._anchored and exhausted_mix(saved):
-            return _restored(self.dataset, self._anchor[0])
-        return _restored(self.dataset, saved)
+            saved = self._anchor[0]
+        if len(saved) > LARGEST_COPY_BYTES:
+            logging.info("the input is not read alone: its iterator's checkpoint holds %d MB", len(saved) >> 20)
+            return None, True
+        return _restored(self.dataset, saved), True
 
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call: from a step's
@@ -456,8 +478,8 @@ class DatasetFeed:
 def _check_pipeline(dataset: tf.data.Dataset) -> Optional[list]:
     """Refuses, in one line, what cannot be resumed exactly: state tf.data cannot checkpoint, an order that
     is not repeatable, and repeats (found in the pipeline's graph, before any iterator is made); returns
-    the graph's mixes of datasets (their `NodeDef`s: TensorFlow restores some wrongly, see the module's
-    docstring; None where the graph is not read). The graph
+    the graph's `NodeDef`s (its mixes of datasets, which TensorFlow restores some wrongly, see the module's
+    docstring; its caches), None where the graph is not read. The graph
     holds the arrays of a `from_tensor_slices`: serializing it costs a copy of them once (22 s for 2.4 GB
     measured here), which arrays passed as x and y do not."""
     try:
@@ -485,7 +507,13 @@ def _check_pipeline(dataset: tf.data.Dataset) -> Optional[list]:
     if int(dataset.cardinality()) == tf.data.INFINITE_CARDINALITY or any(node.op == "RepeatDataset" for node in nodes):
         raise ConfigurationError("x: the tf.data pipeline repeats (.repeat()): an epoch is one pass over it (give "
                                  "epochs), and TensorFlow restores a repeated reshuffle wrongly at some positions.")
-    return [node for node in nodes if node.op in _MIXES]
+    return nodes
+
+
+def _noting_the_end(elements: Iterator, ended: list) -> Iterator:
+    """`elements`, and True appended to `ended` once they ran out."""
+    yield from elements
+    ended.append(True)
 
 
 def _mixes_drain(dataset: tf.data.Dataset, in_graph: int) -> bool:
