@@ -95,6 +95,25 @@ def test_a_feed_whose_waits_no_probe_reads_stamps_nothing(two_cpu_strategy):
     assert World(size=2).probes_stragglers
 
 
+def test_an_epochs_first_step_waits_from_the_epochs_begin_except_in_a_rounds_first_epoch():
+    """Each epoch's pipeline is new; its first element, ready 50 ms after the epoch began, was waited for
+    (its iterator's start, a run's first read), except in the round's first epoch, whose first call traces
+    the step too."""
+    from tf_elastic.elastic.worker.data.ready_times import ReadyTimes
+
+    ready, waited = ReadyTimes(), []
+    for _ in range(2):
+        elements = iter(ready.stamp(tf.data.Dataset.range(4)))
+        ready.epoch_begins()
+        time.sleep(0.05)
+        next(elements)  # made now: the stamp is no prefetch's
+        ready.called(0)
+        next(elements)
+        ready.called(1)  # ready before this call's step asked: no wait
+        waited.append(ready.take())
+    assert waited[0] == 0.0 and 0.04 < waited[1] < 5.0, waited
+
+
 def test_a_wait_far_behind_the_newest_element_is_looked_up_not_lost():
     """A probe interval of more than SLOTS // 2 elements: the oldest waits are looked up at once (before a newer
     element could take their ring slot), not dropped while their time still counts."""

@@ -219,6 +219,7 @@ class _ElasticTrainer:
     def begin_epoch(self, epoch: int) -> None:
         self.epoch_began = time.time()
         self.steps_in_call = 0
+        self.feed.epoch_begins()  # its first step's wait for input counts from here
 
     def end_step(self, batch: int, logs: Dict) -> None:
         """Keras ended the call's step `batch` (0-based): with `compile(steps_per_execution=k)` it calls once

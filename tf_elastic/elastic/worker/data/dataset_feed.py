@@ -327,6 +327,9 @@ class DatasetFeed:
             return None, True
         return _restored(self.dataset, saved), True
 
+    def epoch_begins(self) -> None:
+        """Nothing: a new reader's first batch is not counted (`take_input_wait`)."""
+
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call: from a step's
         end with no batch handed ahead to the next batch handed (a reader's first batch not counted: it

@@ -93,6 +93,10 @@ class PlannedFeed:
         indices = np.concatenate((ahead[start:] + ahead[:start])[:READ_ALONE_BATCHES])
         return feed.seconds_per_step(self.pipeline(indices, per_replica), self._local, seconds, limit)
 
+    def epoch_begins(self) -> None:
+        """The epoch's steps ask for its pipeline from now (`ReadyTimes.epoch_begins`)."""
+        self.ready_times.epoch_begins()
+
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call (`ReadyTimes`):
         what the straggler probe reports besides compute."""

@@ -94,6 +94,10 @@ class PyDatasetFeed:
         return strategy.distribute_datasets_from_function(lambda context: self.replica_dataset(
             local * self.world_size, self.rank * local, local, self.ready_times.stamp))
 
+    def epoch_begins(self) -> None:
+        """The epoch's steps ask for its pipeline from now (`ReadyTimes.epoch_begins`)."""
+        self.ready_times.epoch_begins()
+
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call (`ReadyTimes`):
         what the straggler probe reports besides compute."""

@@ -7,10 +7,13 @@ distribution strategy's scope would be a distributed one); after each call of st
 element its first step waited for and when the call before it ended, and `take` looks them all up in one
 op (at each straggler probe, not at each step). A step waited for what became ready after the call before
 it ended: the same measure as `DatasetFeed.take_input_wait` (the callbacks' time after a step counts while
-nothing is ready; a call of several steps counts only its first step's wait; a pipeline's first call is not
-counted: it waits for the pipeline's start). The stamp costs tf.data 15-25 us an element (an enumerate and a
-map, against the same pipeline unstamped on 2 cores), off the step's path unless the step waits for its input:
-at 64-image batches `bench_input` finds it within its noise.
+nothing is ready; a call of several steps counts only its first step's wait). An epoch's pipeline is new:
+its first call waited for what became ready after the epoch began (`epoch_begins`: its iterator's start, a
+run's first read; on a disk capped at 64 KB/s, 2.5 s of TFRecords an epoch whose 21 steps then took 1 ms
+each, that went uncounted), except a round's first pipeline, whose first call traces the step too. (A user's
+tf.data pipeline, `DatasetFeed`, does not count a new reader's first batch.) The stamp costs tf.data 15-25 us
+an element (an enumerate and a map, against the same pipeline unstamped on 2 cores), off the step's path
+unless the step waits for its input: at 64-image batches `bench_input` finds it within its noise.
 """
 import collections
 import time
@@ -31,6 +34,8 @@ class ReadyTimes:
         self._table: Optional[tf.lookup.experimental.MutableHashTable] = None
         self._pending: Deque[Tuple[int, float]] = collections.deque()  # (element, when the call before ended)
         self._last_end: Optional[float] = None
+        self._asked: Optional[float] = None  # when the epoch began, if a pipeline was read before it
+        self._read_before = False
         self._waited = 0.0
 
     def stamp(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -50,14 +55,19 @@ class ReadyTimes:
 
         return dataset.enumerate().map(stamped)
 
+    def epoch_begins(self) -> None:
+        """The steps ask for a new pipeline's first element from now (not counted in a round's first epoch)."""
+        self._asked = time.time() if self._read_before else None
+
     def called(self, element: int) -> None:
         """A call of steps ended whose first step waited for the pipeline's `element` (its last replica's)."""
         now = time.time()
-        if self._last_end is not None and self.measuring:
-            self._pending.append((element, self._last_end))
+        since = self._asked if self._last_end is None else self._last_end
+        if since is not None and self.measuring:
+            self._pending.append((element, since))
             if self._pending[0][0] < element - SLOTS // 2:  # looked up before a newer element takes its slot
                 self._flush()
-        self._last_end = now
+        self._last_end, self._asked, self._read_before = now, None, True
 
     def take(self) -> float:
         """Seconds the steps waited for their input since the last call."""
