@@ -160,8 +160,9 @@ def test_the_rank_whose_input_the_group_waits_for_is_evicted_only_where_the_othe
     by the chief's log, not by compute. Only then, once a window of probes, do the others read their own input
     alone (rank 1 here; rank 0 does not: the group's pace is its input's): at 0.1 s a step against the
     group's 1 s, its host is worth evicting (without it a step takes the rest of the group's, 0.4 s); read
-    again at 0.9 s a step (the others' input would hold the group back nearly as much), it is not. Where the
-    agent does not evict (`World.evicts_stragglers`), no input is read."""
+    again at 0.9 s a step (the others' input would hold the group back nearly as much), it is not; between
+    reads the newest is weighed against each probe's share of waiting. Where the agent does not evict
+    (`World.evicts_stragglers`), no input is read."""
     with two_cpu_strategy.scope():
         model = _dict_model()
     worlds = [World(rank=rank, size=3, host_id="abc"[rank], evicts_stragglers=True) for rank in (0, 1)]
@@ -177,17 +178,21 @@ def test_the_rank_whose_input_the_group_waits_for_is_evicted_only_where_the_othe
     evicted = []
     try:
         with caplog.at_level("INFO", logger="absl"):
-            for number, others_read in enumerate((0, 0, 0, 0.1, 0, 0, 0.9), start=1):
+            for number, (others_read, share) in enumerate(((0, 0.6), (0, 0.6), (0, 0.6), (0.1, 0.6), (0, 0.2),
+                                                            (0, 0.6), (0.9, 0.6)), start=1):
                 for probe in probes:
                     probe._waits_since = time.monotonic() - 1.0
                     probe.after_agreement(True, [])
                     assert 0.5 < probe.slots()[6] <= 0.6 if probe.world.rank == 0 else probe.slots()[7] == 0.0
-                    _read_group(probe, [0.01, 0.01, 0.01], waiting=(0.6, 0.0, 0.0), step_seconds=(1.0, 1.0, 1.0),
+                    _read_group(probe, [0.01, 0.01, 0.01], waiting=(share, 0.0, 0.0), step_seconds=(1.0, 1.0, 1.0),
                                 inputs=(0.0, others_read, others_read))
                     if probe.world.rank == 0:
                         evicted.append(PULSE.evict)
-                        assert PULSE.slow == 0.0 and PULSE.input_slow == (pytest.approx(2.5) if number >= 3 else 0.0)
-        assert evicted == [False, False, False, True, True, True, False]  # decided at each read alone only
+                        assert PULSE.slow == 0.0 and PULSE.input_slow == (
+                            pytest.approx(1 / (1 - share)) if number >= 3 else 0.0)  # the straggler's newest slowness
+        # Weighed at every probe by the newest read: at probe 5 rank 0 waited 20 % of a step only (still a straggler
+        # by its window), without it a step would take 0.8 s; at 6 again 60 %; the read at 7 says 0.9 s a step.
+        assert evicted == [False, False, False, True, False, True, False]
         # At probes 4 and 7, by rank 1; not by rank 2, whose agent does not evict.
         assert reads == [(1, INPUT_TIMING_SECONDS), (1, INPUT_TIMING_SECONDS)]
         named = [r.getMessage() for r in caplog.records if "waits for the input" in r.getMessage()]
