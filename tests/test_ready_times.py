@@ -111,7 +111,7 @@ def test_an_epochs_first_step_waits_from_the_epochs_begin_except_in_a_rounds_fir
         next(elements)
         ready.called(1)  # ready before this call's step asked: no wait
         waited.append(ready.take())
-    assert waited[0] == 0.0 and 0.04 < waited[1] < 5.0, waited
+    assert waited[0] < 0.01 and 0.04 < waited[1] < 5.0, waited  # the first: element 1's microseconds at most
 
 
 def test_a_wait_far_behind_the_newest_element_is_looked_up_not_lost():

@@ -90,6 +90,8 @@ class GroupProbe:
         self._readers: Set[int] = set()  # the ranks that read their input alone at the next probe (`_read`)
         self._probes_since_input = settings.rules.window  # probes read since the input was last read alone
         self._inputs: List[float] = []  # the newest read of the others' input alone (by rank), while one is slow
+        self._inputs_for: Set[float] = set()  # the slow host (its key) the others read theirs alone beside
+        self._worth: List[bool] = []  # the verdicts while the same host is slow, by probe
         self._pass = None
         self._warm = False  # the pass was traced (a round's first due probe does it, untimed)
         self._medians = collections.deque(maxlen=settings.rules.window)  # the group's, at the window's probes
@@ -235,29 +237,36 @@ class GroupProbe:
     def _weigh_input(self, hosts: List[float], step_seconds: List[float], waiting: List[float],
                      inputs: List[float], leaving: Set[int]) -> bool:
         """Whether this host is worth evicting for its input, as the newest read of the others' input alone
-        says against this probe's share of waiting (`stragglers.worth_evicting_for_input`: weighed at every
-        probe, as an interval that an epoch's start or a commit made long reads a smaller share); and which
-        ranks read their input alone at the next probe, from the agreed numbers alike on every rank: where
-        evictions are on (`World.evicts_stragglers`) and the input stragglers are all on one host, with at
-        least `min_workers` ranks left without it, once a window of probes (each read costs the group the
-        slowest rank's `INPUT_TIMING_SECONDS` or more), the ranks of the other hosts (the straggler's input
-        pace is known: the group waits for it). A read is kept until the next, or until no input is slow."""
+        says against each probe's share of waiting (`stragglers.worth_evicting_for_input`), at two probes in a
+        row: an interval that an epoch's start or a commit made long reads a smaller share, and its overhead
+        rides the step with the straggler, not the others' read; and which ranks read their input alone at
+        the next probe, from the agreed numbers alike on every rank: where evictions are on
+        (`World.evicts_stragglers`) and the input stragglers are all on one host, with at least `min_workers`
+        ranks left without it, once a window of probes (each read costs the group the slowest rank's
+        `INPUT_TIMING_SECONDS` or more), the ranks of the other hosts (the straggler's input pace is known:
+        the group waits for it). A read is kept while the same host is the only slow one."""
         self._probes_since_input += 1
         slow_hosts = {hosts[rank] for rank in self.input_watch.stragglers}
         others = {rank for rank, key in enumerate(hosts) if key not in slow_hosts}
         if self.world.evicts_stragglers and len(slow_hosts) == 1 and len(others) >= max(1, self.settings.min_workers) \
                 and self._probes_since_input >= self.settings.rules.window:
             self._readers, self._probes_since_input = others, 0
-        self._inputs = list(inputs) if any(inputs) else self._inputs if slow_hosts else []
+        if slow_hosts != self._inputs_for:  # another host, or none, is slow: what was read and said is stale
+            self._inputs, self._inputs_for, self._worth = [], slow_hosts, []
+        if any(inputs):
+            self._inputs = list(inputs)
         if self.world.rank not in self.input_watch.stragglers or not any(self._inputs) or self.round_seconds is None:
             return False
-        worth = worth_evicting_for_input(max(step_seconds), waiting, self._inputs, leaving, EVICTION_HORIZON_SECONDS,
-                                         self.round_seconds, self.settings.min_workers)
-        logging.info("the group waits for this worker's input (%.0f%% of a step of %.3fs); the other hosts read "
-                     "theirs alone at %.3fs a step at most%s: its host is %sworth evicting (a round costs %.0fs)",
-                     100 * waiting[self.world.rank], max(step_seconds), max(self._inputs),
-                     "" if any(inputs) else " (at an earlier probe)", "" if worth else "not ", self.round_seconds)
-        return worth
+        self._worth.append(worth_evicting_for_input(max(step_seconds), waiting, self._inputs, leaving,
+                                                    EVICTION_HORIZON_SECONDS, self.round_seconds,
+                                                    self.settings.min_workers))
+        if any(inputs) or self._worth[-2:-1] != self._worth[-1:]:  # a new read, or the verdict turned
+            logging.info("the group waits for this worker's input (%.0f%% of a step of %.3fs); the other hosts read "
+                         "theirs alone at %.3fs a step at most%s: its host is %sworth evicting (a round costs %.0fs)",
+                         100 * waiting[self.world.rank], max(step_seconds), max(self._inputs),
+                         "" if any(inputs) else " (at an earlier probe)", "" if self._worth[-1] else "not ",
+                         self.round_seconds)
+        return self._worth[-2:] == [True, True]
 
 
 # A probation's read alone runs at most this long: a fresh pass's first batch fills the pipeline's buffers (a

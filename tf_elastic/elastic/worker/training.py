@@ -116,12 +116,16 @@ class _ElasticCallback(ProgressCallback):
         self.trainer.end_epoch(epoch, logs if logs is not None else {})
 
 
-class _EpochEndCommit(keras.callbacks.Callback):
-    """The last of the callbacks: commits the epoch's end once the user's callbacks have had their say."""
+class _EpochEdges(keras.callbacks.Callback):
+    """The last of the callbacks: at an epoch's begin the steps ask for its input from here (the time of the
+    callbacks before is no wait for it); at its end it commits, once the user's callbacks have had their say."""
 
     def __init__(self, trainer: "_ElasticTrainer"):
         super().__init__()
         self.trainer = trainer
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.trainer.feed.epoch_begins()
 
     def on_epoch_end(self, epoch, logs=None):
         self.trainer.commit_epoch(epoch)
@@ -219,7 +223,6 @@ class _ElasticTrainer:
     def begin_epoch(self, epoch: int) -> None:
         self.epoch_began = time.time()
         self.steps_in_call = 0
-        self.feed.epoch_begins()  # its first step's wait for input counts from here
 
     def end_step(self, batch: int, logs: Dict) -> None:
         """Keras ended the call's step `batch` (0-based): with `compile(steps_per_execution=k)` it calls once
@@ -466,7 +469,7 @@ def _train(trainer: "_ElasticTrainer", group: Optional[GroupState], epochs: int,
     state, world, events, model = trainer.state, trainer.world, trainer.events, trainer.model
     history, fit_args = _History(), dict(verbose=verbose)
     callbacks = _CallbacksOfOneFit([_ElasticCallback(trainer), *(user_callbacks or ()), history,
-                                    _EpochEndCommit(trainer)], verbose=verbose, epochs=epochs, model=model)
+                                    _EpochEdges(trainer)], verbose=verbose, epochs=epochs, model=model)
     previous = {}
     try:
         trainer.check_same_data()

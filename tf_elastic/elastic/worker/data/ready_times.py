@@ -32,7 +32,8 @@ class ReadyTimes:
         """`measuring`: False where nothing reads the waits (the straggler probe is off): no stamp is paid."""
         self.measuring = measuring
         self._table: Optional[tf.lookup.experimental.MutableHashTable] = None
-        self._pending: Deque[Tuple[int, float]] = collections.deque()  # (element, when the call before ended)
+        # (element, when the call before ended, or the epoch began)
+        self._pending: Deque[Tuple[int, float]] = collections.deque()
         self._last_end: Optional[float] = None
         self._asked: Optional[float] = None  # when the epoch began, if a pipeline was read before it
         self._read_before = False
@@ -41,8 +42,8 @@ class ReadyTimes:
     def stamp(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """`dataset` with each element's ready time recorded as it is produced: put it before the prefetch.
         Each new pipeline (an epoch's) calls it once; its elements count from 0. (Keras may open a second
-        iterator on the same dataset, at an epoch's end: it stamps too, but a tf.data iterator reads nothing
-        before its first `get_next`, and that one is never read.)"""
+        iterator on the same dataset, at an epoch's end: its stamp stage runs only once it is read, and it is
+        never read.)"""
         self._flush()
         if not self.measuring:
             return dataset
