@@ -129,6 +129,23 @@ def test_a_host_on_probation_is_judged_against_the_median_of_the_windows_probes(
         PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch = 0.0, False, 0.0, 0
 
 
+def test_a_host_on_probation_reads_its_input_against_the_groups_step_less_its_waits_for_input(two_cpu_strategy):
+    """The heartbeat's group step is the median of the window's steps, each less the longest share of it a rank
+    waited for its input: the pace no input held back, known at every probe whoever waited (a step all waited
+    for is none). None until a window of them."""
+    probe = _rank_0_of_three(two_cpu_strategy)
+    published, PULSE.step_seconds = [], 0.0
+    try:
+        for step, waiting in ((1.0, (0.0, 0.6, 0.1)), (0.5, (0.0, 0.0, 0.0)), (2.0, (1.0, 0.0, 0.0)),
+                              (0.8, (0.5, 0.2, 0.0))):
+            _read_group(probe, [0.01] * 3, waiting=waiting, step_seconds=(step,) * 3)
+            published.append(PULSE.step_seconds)
+        assert published == [0.0, 0.0, 0.0, pytest.approx(0.4)]  # the median of 0.4, 0.5 and 0.4
+    finally:
+        PULSE.slow, PULSE.evict, PULSE.median, PULSE.batch, PULSE.input_slow, PULSE.step_seconds = (
+            0.0, False, 0.0, 0, 0.0, 0.0)
+
+
 def test_a_suspects_probes_are_hurried_at_most_4_intervals_in_16_by_its_compute_or_its_input(two_cpu_strategy):
     """Rank 1 reads 3x the median at every other probe (never a whole window): each such reading halves the
     next interval while the last 16 intervals hold fewer than 4 halved ones. A rank whose input the group waits

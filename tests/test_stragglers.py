@@ -292,7 +292,7 @@ def test_a_host_whose_reads_are_slow_is_reported_by_its_input_evicted_and_readmi
                 job.start_agent(host, cwd=tmp_path / "hosts" / host)
             three = job.first_step_after(0, world_size=3, timeout=300)
             job.wait_for(lambda: job.events(Event.SPARE_READY, source="agent:c"), timeout=180, what="c's spare")
-            # A window of probes with no input held back: the group's step, a probation's yardstick.
+            # A window of probes: the group's step less its waits for input, a probation's yardstick.
             job.wait_for(lambda: time.time() > three["time"] + 10, timeout=60)
             disk.add(job.agents["c"].pid)
             disk.limit(READ_BYTES_PER_SECOND)

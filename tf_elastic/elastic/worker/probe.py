@@ -207,8 +207,11 @@ class GroupProbe:
         median = float(np.median(measured)) if measured else 0.0
         if measured:
             self._medians.append(median)
-        if max(step_seconds) > 0 and not (self.input_watch.stragglers or self.input_watch.suspects):
-            self._step_times.append(max(step_seconds))  # the pace no input held back: a probation's yardstick
+        # A probation's yardstick: the group's step without the longest wait for input in it, at every probe (at
+        # probes where no input was even suspect only, a job of short epochs, whose starts are waits, found none).
+        paced = max(step_seconds) * (1.0 - min(1.0, max(waiting)))
+        if paced > 0:
+            self._step_times.append(paced)
         whole = len(self._medians) == self._medians.maxlen  # until then its agent keeps the last round's
         PULSE.median, PULSE.batch = statistics.median(self._medians) if whole else 0.0, self.batch
         if len(self._step_times) == self._step_times.maxlen:
