@@ -114,6 +114,25 @@ def test_an_epochs_first_step_waits_from_the_epochs_begin_except_in_a_rounds_fir
     assert waited[0] < 0.01 and 0.04 < waited[1] < 5.0, waited  # the first: element 1's microseconds at most
 
 
+def test_a_pipelines_new_epoch_waits_for_its_first_batch_from_the_epochs_begin(two_cpu_strategy):
+    """A user's pipeline of 50 ms a batch: a new epoch's reader waits for its first batch from the epoch's
+    begin; the round's first epoch does not count it (its first step traces too)."""
+    feed = DatasetFeed(tf.data.Dataset.range(16).batch(2).apply(testing.sleep(50000)))
+    feed.restore(0, 0, b"")
+    waits = []
+    try:
+        for _ in range(2):
+            feed.epoch_begins()
+            steps = iter(feed.distributed(two_cpu_strategy))
+            next(steps)
+            feed.trained(1)
+            waits.append(feed.take_input_wait())
+            feed.next_epoch()
+    finally:
+        feed.close()
+    assert waits[0] < 0.01 and waits[1] >= 0.05, waits  # timing-ok: a sleep's lower bound
+
+
 def test_a_wait_far_behind_the_newest_element_is_looked_up_not_lost():
     """A probe interval of more than SLOTS // 2 elements: the oldest waits are looked up at once (before a newer
     element could take their ring slot), not dropped while their time still counts."""

@@ -90,7 +90,8 @@ def test_an_input_straggler_is_worth_evicting_only_where_the_others_input_read_a
     """A step of 1 s in which rank 3 waited 60 % for its input: without it a step takes the other 0.4 s, or the
     slowest staying input read alone, whichever is longer. 3 ranks at 0.4 s beat 4 at 1 s; at 0.9 s (their
     input would hold them back nearly as much) they do not. Not before every staying rank's input was read;
-    never below `min_workers`; a host of two ranks leaves whole; a round's cost is paid."""
+    never below `min_workers`; a host of two ranks leaves whole; a round's cost is paid; a wait every staying
+    rank has stays."""
     waiting, fast, slow = [0.0, 0.0, 0.0, 0.6], [0.1, 0.1, 0.1, 0.0], [0.1, 0.9, 0.1, 0.0]
     assert worth_evicting_for_input(1.0, waiting, fast, {3}, window_seconds=60.0, round_seconds=10.0, min_workers=1)
     assert not worth_evicting_for_input(1.0, waiting, slow, {3}, window_seconds=60.0, round_seconds=0.0,
@@ -112,6 +113,12 @@ def test_an_input_straggler_is_worth_evicting_only_where_the_others_input_read_a
                                     round_seconds=0.0, min_workers=1)
     assert not worth_evicting_for_input(1.0, [0.0, 0.0, 0.1, 0.6], [0.1, 0.1, 0.0, 0.0], {2, 3}, window_seconds=60.0,
                                         round_seconds=0.0, min_workers=3)
+    # Every staying rank waited 25 % too (its new epoch's pipeline starting): that stays without rank 3, whose
+    # own wait beyond it is 35 %: 3/0.65 = 4.6 > 4, but not where the shared wait is 45 % (3/0.85 = 3.5 < 4).
+    assert worth_evicting_for_input(1.0, [0.25, 0.25, 0.3, 0.6], fast, {3}, window_seconds=60.0, round_seconds=0.0,
+                                    min_workers=1)
+    assert not worth_evicting_for_input(1.0, [0.45, 0.5, 0.45, 0.6], fast, {3}, window_seconds=60.0,
+                                        round_seconds=0.0, min_workers=1)
 
 
 def test_probes_are_put_off_where_the_slowest_probe_not_suspected_runs_longer_than_its_seconds():

@@ -183,9 +183,10 @@ def worth_evicting_for_input(step_seconds: float, waiting: Sequence[float], inpu
     """Whether the group trains more over the next `window_seconds` without the ranks `leaving` (an input
     straggler's host) than with them. With them a step takes `step_seconds`, of which the leaving ranks'
     steps waited the share `waiting` for their input (the others waited for them in the collective); without,
-    the rest of it, or the slowest staying rank's input (`input_seconds`: seconds a step of its own input,
-    read alone by a side pipeline while the others wait, `GroupProbe`), whichever is longer: the others'
-    prefetch buffers are full, so how fast their input could go is known only from such a read. Never
+    the step less their wait beyond what every staying rank waited too (a new epoch's pipeline starting), or
+    the slowest staying rank's input (`input_seconds`: seconds a step of its own input, read alone by a side
+    pipeline while the others wait, `GroupProbe`), whichever is longer: the others' prefetch buffers are
+    full, so how fast their input could go is known only from such a read. Never
     where a staying rank's input was not timed (0). Exact where a worker reads its share of each batch (a
     source): its rows a step, compute and input alike, scale as the batch is dealt. Where every worker reads
     the whole global batch (a user's tf.data pipeline), the staying input a step does not grow as the shares
@@ -193,7 +194,8 @@ def worth_evicting_for_input(step_seconds: float, waiting: Sequence[float], inpu
     staying = [s for rank, s in enumerate(input_seconds) if rank not in leaving]
     if not leaving or not all(s > 0 for s in staying) or step_seconds <= 0:
         return False
-    rest = step_seconds * (1.0 - min(1.0, max(waiting[rank] for rank in leaving)))
+    shared = min(w for rank, w in enumerate(waiting) if rank not in leaving)
+    rest = step_seconds * (1.0 - min(1.0, max(0.0, max(waiting[rank] for rank in leaving) - shared)))
     return _trains_more(len(input_seconds), len(staying), step_seconds, max([rest, *staying]), window_seconds,
                         round_seconds, min_workers)
 

@@ -97,6 +97,8 @@ class DatasetFeed:
         self._said_rows_missing = False  # `rows_are_missing`, once
         self._failure: Optional[Exception] = None  # the user's pipeline failed under a reader (`_pump`)
         self._starved_since: Optional[float] = None  # every handed batch was trained: the step waits for input
+        self._asked: Optional[float] = None  # the epoch began, after a reader before it: its first batch is waited
+        self._opened = False  # a reader opened (and was handed batches) in this process
         self._input_wait = 0.0  # seconds the step waited for a batch, since `take_input_wait`
         self.batches = self.trained_examples = 0  # trained in this epoch
         self.examples = None  # in an epoch: not known before it is read
@@ -266,6 +268,7 @@ class DatasetFeed:
         with self._lock:
             stale = made != self._made
             me = 0 if stale else self._supersede()
+            self._opened = self._opened or not stale
         if stale:
             _close(queue)
         else:
@@ -328,12 +331,16 @@ class DatasetFeed:
         return _restored(self.dataset, saved), True
 
     def epoch_begins(self) -> None:
-        """Nothing: a new reader's first batch is not counted (`take_input_wait`)."""
+        """The epoch's steps ask for its first batch from now: its new reader's wait for it counts from here,
+        except in a round's first epoch (its first step traces too)."""
+        with self._lock:
+            self._asked = time.monotonic() if self._opened else None
 
     def take_input_wait(self) -> float:
         """Seconds the training step waited for this worker's own input since the last call: from a step's
-        end with no batch handed ahead to the next batch handed (a reader's first batch not counted: it
-        waits for the start, not for the pipeline; a commit's `state` not counted). Approximate: the time
+        end with no batch handed ahead to the next batch handed, and a new epoch's first from the epoch's
+        begin (`epoch_begins`; a round's first batch not counted: it waits for the start, not for the
+        pipeline; a commit's `state` not counted). Approximate: the time
         after a step in callbacks counts while nothing is handed, and a call of several steps counts only
         the wait for its first batch. What the straggler probe reports besides compute."""
         with self._lock:
@@ -344,7 +351,7 @@ class DatasetFeed:
         """(The lock held.) A new newest reader's number: the thread of the one before ends."""
         self._readers += 1
         self._handed = 0
-        self._starved_since = None
+        self._starved_since, self._asked = self._asked, None
         self._room.notify_all()
         return self._readers
 

@@ -10,10 +10,10 @@ it ended: the same measure as `DatasetFeed.take_input_wait` (the callbacks' time
 nothing is ready; a call of several steps counts only its first step's wait). An epoch's pipeline is new:
 its first call waited for what became ready after the epoch began (`epoch_begins`: its iterator's start, a
 run's first read; on a disk capped at 64 KB/s, 2.5 s of TFRecords an epoch whose 21 steps then took 1 ms
-each, that went uncounted), except a round's first pipeline, whose first call traces the step too. (A user's
-tf.data pipeline, `DatasetFeed`, does not count a new reader's first batch.) The stamp costs tf.data 15-25 us
-an element (an enumerate and a map, against the same pipeline unstamped on 2 cores), off the step's path
-unless the step waits for its input: at 64-image batches `bench_input` finds it within its noise.
+each, that went uncounted), except a round's first pipeline, whose first call traces the step too (as
+`DatasetFeed` counts a new epoch's first batch). The stamp costs tf.data 15-25 us an element (an enumerate and
+a map, against the same pipeline unstamped on 2 cores), off the step's path unless the step waits for its
+input: at 64-image batches `bench_input` finds it within its noise.
 """
 import collections
 import time
