@@ -98,7 +98,7 @@ class DatasetFeed:
         self._failure: Optional[Exception] = None  # the user's pipeline failed under a reader (`_pump`)
         self._starved_since: Optional[float] = None  # every handed batch was trained: the step waits for input
         self._asked: Optional[float] = None  # the epoch began, after a reader before it: its first batch is waited
-        self._opened = False  # a reader opened (and was handed batches) in this process
+        self._opened = False  # a reader Keras opened in this process (a restore's peek opens none)
         self._input_wait = 0.0  # seconds the step waited for a batch, since `take_input_wait`
         self.batches = self.trained_examples = 0  # trained in this epoch
         self.examples = None  # in an epoch: not known before it is read
