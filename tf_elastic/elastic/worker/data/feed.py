@@ -46,7 +46,7 @@ def seconds_per_step(elements: Iterable, per_step: int, seconds: float,
     buffers filled while the first element was made comes out at once, and counted would make a slow disk
     look quick (it read 16 records a step in 0.06 s that took 1.5 s). 0 where the read fails or ends before a
     step was read; `math.inf` where it runs past `limit` (too slow to time: it is left to end at its next
-    element; `math.inf`: no limit)."""
+    element)."""
     arrivals: List[float] = []
     stop = threading.Event()
 
@@ -61,7 +61,7 @@ def seconds_per_step(elements: Iterable, per_step: int, seconds: float,
 
     reader = threading.Thread(target=_quietly(read), daemon=True, name="tf_elastic-read-alone")
     reader.start()
-    reader.join(None if limit == math.inf else limit)
+    reader.join(limit)
     stop.set()
     if reader.is_alive():
         return math.inf
