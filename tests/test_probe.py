@@ -1,5 +1,8 @@
 """`tf_elastic/elastic/worker/probe.py`: the local pass every rank times, on the models users bring."""
+import os
+import threading
 import time
+from pathlib import Path
 
 import keras
 import numpy as np
@@ -7,7 +10,7 @@ import pytest
 
 from tf_elastic.elastic.stragglers import ProbeSettings, StragglerRules
 from tf_elastic.elastic.worker.probe import (INPUT_TIMING_SECONDS, PROBATION_READ_SECONDS, GroupProbe,
-                                            _forward_and_backward, time_alone)
+                                            _forward_and_backward, _taken, time_alone)
 from tf_elastic.elastic.worker.world import PULSE, World
 
 
@@ -281,8 +284,10 @@ def test_probes_keep_their_beat_however_late_an_agreement_comes(two_cpu_strategy
     assert probe.last >= began  # the beat starts at this probe
 
 
-def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_strategy, tmp_path):
-    """The seconds a pass takes at the group's batch go to the file the agent named (0: not measurable)."""
+def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down_each_time_it_is_asked(two_cpu_strategy,
+                                                                                         tmp_path):
+    """The seconds a pass takes at the group's batch go to the file the agent named (0: not measurable), and
+    again, with the input's next read, once the agent took the last (removed the file)."""
     class Subclassed(keras.Model):
         def call(self, x):
             return x
@@ -290,16 +295,35 @@ def test_a_host_on_probation_times_its_pass_alone_and_writes_it_down(two_cpu_str
     with two_cpu_strategy.scope():
         model = _dict_model()
     settings = ProbeSettings(seconds=0.01, rules=StragglerRules(1.5, 3))
-    rows = []
+    rows, written = [], []
 
     def time_input(seconds, rows_a_step, limit):  # a feed's input read alone (its own tests: test_*feed.py)
         rows.append((seconds, rows_a_step, limit))
-        return 0.125
+        return 0.125 * len(rows)
 
-    seconds, read = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings, time_input)
-    assert seconds > 0 and read == 0.125  # timing-ok: measured, and the feed's read as it gave it
-    assert rows == [(INPUT_TIMING_SECONDS, 8, PROBATION_READ_SECONDS)]  # 4 rows on each of 2 replicas
-    assert (tmp_path / "slot-0").read_text() == f"{seconds!r} 0.125"  # timing-ok: a measurement, written
-    assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings, time_input) == (0.0, 0.125)
+    def asked_again(path):  # the agent takes the first timing and asks for a second, then no more
+        written.append(Path(path).read_text())
+        os.remove(path)
+        return len(written) < 2
+
+    seconds, read = time_alone(model, two_cpu_strategy, f"{tmp_path / 'slot-0'},4", settings, time_input,
+                               asked_again)
+    assert seconds > 0 and read == 0.25  # timing-ok: measured, and the feed's second read as it gave it
+    assert rows == [(INPUT_TIMING_SECONDS, 8, PROBATION_READ_SECONDS)] * 2  # 4 rows on each of 2 replicas
+    assert [text.split()[1] for text in written] == ["0.125", "0.25"] and written[1] == f"{seconds!r} 0.25"
+    assert float(written[0].split()[0]) > 0  # timing-ok: the first timing measured too
+    rows.clear()
+    assert time_alone(Subclassed(), two_cpu_strategy, f"{tmp_path / 'slot-1'},4", settings, time_input,
+                      lambda path: False) == (0.0, 0.125)
     assert (tmp_path / "slot-1").read_text() == "0.0 0.125" and sorted(p.name for p in tmp_path.iterdir()) == [
-        "slot-0", "slot-1"]
+        "slot-1"]
+
+
+def test_a_timing_on_probation_waits_until_the_agent_takes_the_last(tmp_path):
+    """The worker's side of asking again: it waits while its result file is there, and goes on once it is
+    gone (removed by the agent)."""
+    path = tmp_path / "slot-0.seconds"
+    path.touch()
+    threading.Timer(0.3, path.unlink).start()
+    began = time.monotonic()
+    assert _taken(str(path), poll=0.01) and time.monotonic() - began >= 0.3  # timing-ok: a timer's lower bound

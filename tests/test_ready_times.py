@@ -226,6 +226,21 @@ def test_a_pipelines_read_alone_reads_on_from_where_its_pump_stands_not_from_the
         feed.close()
 
 
+def test_a_probations_reads_alone_go_on_from_where_the_last_one_stopped_and_start_again_at_the_end():
+    """A probation's worker (no pump) is asked to read alone again and again: a pipeline slow for its first 5
+    batches (60 ms each), then quick, reads slow once and quick after (a fresh pass each time would read the
+    slow start again, on a real disk from the pages the last read left in the cache); once the pass ran out
+    the next read is a new pass, slow again."""
+    slow = tf.data.Dataset.range(10).batch(2).apply(testing.sleep(60000))
+    feed = DatasetFeed(slow.concatenate(tf.data.Dataset.range(10, 8000).batch(2)))
+    assert feed.time_input(0.2) >= 0.05  # timing-ok: a sleep's lower bound (the slow start)
+    assert feed.time_input(0.2) < 0.03  # timing-ok: the quick batches against a 60 ms sleep each
+    reads = [0.0]
+    while reads[-1] < 0.03 and len(reads) < 50:  # timing-ok: quick until the pass ran out...
+        reads.append(feed.time_input(0.2))
+    assert reads[-1] >= 0.05, reads  # timing-ok: ...then the slow start of a new pass
+
+
 def test_a_pipeline_with_a_cache_or_at_its_passs_end_is_not_read_alone(tmp_path):
     """A `cache` is shared by every iterator of the pipeline (a second one beside the pump's would take its
     file's lock, or reset its memory): not read. A copy that runs out before its time read the pass's last

@@ -25,7 +25,7 @@ RETURNED_SECONDS = 10.0  # five probes' cadence (--probe_every_seconds=2), over 
 # throttled; throttled to 0.1 of a core, 11-12x. (On hosts of their own nothing runs beside the pass.)
 AGENT = ["--min_workers=2", "--max_workers=3", "--index_log", "--last_call=1", "--probe_every_seconds=2",
          "--probe_seconds=0.2", "--straggler_window=3", "--evict_stragglers", "--straggler_hold_off=4",
-         "--straggler_factor=3"]
+         "--probation_interval=4", "--straggler_factor=3"]
 
 
 def test_slowness_is_against_the_median_and_ranks_that_did_not_probe_do_not_move_it():

@@ -88,9 +88,9 @@ class AgentConfig:
     echo_ranks: str = "all"  # whose output the agent echoes, prefixed: all, chief, none (error lines always)
     probe: ProbeSettings = ProbeSettings()  # the workers' straggler probe and its rules
     evict_stragglers: bool = False  # leave while this host is a straggler the group is better off without...
-    # ...and sit out this long between probes of its own pass until it is back within the factor (`_probation`);
-    # doubled at each eviction
+    # ...and sit out this long (doubled at each eviction) before it times its own pass and input (`_probation`)...
     straggler_hold_off: float = 30.0
+    probation_interval: float = 10.0  # ...and again this often until they are back within the factor
 
 
 class ElasticAgent:
@@ -559,42 +559,59 @@ class ElasticAgent:
 
     def _probation(self) -> None:
         """An evicted host sits out its hold-off, then times its own pass against the group's median probe,
-        and its input read alone against the group's seconds per step (`probation.time_own_pass`); while
-        either is not back within the straggler factor it sits out another
-        hold-off of the same length (a probe on probation costs the group nothing; what the doubling at each
-        eviction prevents is a rejoin that the group pays for). Returns when it may rejoin, on a notice, or
-        once the job ended (the next join says how)."""
-        seconds = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
-        while self._sit_out(seconds):
-            try:
-                group = self.job.group_probe() or self._group_probe
-            except StoreError:
-                group = self._group_probe
-            own, read = (None if group is None else probation.time_own_pass(
-                self._launch_for_probation, self.host_dir, self.config.nproc, group[1], self.config.startup_timeout,
-                self.config.heartbeat_timeout, cancelled=lambda: self.notices.received)) or (None, None)
-            median, step = group[0::2] if group else (None, None)
-            factor = self.config.probe.rules.factor
-            back = stragglers.back_within(own, median, factor) and stragglers.back_within(read, step, factor)
-            late = own == math.inf  # still starting or timing at --startup_timeout: too slow to time
-            self.events.write(Event.PROBATION, host=self.host_id, seconds=None if late else own, median=median,
-                              input_seconds=None if late or read == math.inf else read, step_seconds=step,
-                              back=back, late=late,
-                              evictions=self.evictions, hold_off=0.0 if back else seconds)
-            measured = (f"longer than --startup_timeout={self.config.startup_timeout:g}s to start and time" if late
-                        else f"{own:.4f}s, its input {_seconds_or_why(read)} a step,"
-                        if own else "(not measured)")
-            logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
-                        "group's median %s and %s a step: %s", self.host_id, measured,
-                        f"{median:.4f}s" if median else "(none)", f"{step:.4f}s" if step else "(none)",
-                        "it rejoins" if back else "it sits out again")
-            if self.config.warm_start:  # probation used the spares: warm again (while sitting out, if it does)
-                self.spares.fill(self.config.nproc)
-            if back:
-                if self.config.warm_start:  # the group must not wait for this host's cold start
-                    self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
-                                           cancelled=lambda: self.notices.received)
-                return
+        and its input read alone against the group's seconds per step (`probation.OwnPass`), again every
+        --probation_interval while either is not back within the straggler factor (a timing on probation
+        costs the group nothing; what the doubling of the hold-off at each eviction prevents is a rejoin that
+        the group pays for). Returns when it may rejoin, on a notice, or once the job ended (the next join
+        says how)."""
+        own: Optional[probation.OwnPass] = None
+        wait = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
+        try:
+            while self._sit_out(wait):
+                try:
+                    group = self.job.group_probe() or self._group_probe
+                except StoreError:
+                    group = self._group_probe
+                if group is not None and (own is None or not own.running or own.batch != group[1]):
+                    if own is not None:
+                        own.close()  # the group's batch changed, or a timing ended its workers: start afresh
+                    own = probation.OwnPass(self._launch_for_probation, self.host_dir, self.config.nproc, group[1],
+                                            self.config.heartbeat_timeout)
+                if self._judge(own if group is not None else None, group):
+                    return
+                if self.config.warm_start:  # the timing's workers took the spares: warm again (not beside it)
+                    self.spares.fill(self.config.nproc)
+                wait = self.config.probation_interval
+        finally:
+            if own is not None:
+                own.close()
+
+    def _judge(self, own: Optional[probation.OwnPass], group: Optional[Tuple[float, int, float]]) -> bool:
+        """Times this host on probation (`own`) against the `group`'s (median probe, batch, step), says so
+        (a `probation` event, and a log line: a warning where it stays out), and whether it rejoins now
+        (once its warm spares are ready: the group must not wait for this host's cold start)."""
+        own_pass, read = (own.time(self.config.startup_timeout, cancelled=lambda: self.notices.received)
+                          if own is not None else None) or (None, None)
+        median, step = group[0::2] if group else (None, None)
+        factor = self.config.probe.rules.factor
+        back = stragglers.back_within(own_pass, median, factor) and stragglers.back_within(read, step, factor)
+        late = own_pass == math.inf  # still starting or timing at --startup_timeout: too slow to time
+        self.events.write(Event.PROBATION, host=self.host_id, seconds=None if late else own_pass, median=median,
+                          input_seconds=None if late or read == math.inf else read, step_seconds=step,
+                          back=back, late=late, evictions=self.evictions,
+                          hold_off=0.0 if back else self.config.probation_interval)
+        measured = (f"longer than --startup_timeout={self.config.startup_timeout:g}s to start and time" if late
+                    else f"{own_pass:.4f}s, its input {_seconds_or_why(read)} a step," if own_pass
+                    else "(not measured)")
+        logging.log(logging.INFO if back else logging.WARNING, "%s on probation: its pass takes %s against the "
+                    "group's median %s and %s a step: %s", self.host_id, measured,
+                    f"{median:.4f}s" if median else "(none)", f"{step:.4f}s" if step else "(none)",
+                    "it rejoins" if back else f"it times again in {self.config.probation_interval:g}s")
+        if back and self.config.warm_start:
+            self.spares.fill(self.config.nproc)
+            self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
+                                   cancelled=lambda: self.notices.received)
+        return back
 
     def _launch_for_probation(self, slot: int, world: Dict[str, str]):
         process = self._launch(slot, world)

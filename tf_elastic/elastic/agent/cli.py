@@ -112,8 +112,10 @@ flags.DEFINE_bool("evict_stragglers", False, "Leave gracefully while this host i
                   "--straggler_hold_off, rejoin once this host's own pass and input, timed alone, are within "
                   "--straggler_factor of the group's median pass and step.")
 flags.DEFINE_float("straggler_hold_off", 30.0, "Seconds an evicted host sits out before it times its own pass "
-                   "and input, and between such probes while it is still slow; doubled at each eviction.",
-                   lower_bound=0.0)
+                   "and input; doubled at each eviction.", lower_bound=0.0)
+flags.DEFINE_float("probation_interval", 10.0, "Seconds between an evicted host's timings of its own pass and "
+                   "input while either is still over --straggler_factor (its workers stay up between them).",
+                   lower_bound=0.1)
 FLAGS = flags.FLAGS
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
@@ -295,7 +297,7 @@ def main(argv: List[str]) -> int:
         preemption_signals=_signals(), preemption_notice_url=FLAGS.preemption_notice_url,
         preemption_poll_interval=FLAGS.preemption_poll_interval, world_size_divides=FLAGS.world_size_divides,
         echo_ranks=FLAGS.echo_ranks, probe=_probe_settings(), evict_stragglers=FLAGS.evict_stragglers,
-        straggler_hold_off=FLAGS.straggler_hold_off)
+        straggler_hold_off=FLAGS.straggler_hold_off, probation_interval=FLAGS.probation_interval)
     code = ElasticAgent(config, store).run()
     store.close()
     return code

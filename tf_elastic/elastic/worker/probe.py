@@ -278,24 +278,36 @@ class GroupProbe:
 PROBATION_READ_SECONDS = 60.0
 
 
+def _taken(path: str, poll: float = 0.1) -> bool:
+    """Waits until `path` is gone (the agent took the timing in it and asks for the next)."""
+    while os.path.exists(path):
+        time.sleep(poll)
+    return True
+
+
 def time_alone(model, strategy: tf.distribute.Strategy, probation: str, settings: ProbeSettings,
-               time_input: Callable[[float, int, float], float]) -> Tuple[float, float]:
+               time_input: Callable[[float, int, float], float],
+               asked_again: Callable[[str], bool] = _taken) -> Tuple[float, float]:
     """A host on probation (`Env.PROBATION`: "RESULT_FILE,BATCH"): times the model's pass on this worker's
     replicas at the group's batch, as the group's probe does (traced untimed, then the median of `window`
     probes of `seconds`), with no group to wait for, and its input read alone at a step's rows
     (`time_input(seconds, rows a step, limit)`, a feed's); writes "PASS INPUT" (seconds per pass, and per step of
-    input; 0: the model's inputs are not known) to RESULT_FILE and returns them."""
+    input; 0: the model's inputs are not known) to RESULT_FILE, and again each time the agent takes it
+    (`asked_again(RESULT_FILE)`: by default waits until the agent removed it, for as long as the agent lives:
+    the heartbeat's thread ends a worker whose agent is gone); returns the last timing once not asked again."""
     path, batch = probation.rsplit(",", 1)
     timed = _forward_and_backward(model, strategy, int(batch))
-    seconds = 0.0
     if timed is not None:
         timed(0.0)
-        seconds = statistics.median(timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
-    read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync, PROBATION_READ_SECONDS)
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{seconds!r} {read!r}")
-    os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once this process is gone
-    return seconds, read
+    while True:
+        seconds = 0.0 if timed is None else statistics.median(
+            timed(probe_seconds(settings))[0] for _ in range(settings.rules.window))
+        read = time_input(INPUT_TIMING_SECONDS, int(batch) * strategy.num_replicas_in_sync, PROBATION_READ_SECONDS)
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{seconds!r} {read!r}")
+        os.replace(path + ".tmp", path)  # whole or absent: the agent reads it once every slot wrote one
+        if not asked_again(path):
+            return seconds, read
 
 
 def probe_seconds(settings: ProbeSettings) -> float:

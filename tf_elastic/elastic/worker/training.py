@@ -549,8 +549,8 @@ def global_batch_size(replicas: int, batch_size: Optional[int] = None,
 
 
 def _end_here_on_probation(model: keras.Model, strategy: tf.distribute.Strategy, world: World, feed: Feed) -> None:
-    """An evicted host on probation times its pass and its input alone (`probe.time_alone`), then ends: it
-    trains nothing."""
+    """An evicted host on probation times its pass and its input alone (`probe.time_alone`), as often as its
+    agent asks, then ends: it trains nothing."""
     if world.probation:
         time_alone(model, strategy, world.probation, ProbeSettings.from_text(world.probe), feed.time_input)
         exit_now(ExitCode.DONE)

@@ -84,6 +84,7 @@ class DatasetFeed:
         self._lock = threading.Lock()  # the queue and counts: held briefly (a step's callback takes it)
         self._pulling = threading.Lock()  # the iterator: held while the user's pipeline makes a batch
         self._iterator: Optional[Iterator] = None
+        self._alone: Optional[Iterator] = None  # a probation's reads alone, on from where the last one stopped
         self._epoch_start = b""  # the epoch's iterator as it was made: its reshuffle seeds
         self._anchor: Tuple[bytes, int] = (b"", 0)  # a mix: its restorable checkpoint, batches read at it
         self.replayed = 0  # batches read again to restore the last committed state (a mix's, past its anchor)
@@ -288,8 +289,9 @@ class DatasetFeed:
         """Seconds per step of this worker's input read alone (`feed.seconds_per_step`, `limit` its;
         `rows_a_step`: every worker reads whole global batches): a copy of the pump's iterator (tf.data's
         checkpoint, its buffers with it) reads on from where the pump stands, the batches not read yet (a read
-        from the pass's start would come from the page cache, and fill a shuffle's buffer first); a fresh
-        pass where the pump has no position (a probation's worker) or its pass ended (the next epoch's), and a
+        from the pass's start would come from the page cache, and fill a shuffle's buffer first); where the
+        pump has no position (a probation's worker) one pass read on from where the last read stopped, a new
+        one once it ran out; a fresh pass where the pump's pass ended (the next epoch's), and a
         mix whose input ran out reads from its anchor (a copy of it would be restored wrongly). A new iterator
         draws the next epoch's reshuffle seeds on the ranks that read only: they are put back as the epoch's
         start left them, as a restore does. 0 (not weighed): a pipeline with a `cache`, a checkpoint over
@@ -315,12 +317,18 @@ class DatasetFeed:
             return 0.0
         ran_out = []
         timed = seconds_per_step(_noting_the_end(elements, ran_out), 1, seconds, limit)
+        if ran_out:
+            self._alone = None
         return 0.0 if copied and ran_out else timed
 
     def _copy(self) -> Tuple[Optional[Iterator], bool]:
         """(`_pulling` held.) An iterator where the pump's stands (None: too large to copy), and whether it
         is a copy (`time_input`)."""
-        if self._iterator is None or self._exhausted or self._failure is not None:
+        if self._iterator is None:  # no pump: a probation's worker, asked again and again
+            if self._alone is None:
+                self._alone = iter(self.dataset)
+            return self._alone, False
+        if self._exhausted or self._failure is not None:
             return iter(self.dataset), False
         saved = _save(self._iterator)
         if self._anchored and exhausted_mix(saved):
