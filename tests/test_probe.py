@@ -324,6 +324,6 @@ def test_a_timing_on_probation_waits_until_the_agent_takes_the_last(tmp_path):
     gone (removed by the agent)."""
     path = tmp_path / "slot-0.seconds"
     path.touch()
-    threading.Timer(0.3, path.unlink).start()
     began = time.monotonic()
+    threading.Timer(0.3, path.unlink).start()
     assert _taken(str(path), poll=0.01) and time.monotonic() - began >= 0.3  # timing-ok: a timer's lower bound

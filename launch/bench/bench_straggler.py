@@ -12,7 +12,8 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
 Prints, per run: steps/s in each phase (from the chief's commits), the group's steps/s from 60 s after the
 slowdown to the slow phase's end (the target's window; the baselines leave their rounds' first 15 s out) over the
 3-worker group's alone, time from the slowdown to the slowed host's first report (of either cause) and to the
-first step of a round without the straggler, time from the mild phase (back within the factor) to its rejoin,
+first step of a round without the straggler, time from the mild phase (back within the factor) to its rejoin
+and from the unthrottling to it ("in mild" where it rejoined before),
 evictions in each phase, and the evicted host's probations (its own pass timed after each hold-off: kept out while
 slow, let in once back), and the `straggler` events of the slowed host by their cause (its compute, and its input:
 the host's tf.data threads are throttled too) and of any other host. Targets (issue 41): report within 30 s; with
@@ -117,13 +118,15 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             moments.append(time.time())
     evicted = job.events(Event.EVICTED)
     rates = {phase: steps_per_second(job, moments[i], moments[i + 1]) for i, phase in enumerate(PHASES)}
-    slow_at, mild_at = moments[1], moments[2]
+    slow_at, mild_at, after_at = moments[1:4]
     without = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts - 1]
     back = [e for e in job.events(Event.FIRST_STEP, rank=0) if e["world_size"] == hosts and e["time"] > slow_at]
     reports = job.events(Event.STRAGGLER)
     return {"mode": mode, "rates": rates, "report": _first([e for e in reports if e["host"] == _slowed()], slow_at),
             "reports": [(e["host"] == _slowed(), e["cause"]) for e in reports],
             "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
+            "back_in_mild": any(mild_at <= e["time"] < after_at for e in back),
+            "rejoin_unthrottled": _first(back, after_at),
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
             "probations": [e["back"] for e in job.events(Event.PROBATION)],
@@ -194,16 +197,18 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
     three = alone.get(hosts - 1)
     lines = [f"3-worker alone: {_text(three)} steps/s; 4-worker alone: {_text(alone.get(hosts))} steps/s",
              "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | 60 s after the slowdown / 3 alone | "
-             "report | round without | rejoin after mild | evictions (before/slow/mild/after) | "
+             "report | round without | rejoin after mild | rejoin after unthrottled | "
+             "evictions (before/slow/mild/after) | "
              "probations (kept out/let in) | probes' cost (with each round's trace) | "
              "reports of the slowed host by compute/input; of others |",
-             "|---|" + "---:|" * 12]
+             "|---|" + "---:|" * 13]
     for r in results:
         rates, ev = r["rates"], r["evictions"]
         ratio = r["late_in_slow"] / three if r["late_in_slow"] and three else None
         cost = "-" if r["probe_cost"] is None else "{:.2f} % ({:.2f} %)".format(*(100 * c for c in r["probe_cost"]))
         lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
                      f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
+                     f"{'in mild' if r['back_in_mild'] else _text(r['rejoin_unthrottled'], ' s')} | "
                      f"{ev['before']}/{ev['slow']}/{ev['mild']}/{ev['after']} | "
                      f"{r['probations'].count(False)}/{r['probations'].count(True)} | {cost} | "
                      f"{r['reports'].count((True, 'compute'))}/{r['reports'].count((True, 'input'))}; "

@@ -42,7 +42,7 @@ class Env:
     EVICT_STRAGGLERS = "TF_ELASTIC_EVICT_STRAGGLERS"
     # A host on probation (evicted as a straggler): "RESULT_FILE,PER_REPLICA_BATCH". The worker times the
     # model's pass alone at that batch and reads its input alone, writes both ("PASS INPUT", seconds per pass
-    # and per step) to the file, and exits before training.
+    # and per step) to the file, and again each time the agent removed it, training nothing.
     PROBATION = "TF_ELASTIC_PROBATION"
     # Secrets the agent reads and never passes on.
     JOB_TOKEN = "TF_ELASTIC_JOB_TOKEN"

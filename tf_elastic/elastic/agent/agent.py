@@ -560,10 +560,11 @@ class ElasticAgent:
     def _probation(self) -> None:
         """An evicted host sits out its hold-off, then times its own pass against the group's median probe,
         and its input read alone against the group's seconds per step (`probation.OwnPass`), again every
-        --probation_interval while either is not back within the straggler factor (a timing on probation
-        costs the group nothing; what the doubling of the hold-off at each eviction prevents is a rejoin that
-        the group pays for). Returns when it may rejoin, on a notice, or once the job ended (the next join
-        says how)."""
+        --probation_interval while either is not back within the straggler factor (on a host of its own a
+        timing costs the group nothing; what the doubling of the hold-off at each eviction prevents is a
+        rejoin that the group pays for). The warm spares the timing's workers took are started again after
+        the first timing and are ready before the next (their imports beside it would slow it). Returns when
+        it may rejoin, on a notice, or once the job ended (the next join says how)."""
         own: Optional[probation.OwnPass] = None
         wait = stragglers.hold_off(self.evictions, self.config.straggler_hold_off)
         try:
@@ -577,9 +578,12 @@ class ElasticAgent:
                         own.close()  # the group's batch changed, or a timing ended its workers: start afresh
                     own = probation.OwnPass(self._launch_for_probation, self.host_dir, self.config.nproc, group[1],
                                             self.config.heartbeat_timeout)
+                if self.config.warm_start:
+                    self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
+                                           cancelled=lambda: self.notices.received)
                 if self._judge(own if group is not None else None, group):
                     return
-                if self.config.warm_start:  # the timing's workers took the spares: warm again (not beside it)
+                if self.config.warm_start:
                     self.spares.fill(self.config.nproc)
                 wait = self.config.probation_interval
         finally:
@@ -589,9 +593,12 @@ class ElasticAgent:
     def _judge(self, own: Optional[probation.OwnPass], group: Optional[Tuple[float, int, float]]) -> bool:
         """Times this host on probation (`own`) against the `group`'s (median probe, batch, step), says so
         (a `probation` event, and a log line: a warning where it stays out), and whether it rejoins now
-        (once its warm spares are ready: the group must not wait for this host's cold start)."""
+        (once its warm spares are ready: the group must not wait for this host's cold start); not after a
+        notice (the timing it cut short judges nothing)."""
         own_pass, read = (own.time(self.config.startup_timeout, cancelled=lambda: self.notices.received)
                           if own is not None else None) or (None, None)
+        if self.notices.received:
+            return False
         median, step = group[0::2] if group else (None, None)
         factor = self.config.probe.rules.factor
         back = stragglers.back_within(own_pass, median, factor) and stragglers.back_within(read, step, factor)

@@ -12,8 +12,8 @@ within it of the group's seconds a step, both of which the chief's agent publish
 else it asks again after `--probation_interval`. The workers stay up between timings: a worker started for
 each (imports, the user's data and model, the pass's trace) took the shared cores from the group, and a host
 that recovered waited out another hold-off, then a start, then refilled its warm spares (the bench's rejoin
-67-83 s after the recovery). Only an eviction doubles the hold-off: a timing on probation costs the group
-nothing, so a host that recovered is back within an interval and a timing.
+67-83 s after the recovery). Only an eviction doubles the hold-off: on a host of its own a timing on
+probation costs the group nothing, so a host that recovered is back within an interval and a timing.
 """
 import math
 import subprocess
@@ -38,13 +38,19 @@ class OwnPass:
         self._results = [scratch / f"slot-{slot}.seconds" for slot in range(slots)]
         for result in self._results:
             result.unlink(missing_ok=True)
-        self._processes: List[subprocess.Popen] = [launch(slot, {
-            "TF_CONFIG": "",  # a world of one: no peer to wait for
-            Env.RUN_DIR: str(scratch),
-            Env.HEARTBEAT_FILE: str(scratch / f"heartbeat-{slot}"),
-            Env.HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
-            Env.PROBATION: f"{result},{batch}",
-        }) for slot, result in enumerate(self._results)]
+        self._processes: List[subprocess.Popen] = []
+        try:
+            for slot, result in enumerate(self._results):
+                self._processes.append(launch(slot, {
+                    "TF_CONFIG": "",  # a world of one: no peer to wait for
+                    Env.RUN_DIR: str(scratch),
+                    Env.HEARTBEAT_FILE: str(scratch / f"heartbeat-{slot}"),
+                    Env.HEARTBEAT_TIMEOUT: str(heartbeat_timeout),
+                    Env.PROBATION: f"{result},{batch}",
+                }))
+        except BaseException:
+            self.close()  # those started: no spare pool or round knows of them
+            raise
 
     def time(self, timeout: float, cancelled: Callable[[], bool] = lambda: False
              ) -> Optional[Tuple[float, float]]:
@@ -55,7 +61,10 @@ class OwnPass:
         throttled to 0.15 of a core, TensorFlow's import alone took longer, and a host still throttled
         rejoined as "not measured"). None when a slot ended without a time (a script that never calls
         `elastic.fit`, a model whose inputs are unknown, a worker that failed) or `cancelled()` (a preemption
-        notice) came first; either way the workers are ended (not `running`: the next timing starts afresh)."""
+        notice) came first, or the workers were ended before; either way they are ended (not `running`: the
+        next timing starts afresh)."""
+        if not self._processes:
+            return None
         for result in self._results:
             result.unlink(missing_ok=True)
         deadline, stop = time.monotonic() + timeout, False

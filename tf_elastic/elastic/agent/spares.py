@@ -37,10 +37,8 @@ class WarmSpares:
         """Waits (up to `timeout`) until every spare has done its imports."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not cancelled() and any(
-                s.process.poll() is None and not s.ready.exists() for s in self._spares.values()):
+                s.process.poll() is None and not s.is_ready() for s in self._spares.values()):
             time.sleep(interval)
-        for spare in self._spares.values():
-            spare.ready.unlink(missing_ok=True)
 
     def take(self, slot: int, world: Dict[str, str]):
         """The slot's spare's process, handed this round's world on its stdin; None if it is gone."""
@@ -53,7 +51,7 @@ class WarmSpares:
         if round_trains:
             self.fill(slots)
         for spare in self._spares.values():
-            if not spare.announced and spare.ready.exists():
+            if not spare.announced and spare.is_ready():
                 spare.announced = True
                 self.events.write(Event.SPARE_READY, round=round_number, worker_pid=spare.process.pid)
 

@@ -86,8 +86,8 @@ def _stragglers(events: List[Dict], round_: Optional[int], now: float) -> Tuple[
     hosts: Dict[str, str] = {}
     for (host, _, _), text in sorted(slow.items()):
         hosts[host] = f"{hosts[host]}, {text}" if host in hosts else text
-    # An eviction starts a hold-off; a probation that found the host still slow starts the next (one that found
-    # it back, none).
+    # An eviction starts a hold-off; a probation's timing that found the host still slow, the wait for the next
+    # (`--probation_interval`; one that found it back, none).
     evicted = {e["host"]: e["time"] + e["hold_off"] - now for e in events
                if e["event"] in (Event.EVICTED, Event.PROBATION)}
     return hosts, {host: left for host, left in evicted.items() if left > 0}

@@ -150,6 +150,14 @@ class Spare:
     process: subprocess.Popen
     ready: Path  # created by the worker once its imports are done
     announced: bool = False
+    warm: bool = False  # `ready` was seen (and removed)
+
+    def is_ready(self) -> bool:
+        """Its imports are done: its `ready` file seen, once (then removed; a second wait must not wait on it)."""
+        if not self.warm and self.ready.exists():
+            self.warm = True
+            self.ready.unlink(missing_ok=True)
+        return self.warm
 
     def hand_world(self, world: Dict[str, str]) -> bool:
         """Gives the spare its round's environment; False if it is gone."""

@@ -35,6 +35,7 @@ What tf.data cannot save (a Python generator, `from_generator`, `py_function`) o
 pipeline with `deterministic=False`) is refused before the first step (`ConfigurationError`).
 """
 import collections
+import math
 import threading
 import time
 from typing import Any, Deque, Iterator, List, Optional, Tuple
@@ -300,13 +301,14 @@ class DatasetFeed:
         del rows_a_step
         if self._cached:
             return 0.0
+        if self._iterator is None:  # no pump: a probation's worker
+            return self._read_on(seconds, limit)
         began = time.monotonic()
         with self._pulling:
             try:
                 elements, copied = self._copy()
             except tf.errors.OpError as error:
-                logging.warning("the input could not be read alone (%s): it is not weighed", error.message[:200])
-                return 0.0
+                return _not_weighed(error)
             finally:
                 if self._epoch_start:
                     _restored(self.dataset, self._epoch_start)
@@ -317,17 +319,32 @@ class DatasetFeed:
             return 0.0
         ran_out = []
         timed = seconds_per_step(_noting_the_end(elements, ran_out), 1, seconds, limit)
-        if ran_out:
-            self._alone = None
         return 0.0 if copied and ran_out else timed
+
+    def _read_on(self, seconds: float, limit: float) -> float:
+        """A probation's read alone (asked again every interval): on from where the last one stopped (a fresh
+        pass would read what the last left in the page cache, and fill a shuffle's buffer again); a new pass
+        once one ran out, at once where it ran out before it timed anything (the last read took the pass's
+        end: 0 would let the host rejoin unjudged), and after a read still at it past `limit` (its thread is
+        left to end at its next element: no other reads beside it)."""
+        timed = 0.0
+        for _ in range(2):
+            if self._alone is None:
+                try:
+                    self._alone = iter(self.dataset)
+                except tf.errors.OpError as error:
+                    return _not_weighed(error)
+            ran_out = []
+            timed = seconds_per_step(_noting_the_end(self._alone, ran_out), 1, seconds, limit)
+            if ran_out or timed == math.inf:
+                self._alone = None
+            if timed or not ran_out:
+                break
+        return timed
 
     def _copy(self) -> Tuple[Optional[Iterator], bool]:
         """(`_pulling` held.) An iterator where the pump's stands (None: too large to copy), and whether it
         is a copy (`time_input`)."""
-        if self._iterator is None:  # no pump: a probation's worker, asked again and again
-            if self._alone is None:
-                self._alone = iter(self.dataset)
-            return self._alone, False
         if self._exhausted or self._failure is not None:
             return iter(self.dataset), False
         saved = _save(self._iterator)
@@ -526,6 +543,12 @@ def _check_pipeline(dataset: tf.data.Dataset) -> Optional[list]:
         raise ConfigurationError("x: the tf.data pipeline repeats (.repeat()): an epoch is one pass over it (give "
                                  "epochs), and TensorFlow restores a repeated reshuffle wrongly at some positions.")
     return nodes
+
+
+def _not_weighed(error: tf.errors.OpError) -> float:
+    """0: a pipeline whose iterator cannot be made (a `cache` file in use) is not read alone, and says so."""
+    logging.warning("the input could not be read alone (%s): it is not weighed", error.message[:200])
+    return 0.0
 
 
 def _noting_the_end(elements: Iterator, ended: list) -> Iterator:
