@@ -12,10 +12,10 @@ def test_the_table_shows_each_runs_phases_the_evicted_hosts_probations_and_who_w
            "rejoin": 72.0, "back_in_mild": False, "rejoin_unthrottled": 12.0,
            "evictions": {"before": 0, "slow": 1, "mild": 0, "after": 0},
            "probations": [False, False, True], "throttle": "cgroup", "late_in_slow": 1.9,
-           "probe_cost": (0.0071, 0.0093), "reports": [(True, "input"), (True, "compute"), (False, "input")]}
+           "probe_cost": (0.0071, 0.0093, 0.0052), "reports": [(True, "input"), (True, "compute"), (False, "input")]}
     text = table([run, dict(run, mode="in mild", rejoin=30.0, back_in_mild=True)], {3: 2.0, 4: 2.5}, 4)
     row = ("| evict | 2.50 | 1.10 | 2.40 | 2.50 | 0.95x | 21.00 s | 40.50 s | 72.00 s | 12.00 s | 0/1/0/0 | 2/1 | "
-           "0.71 % (0.93 %) | 1/1; 1 |")
+           "0.71 % (0.93 %); 0.52 % | 1/1; 1 |")
     assert row in text, text
     assert "| 40.50 s | 30.00 s | in mild | 0/1/0/0 |" in text, text
     assert "3-worker alone: 2.00 steps/s; 4-worker alone: 2.50 steps/s" in text and "cgroup" in text

@@ -132,7 +132,7 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
             "probations": [e["back"] for e in job.events(Event.PROBATION)],
             "throttle": f"reads capped at {FLAGS.slow_disk_kbps} KB/s (blkio)" if copies else throttle.kind,
             "late_in_slow": steps_per_second(job, slow_at + TARGET_SECONDS, mild_at),
-            "probe_cost": _probe_cost(job)}
+            "probe_cost": _probe_cost(job, moments[0], moments[-1])}
 
 
 def _start_agents(job: LocalJob, names: List[str], fair: float, stack: contextlib.ExitStack,
@@ -158,15 +158,16 @@ def _slowed() -> str:
     return chr(ord("a") + FLAGS.hosts - 1)
 
 
-def _probe_cost(job: LocalJob) -> Optional[Tuple[float, float]]:
-    """The probes' share of the chief's epoch time (its `epoch_end` events say both): the timed probes' (the
-    cadence's cost: the chief's own and its wait for the slowest rank's, what the group pays), and with the
-    tracing of the pass (once a round, the chief's: what a run of a few minutes a round pays more than one of
-    hours)."""
-    ends = job.events(Event.EPOCH_END)
+def _probe_cost(job: LocalJob, began: float, ended: float) -> Optional[Tuple[float, float, float]]:
+    """The probes' share of the chief's epoch time from `began` to `ended` (its `epoch_end` events say both):
+    the timed probes' (the cadence's cost: the chief's own and its wait for the slowest rank's, what the group
+    pays), with the tracing of the pass (once a round, the chief's: what a run of a few minutes a round pays
+    more than one of hours), and the timed probes' share of the run's time (what its throughput loses: the
+    epochs' time leaves out their commits and starts, a third of it here)."""
+    ends = [e for e in job.events(Event.EPOCH_END) if began <= e["time"] < ended]
     spent, total = sum(e.get("probe_seconds", 0.0) for e in ends), sum(e["seconds"] for e in ends)
     traced = sum(e.get("probe_trace_seconds", 0.0) for e in ends)
-    return (spent / total, (spent + traced) / total) if total else None
+    return (spent / total, (spent + traced) / total, spent / (ended - began)) if total else None
 
 
 def _train_args(copies: Optional["DataCopies"]) -> List[str]:
@@ -199,13 +200,15 @@ def table(results: List[Dict[str, object]], alone: Dict[int, Optional[float]], h
              "", "| run | " + " | ".join(f"{p} steps/s" for p in PHASES) + " | 60 s after the slowdown / 3 alone | "
              "report | round without | rejoin after mild | rejoin after unthrottled | "
              "evictions (before/slow/mild/after) | "
-             "probations (kept out/let in) | probes' cost (with each round's trace) | "
+             "probations (kept out/let in) | probes' cost: of the epochs' time (with each round's trace); of the "
+             "run's | "
              "reports of the slowed host by compute/input; of others |",
              "|---|" + "---:|" * 13]
     for r in results:
         rates, ev = r["rates"], r["evictions"]
         ratio = r["late_in_slow"] / three if r["late_in_slow"] and three else None
-        cost = "-" if r["probe_cost"] is None else "{:.2f} % ({:.2f} %)".format(*(100 * c for c in r["probe_cost"]))
+        cost = "-" if r["probe_cost"] is None else "{:.2f} % ({:.2f} %); {:.2f} %".format(
+            *(100 * c for c in r["probe_cost"]))
         lines.append(f"| {r['mode']} | " + " | ".join(_text(rates[p]) for p in PHASES) + f" | {_text(ratio, 'x')} | "
                      f"{_text(r['report'], ' s')} | {_text(r['without'], ' s')} | {_text(r['rejoin'], ' s')} | "
                      f"{'in mild' if r['back_in_mild'] else _text(r['rejoin_unthrottled'], ' s')} | "
