@@ -12,11 +12,11 @@ and the 3- and 4-worker groups alone give the throughput to compare with.
 Prints, per run: steps/s in each phase (from the chief's commits), the group's steps/s from 60 s after the
 slowdown to the slow phase's end (the target's window; the baselines leave their rounds' first 15 s out) over the
 3-worker group's alone, time from the slowdown to the slowed host's first report (of either cause) and to the
-first step of a round without the straggler, time from the mild phase (back within the factor) to its rejoin
-and from the unthrottling to it ("in mild" where it rejoined before),
-evictions in each phase, and the evicted host's probations (its own pass timed after each hold-off: kept out while
-slow, let in once back), and the `straggler` events of the slowed host by their cause (its compute, and its input:
-the host's tf.data threads are throttled too) and of any other host. Targets (issue 41): report within 30 s; with
+first step of a round without the straggler, time from the mild phase (back within the factor) to its rejoin and
+from the unthrottling to it ("in mild" where it rejoined before), evictions in each phase, and the evicted host's
+probations (its own pass timed after its hold-off and every `--probation_interval`: kept out while slow, let in
+once back), and the `straggler` events of the slowed host by their cause (its compute, and its input: the host's
+tf.data threads are throttled too) and of any other host. Targets (issue 41): report within 30 s; with
 eviction, >= 0.9x the 3-worker throughput within 60 s of the slowdown; rejoin within 60 s; no eviction at the mild
 slowdown. `--host_quota` runs every host under a CPU quota of its fair share from the start (as a container's
 limit would; the baselines too), the slowed host's lowered: there every worker's probe times a quota's period and
