@@ -25,8 +25,9 @@ if seconds == "hang":
     time.sleep(600)
 if seconds == "fail":
     sys.exit(1)
-for timing in range(1, 100):
-    open(path + ".tmp", "w").write(f"{float(seconds) * int(batch) * timing} {float(seconds) * 10 * timing}")
+for timing in range(1, 100):  # "unknown": a model whose inputs are unknown has no pass; its input is read
+    own_pass, read = (0.0, 0.5) if seconds == "unknown" else (float(seconds) * int(batch), float(seconds) * 10)
+    open(path + ".tmp", "w").write(f"{own_pass * timing} {read * timing}")
     os.replace(path + ".tmp", path)
     while os.path.exists(path):
         time.sleep(0.01)
@@ -75,6 +76,16 @@ def test_a_slot_that_ends_without_a_time_leaves_its_host_unjudged(tmp_path):
     own, started = _own_pass(tmp_path, ["0.01", "fail"])
     assert own.time(timeout=60) is None and not own.running
     assert started[1].returncode == 1 and started[0].returncode == -9
+
+
+def test_a_model_whose_pass_cannot_be_timed_is_judged_by_its_input_and_its_workers_stay_up(tmp_path):
+    """Its workers write a pass of 0 (not known) and wait to be asked again: the host is judged by its input,
+    not held as too slow to time (every result was written)."""
+    own, started = _own_pass(tmp_path, ["unknown"])
+    try:
+        assert own.time(timeout=60) == (0.0, 0.5) and own.running
+    finally:
+        own.close()
 
 
 def test_a_notice_ends_the_timing_at_once(tmp_path):

@@ -13,18 +13,18 @@ Prints, per run: steps/s in each phase (from the chief's commits), the group's s
 slowdown to the slow phase's end (the target's window; the baselines leave their rounds' first 15 s out) over the
 3-worker group's alone, time from the slowdown to the slowed host's first report (of either cause) and to the
 first step of a round without the straggler, time from the mild phase (back within the factor) to its rejoin and
-from the unthrottling to it ("in mild" where it rejoined before), evictions in each phase, and the evicted host's
-probations (its own pass timed after its hold-off and every `--probation_interval`: kept out while slow, let in
-once back), and the `straggler` events of the slowed host by their cause (its compute, and its input: the host's
-tf.data threads are throttled too) and of any other host. Targets (issue 41): report within 30 s; with
-eviction, >= 0.9x the 3-worker throughput within 60 s of the slowdown; rejoin within 60 s; no eviction at the mild
-slowdown. `--host_quota` runs every host under a CPU quota of its fair share from the start (as a container's
-limit would; the baselines too), the slowed host's lowered: there every worker's probe times a quota's period and
-a half (the speed it keeps up), and the probes come that much further apart (`stragglers.probe_interval`).
-With `--host_quota --quota_period_ms=20` the hosts emulate machines of their own: when one leaves, the others
-get no more than their share (on shared cores they get more, and a host on probation at 80 % of its share
-times its pass 1.67x slower than the three do, though 1.25x slower than it would in a group of four), and
-a period and a half (30 ms) is shorter than a probe, so none is put off.
+from the unthrottling to it ("in mild" where it rejoined before; none for slow reads), evictions in each phase,
+and the evicted host's probations (its own pass timed after its hold-off and every `--probation_interval`: kept
+out while slow, let in once back), and the `straggler` events of the slowed host by their cause (its compute, and
+its input: the host's tf.data threads are throttled too) and of any other host. Targets (issue 41): report within
+30 s; with eviction, >= 0.9x the 3-worker throughput within 60 s of the slowdown; rejoin within 60 s; no eviction
+at the mild slowdown. `--host_quota` runs every host under a CPU quota of its fair share from the start (as a
+container's limit would; the baselines too), the slowed host's lowered: there every worker's probe times a quota's
+period and a half (the speed it keeps up), and the probes come that much further apart
+(`stragglers.probe_interval`). With `--host_quota --quota_period_ms=20` the hosts emulate machines of their own:
+when one leaves, the others get no more than their share (on shared cores they get more, and a host on probation
+at 80 % of its share times its pass 1.67x slower than the three do, though 1.25x slower than it would in a group
+of four), and a period and a half (30 ms) is shorter than a probe, so none is put off.
 
 With `--slow_disk_kbps` the host's reads are slowed instead of its CPU: every host trains on its own copy of
 the digits as TFRecords (`data`, relative to the host's directory, its agent's cwd), the slowed host's on a disk
@@ -125,8 +125,8 @@ def run_mode(root: Path, mode: str, seconds: List[float], hosts: int, cores: flo
     return {"mode": mode, "rates": rates, "report": _first([e for e in reports if e["host"] == _slowed()], slow_at),
             "reports": [(e["host"] == _slowed(), e["cause"]) for e in reports],
             "without": _first(without, slow_at), "rejoin": _first(back, mild_at),
-            "back_in_mild": any(mild_at <= e["time"] < after_at for e in back),
-            "rejoin_unthrottled": _first(back, after_at),
+            "back_in_mild": not copies and any(mild_at <= e["time"] < after_at for e in back),
+            "rejoin_unthrottled": None if copies else _first(back, after_at),  # reads: uncapped from the mild
             "evictions": {phase: len([e for e in evicted if moments[i] <= e["time"] < moments[i + 1]])
                           for i, phase in enumerate(PHASES)},
             "probations": [e["back"] for e in job.events(Event.PROBATION)],

@@ -581,7 +581,7 @@ class ElasticAgent:
                 if self.config.warm_start:
                     self.spares.wait_ready(self.config.startup_timeout, self.config.monitor_interval,
                                            cancelled=lambda: self.notices.received)
-                if self._judge(own if group is not None else None, group):
+                if self._judge(own if group is not None else None, group) or self.notices.received:
                     return
                 if self.config.warm_start:
                     self.spares.fill(self.config.nproc)

@@ -55,14 +55,15 @@ class OwnPass:
     def time(self, timeout: float, cancelled: Callable[[], bool] = lambda: False
              ) -> Optional[Tuple[float, float]]:
         """Seconds per pass of this host's slowest slot, each timed alone, all at once, and per step of the
-        slowest slot's input read alone (0: not known; `probe.time_alone`): each slot times again once its
+        slowest slot's input read alone (`probe.time_alone`; 0 where not known: a model whose inputs are
+        unknown has no pass to time, and its host is judged by its input): each slot times again once its
         last result is taken (removed). `math.inf` for both when a slot was still at it after `timeout`
         seconds (its host is too slow to start and time a pass within the limit a worker's start has:
         throttled to 0.15 of a core, TensorFlow's import alone took longer, and a host still throttled
         rejoined as "not measured"). None when a slot ended without a time (a script that never calls
-        `elastic.fit`, a model whose inputs are unknown, a worker that failed) or `cancelled()` (a preemption
-        notice) came first, or the workers were ended before; either way they are ended (not `running`: the
-        next timing starts afresh)."""
+        `elastic.fit`, a worker that failed) or `cancelled()` (a preemption notice) came first, or the
+        workers were ended before; either way they are ended (not `running`: the next timing starts
+        afresh)."""
         if not self._processes:
             return None
         for result in self._results:
@@ -71,10 +72,11 @@ class OwnPass:
         while not all(result.exists() for result in self._results) and time.monotonic() < deadline and \
                 all(p.poll() is None for p in self._processes) and not (stop := cancelled()):
             time.sleep(0.1)
-        seconds = [_read_seconds(result) for result in self._results]
-        if not (stop or cancelled()) and all(own_pass > 0 for own_pass, _ in seconds):
+        stop = stop or cancelled()
+        if not stop and all(result.exists() for result in self._results):
+            seconds = [_read_seconds(result) for result in self._results]
             return max(own_pass for own_pass, _ in seconds), max(read for _, read in seconds)
-        late = not stop and not cancelled() and all(p.poll() is None for p in self._processes)
+        late = not stop and all(p.poll() is None for p in self._processes)
         self.close()
         return (math.inf, math.inf) if late else None
 

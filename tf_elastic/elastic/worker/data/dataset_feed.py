@@ -323,11 +323,12 @@ class DatasetFeed:
 
     def _read_on(self, seconds: float, limit: float) -> float:
         """A probation's read alone (asked again every interval): on from where the last one stopped (a fresh
-        pass would read what the last left in the page cache, and fill a shuffle's buffer again); a new pass
-        once one ran out, at once where it ran out before it timed anything (the last read took the pass's
-        end: 0 would let the host rejoin unjudged), and after a read still at it past `limit` (its thread is
-        left to end at its next element: no other reads beside it)."""
-        timed = 0.0
+        pass would read what the last left in the page cache, and fill a shuffle's buffer again); where it
+        ran out, again from a new pass at once, within what is left of `limit` (a pass's last batches come
+        from the buffers its pipeline filled between reads: timed quick, or not at all, they would let a
+        slow host rejoin); a new pass after a read still at it past `limit` too (its thread is left to end
+        at its next element: no other reads beside it)."""
+        deadline, timed = time.monotonic() + limit, 0.0
         for _ in range(2):
             if self._alone is None:
                 try:
@@ -335,10 +336,11 @@ class DatasetFeed:
                 except tf.errors.OpError as error:
                     return _not_weighed(error)
             ran_out = []
-            timed = seconds_per_step(_noting_the_end(self._alone, ran_out), 1, seconds, limit)
+            timed = seconds_per_step(_noting_the_end(self._alone, ran_out), 1, seconds,
+                                     max(0.0, deadline - time.monotonic()))
             if ran_out or timed == math.inf:
                 self._alone = None
-            if timed or not ran_out:
+            if not ran_out:
                 break
         return timed
 
