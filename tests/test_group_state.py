@@ -4,6 +4,7 @@ import ctypes
 import json
 import os
 import posixpath
+import signal
 import subprocess
 import sys
 import time
@@ -390,12 +391,18 @@ def _in_force_step(directory) -> int:
     return commit_id(posixpath.basename(path)).step if path else -1
 
 
-def _pause_and_kill(job, pause: Path, point: str, rank: int, round_: int) -> None:
-    """Holds every commit at `point`, SIGKILLs the worker of `rank` once it is there, then lets go."""
+def _pause_and_kill(job, pause: Path, point: str, rank: int) -> int:
+    """Holds every commit at `point`, SIGKILLs the worker of `rank` that got there, then lets go; returns the
+    round it trained in (a round change may come between the test's look at the events and the hold)."""
+    reached = pause / f"{point}.reached-rank{rank}"
+    reached.unlink(missing_ok=True)  # an earlier hold's
     (pause / point).touch()
-    job.wait_for(lambda: (pause / f"{point}.reached-rank{rank}").exists(), what=f"rank {rank} at {point}")
-    job.kill_worker(_round_host(job, round_, rank), round_)
+    job.wait_for(reached.exists, what=f"rank {rank} at {point}")
+    pid = int(reached.read_text())
+    assert pid in job.worker_pids_alive(), (pid, "not a worker of this job")
+    os.kill(pid, signal.SIGKILL)
     (pause / point).unlink()
+    return [e["round"] for e in job.events(Event.WORKER_START) if e["worker_pid"] == pid][-1]
 
 
 @pytest.mark.slow
@@ -470,8 +477,8 @@ def _kill_a_worker_in_its_local_commit(job, pause: Path, joined_round: int) -> d
     """c's worker (rank 1) is SIGKILLed with a commit's files written and its state file not naming it yet;
     returns the chief's first step of the next round of two."""
     job.wait_for(lambda: job.events(Event.COMMIT, round=joined_round), what="a commit with c")
-    _pause_and_kill(job, pause, "local", 1, joined_round)  # c: files written, state file not yet
-    after_local = _first_step(job, joined_round, 2)
+    killed_round = _pause_and_kill(job, pause, "local", 1)  # c: files written, state file not yet
+    after_local = _first_step(job, killed_round, 2)
     assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
     # c restarts from its previous commit and receives the newer one, if the group holds one: the chief
     # was held at the same point, and its commit is cut too when its worker is stopped first (under load).
@@ -485,11 +492,11 @@ def _kill_the_chief_in_a_durable_copy(job, pause: Path, remote: str, after_local
     """The chief is SIGKILLed with a durable copy's files up and its marker not yet written; returns the copies
     without a marker and the chief's first step of the next round of two."""
     job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local_round), what="a durable copy")
-    _pause_and_kill(job, pause, "durable", 0, after_local_round)  # the chief: marker not yet written
+    killed_round = _pause_and_kill(job, pause, "durable", 0)  # the chief: marker not yet written
     partial = [c for c in DurableCopies(remote).copies() if not c.complete]
     assert partial, "the copy cut short is there, without its marker"
     assert DurableCopies(remote).newest().step < partial[-1].step
-    after_durable = _first_step(job, after_local_round, 2)
+    after_durable = _first_step(job, killed_round, 2)
     assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
     return partial, after_durable
 

@@ -7,10 +7,11 @@ additions:
 
 - SIGUSR2 blocks its main thread for ever: a stuck training step, while the heartbeat thread beats on;
 - pause points in commits: while the directory in `PAUSE_DIR` (an environment variable) holds a file named
-  after a point, or `POINT.rankN` for rank N only, a commit waits there, after creating `POINT.reached-rankN`
-  for the test to see. Points: "local" (a commit's files are written, the state file does not name it yet)
-  and "durable" (a durable copy's files are up, its marker is not). A test can then SIGKILL a worker at a
-  known point of a commit, or hold one host's commit while another's completes.
+  after a point, or `POINT.rankN` for rank N only, a commit waits there, after writing its PID to
+  `POINT.reached-rankN` for the test to see. Points: "local" (a commit's files are written, the state file
+  does not name it yet) and "durable" (a durable copy's files are up, its marker is not). A test can then
+  SIGKILL the worker that waits at a known point of a commit, or hold one host's commit while another's
+  completes.
 """
 import json
 import os
@@ -31,12 +32,17 @@ def command(module: str, *args: str) -> List[str]:
 
 
 def pause(point: str, rank: int) -> None:
-    """Waits while `PAUSE_DIR` holds `point` or `point.rankN`, after creating `point.reached-rankN`."""
+    """Waits while `PAUSE_DIR` holds `point` or `point.rankN`, after writing this process's PID to
+    `point.reached-rankN` (the process to kill: the rank's worker of another round than the test expects
+    may be the one that got there)."""
     directory = os.environ.get(PAUSE_DIR)
     held = [Path(directory) / name for name in (point, f"{point}.rank{rank}")] if directory else []
     if not any(path.exists() for path in held):
         return
-    (Path(directory) / f"{point}.reached-rank{rank}").touch()
+    reached = Path(directory) / f"{point}.reached-rank{rank}"
+    written = reached.with_name(f"{reached.name}.{os.getpid()}.tmp")
+    written.write_text(str(os.getpid()))
+    os.replace(written, reached)  # whole: never read empty
     while any(path.exists() for path in held):
         time.sleep(0.05)
 
