@@ -3,11 +3,10 @@ the capacity, and `--quick` replaying a trace written here against both methods 
 import json
 import subprocess
 import sys
-import types
 
 import pytest
 
-from launch.bench import bench_goodput, preemption_trace
+from launch.bench import preemption_trace
 from launch.bench.preemption_trace import NOTICE, PREEMPT, RETURN, Trace, TraceEvent
 from tf_elastic.testing.local_job import REPO, repo_env
 
@@ -125,11 +124,10 @@ def test_steady_rate_leaves_the_warm_up_out_and_a_curve_above_the_ideal_is_flagg
 def test_progress_counts_a_restore_of_commits_that_were_never_announced():
     """Workers killed after their last commits and before the agreement that announces them (as they end):
     the next launch restores those commits and ends at once. CI's run saw its progress end at 2880 of 3072."""
-    def record(event, time, epoch, samples, rank=0):
-        return {"event": event, "time": time, "epoch": epoch, "samples": samples, "rank": rank}
+    def record(event, time, epoch, samples):
+        return {"event": event, "time": time, "epoch": epoch, "samples": samples}
 
-    events = [record("commit", 10.0, 0, 1536), record("commit", 11.0, 1, 1344),
-              record("restore", 12.0, 1, 1200), record("restore", 12.0, 1, 1200, rank=1),  # redone work
-              record("restore", 20.0, 2, 0, rank=1), record("restore", 20.0, 2, 0)]
-    run = types.SimpleNamespace(events=lambda name: [e for e in events if e["event"] == name])
-    assert bench_goodput.progress(run, clock0=9.0) == [[1.0, 1536], [2.0, 2880], [11.0, 3072]]
+    records = [record("commit", 10.0, 0, 1536), record("commit", 11.0, 1, 1344),
+               record("restore", 12.0, 1, 1200),  # redone work: no point
+               record("restore", 20.0, 2, 0)]
+    assert preemption_trace.committed(records, 9.0, 1536) == [[1.0, 1536], [2.0, 2880], [11.0, 3072]]

@@ -366,16 +366,10 @@ def replay(method, trace: Trace, max_seconds: float) -> Dict:
 
 
 def progress(method, clock0: float) -> List[List[float]]:
-    """(trace seconds, samples committed) at each of the chief's commits, and at a chief's restore of more
-    than was announced: workers killed between their last commits and the agreement that announces them
-    (as they end) leave those commits in force but never announced; the restore shows they survived."""
-    points: List[List[float]] = []
+    """(trace seconds, samples committed): `preemption_trace.committed`."""
     restores = [e for e in method.events(Event.RESTORE) if e["rank"] == 0]
-    for e in sorted(method.events(Event.COMMIT) + restores, key=lambda e: e["time"]):
-        samples = e["epoch"] * DATASET_SIZE + e["samples"]
-        if e["event"] == Event.COMMIT or samples > max((p[1] for p in points), default=0):
-            points.append([e["time"] - clock0, samples])
-    return points
+    records = sorted(method.events(Event.COMMIT) + restores, key=lambda e: e["time"])
+    return preemption_trace.committed(records, clock0, DATASET_SIZE)
 
 
 def skipped(method) -> int:

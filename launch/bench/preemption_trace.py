@@ -98,6 +98,19 @@ def fastest(rates: Dict[int, float]) -> Dict[int, float]:
     return best
 
 
+def committed(records: List[Dict], clock0: float, dataset_size: int) -> List[List[float]]:
+    """(trace seconds, samples committed) from a run's chief's `commit` and `restore` records (in time order):
+    at each commit, and at a restore of more than was announced: workers killed between their last commits and
+    the agreement that announces them (as they end) leave those commits in force but never announced; the
+    restore shows they survived (a point later than the commit's)."""
+    points: List[List[float]] = []
+    for record in records:
+        samples = record["epoch"] * dataset_size + record["samples"]
+        if record["event"] == "commit" or samples > max((p[1] for p in points), default=0):
+            points.append([record["time"] - clock0, samples])
+    return points
+
+
 def steady_rate(points: List[List[float]]) -> Optional[float]:
     """Samples/s between the first commit past the first third of a run and its last (warm-up left out:
     the first steps trace and compile); None with fewer than three commits there."""
