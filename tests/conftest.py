@@ -84,28 +84,36 @@ def machine_slots(tmp_path_factory) -> MachineSlots:
 
 def pytest_collection_modifyitems(items):
     """The slow tests first; then the tests marked `alone`, one after another, each followed by an equal share
-    of the quick tests. A quick test takes no slot: it runs on the other worker beside an `alone` test, whose
-    processes used 1.46 of the 2 cores on average (profiled), instead of idling it. A test waiting for every
-    slot idles its worker until the slow test beside it ends (beside the chaos soak that was minutes), so the
-    alone tests come after the slow ones. The modules run on one worker (`xdist_group`) keep their place
-    (pytest-xdist hands them out first)."""
+    of the quick tests and of the `light` ones. These take no slot: they run on the other worker beside an
+    `alone` test, whose processes used 1.46 of the 2 cores on average (profiled), instead of idling it (the
+    alone tests' work outlasts the quick tests': the rest of the time beside them is idle). A test waiting for
+    every slot idles its worker until the slow test beside it ends (beside the chaos soak that was minutes),
+    so the alone tests come after the slow ones; the longest first (`alone(minutes=...)`: a test's minutes
+    alone, by default 1), so that the suite does not end on a long one with nothing left to run beside it.
+    The modules run on one worker (`xdist_group`) keep their place (pytest-xdist hands them out first)."""
     kinds = collections.defaultdict(list)
     for item in items:
         marker = item.get_closest_marker
-        kinds["grouped" if marker("xdist_group") else "alone" if marker("alone") else
-              "slow" if marker("slow") else "quick"].append(item)
-    alone, quick = kinds["alone"], kinds["quick"]
-    share = -(-len(quick) // max(len(alone), 1))
+        kinds["grouped" if marker("xdist_group") else "alone" if marker("alone") else "light" if marker("light")
+              else "slow" if marker("slow") else "quick"].append(item)
+    alone = sorted(kinds["alone"], key=lambda item: -item.get_closest_marker("alone").kwargs.get("minutes", 1))
+    shares = [_shares(kinds[kind], max(len(alone), 1)) for kind in ("light", "quick")]
     order = kinds["grouped"] + kinds["slow"]
     for n, test in enumerate(alone):
-        order += [test, *quick[n * share:(n + 1) * share]]
-    items[:] = order + quick[len(alone) * share:]
+        order += [test, *shares[0][n], *shares[1][n]]
+    items[:] = order + ([] if alone else shares[0][0] + shares[1][0])
+
+
+def _shares(tests: list, count: int) -> list:
+    """`tests` in `count` consecutive shares of (nearly) equal length."""
+    size = -(-len(tests) // count)
+    return [tests[n * size:(n + 1) * size] for n in range(count)]
 
 
 @pytest.fixture(autouse=True)
 def _machine_share(request, machine_slots):
     marker = request.node.get_closest_marker
-    if not marker("slow") and not marker("alone"):
+    if marker("light") or not marker("slow") and not marker("alone"):
         yield
         return
     with machine_slots.held(alone=bool(marker("alone"))):

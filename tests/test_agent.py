@@ -237,6 +237,7 @@ def test_host_dirs_of_live_agents_are_kept_whatever_their_pid(tmp_path, monkeypa
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_an_etcd_password_without_tls_is_warned_about(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "launch.elastic_run", f"--rdzv=file://{tmp_path / 'rdzv'}",
                            "--job_id=j", f"--run_dir={tmp_path / 'run'}", "--rdzv_user=u", "--min_workers=2",
@@ -247,8 +248,6 @@ def test_an_etcd_password_without_tls_is_warned_about(tmp_path):
 
 # A worker that heartbeats like launch.train (and so watches its agent), wrapped in a shell that stays its
 # parent, as `sh -c ...` or `conda run ...` would. It writes its PID, then waits.
-# A worker that heartbeats like launch.train (and so watches its agent), wrapped in a shell that stays its
-# parent, as `sh -c ...` or `conda run ...` would. It writes its PID, then waits.
 WRAPPED = ["sh", "-c", f"{sys.executable} -c \"import os, sys, time; "
            "from tf_elastic.elastic.worker.world import World, report_progress, start_heartbeat; "
            "w = World.from_env(); start_heartbeat(w); report_progress(1); "
@@ -257,6 +256,7 @@ WRAPPED = ["sh", "-c", f"{sys.executable} -c \"import os, sys, time; "
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_a_wrapped_worker_is_stopped_with_its_group_and_dies_with_a_killed_agent(job):
     """The agent signals the worker's whole process group, so a graceful stop reaches the real trainer
     behind `sh -c`; and a trainer whose agent was SIGKILLed ends itself instead of training on alone."""
@@ -277,6 +277,7 @@ def test_a_wrapped_worker_is_stopped_with_its_group_and_dies_with_a_killed_agent
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_nproc_gpu_starts_one_worker_per_visible_gpu_each_seeing_only_its_own(job):
     """Tested by the environment each worker receives (this machine has no GPU)."""
     report = [sys.executable, "-c", "import json, os; open(os.path.join(os.environ['TF_ELASTIC_RUN_DIR'], "
@@ -288,6 +289,7 @@ def test_nproc_gpu_starts_one_worker_per_visible_gpu_each_seeing_only_its_own(jo
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_a_third_host_waits_as_standby_and_takes_a_freed_place(job):
     """Three hosts, two places: the third waits without opening round after round (it used to open 25 in
     30 s), and takes the place of a host that is lost."""
@@ -309,6 +311,7 @@ def test_a_third_host_waits_as_standby_and_takes_a_freed_place(job):
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_only_worlds_whose_size_divides_the_given_number_form(job):
     """With --batch_policy=global a world of 3 cannot split a global batch of 4: it must never form."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]

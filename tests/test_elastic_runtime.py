@@ -133,6 +133,7 @@ def test_kill_join_leave_keep_every_example_exactly_once(job_factory, tmp_path):
     assert job.events("evaluation")[-1]["test_accuracy"] > 0.7
 
 
+@pytest.mark.light
 def test_max_restarts_exceeded_ends_the_job_with_the_reason(job_factory):
     job = job_factory([], ["--max_restarts=1", "--min_workers=1", "--max_workers=1"])
     agent = job.start_agent("a", command=[sys.executable, "-c", "import sys; sys.exit(7)"])
@@ -142,6 +143,7 @@ def test_max_restarts_exceeded_ends_the_job_with_the_reason(job_factory):
     assert len(job.events("worker_start")) == 2
 
 
+@pytest.mark.light
 def test_min_workers_never_reached_ends_the_job_with_the_reason(job_factory):
     job = job_factory([], ["--min_workers=2", "--max_workers=2", "--rendezvous_timeout=2"])
     agent = job.start_agent("a", command=[sys.executable, "-c", "pass"])
@@ -151,6 +153,7 @@ def test_min_workers_never_reached_ends_the_job_with_the_reason(job_factory):
     assert not job.events("worker_start")
 
 
+@pytest.mark.light
 def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
     job = job_factory([], ["--min_workers=2", "--max_workers=2", "--rendezvous_timeout=60"])
     agent = job.start_agent("a", command=[sys.executable, "-c", "pass"])
@@ -163,7 +166,7 @@ def test_sigterm_while_waiting_for_a_round_leaves_cleanly(job_factory):
 
 
 @pytest.mark.parametrize("rdzv_url", ["etcd"], indirect=True)
-@pytest.mark.alone
+@pytest.mark.alone(minutes=2)
 def test_eight_workers_on_four_hosts_through_a_kill_and_a_join(job_factory):
     """Three hosts of two workers each, a worker SIGKILLed (the group restarts at the same size, one counted
     restart), then a fourth host: eight workers. Every example once per epoch, and every round's eight ranks

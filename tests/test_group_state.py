@@ -406,7 +406,7 @@ def _pause_and_kill(job, pause: Path, point: str, rank: int) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.alone
+@pytest.mark.alone(minutes=2)
 def test_hosts_sharing_no_directory_survive_losing_the_chief_host_and_a_joiner_with_an_empty_disk(tmp_path,
                                                                                                   mnist_dir, s3):
     """Hosts a and b (own run dirs; durable copies in an S3 bucket, moto's server): the chief's host is killed;

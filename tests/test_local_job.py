@@ -12,6 +12,7 @@ from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_waiting_on_a_job_stops_once_every_agent_exited_and_says_why(job):
     """A benchmark or test used to wait out its whole timeout after every agent had failed."""
     job.start_agent("a", command=[sys.executable, "-c", "raise SystemExit(78)"])

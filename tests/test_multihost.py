@@ -34,6 +34,7 @@ def _job(jobs, tmp_path, rdzv, train=(), agent=()):
     return made[-1]
 
 
+@pytest.mark.light
 def test_an_agent_with_another_job_token_is_refused_and_the_job_goes_on(jobs, tmp_path, rdzv_url):
     job = _job(jobs, tmp_path, rdzv_url, agent=["--nowarm_start", "--max_workers=2", "--last_call=0.5"])
     job.start_agent("a", command=SLEEPER, env={"TF_ELASTIC_JOB_TOKEN": "right"})
@@ -46,6 +47,7 @@ def test_an_agent_with_another_job_token_is_refused_and_the_job_goes_on(jobs, tm
     assert all(e["ranks"] == [0] and e["world_size"] == 1 for e in job.events("rendezvous"))
 
 
+@pytest.mark.light
 def test_a_host_whose_workers_keep_failing_is_blacklisted_and_the_job_goes_on(jobs, tmp_path, rdzv_url):
     job = _job(jobs, tmp_path, rdzv_url, agent=["--nowarm_start", "--max_workers=2", "--last_call=1",
                                                 "--blacklist_after=2", "--blacklist_cooldown=300"])
@@ -59,6 +61,7 @@ def test_a_host_whose_workers_keep_failing_is_blacklisted_and_the_job_goes_on(jo
     assert not [e for e in job.events("rendezvous", source="agent:b") if e["time"] > blacklisted["time"]]
 
 
+@pytest.mark.light
 def test_a_host_whose_workers_end_later_is_not_cut_short_by_another_hosts_success(jobs, tmp_path, rdzv_url):
     job = _job(jobs, tmp_path, rdzv_url, agent=["--nowarm_start", "--min_workers=2", "--max_workers=2"])
     job.start_agent("a", command=FINISHER)
@@ -67,6 +70,7 @@ def test_a_host_whose_workers_end_later_is_not_cut_short_by_another_hosts_succes
     assert sorted(p.name for p in job.run_dir.glob("finished*")) == ["finished0", "finished1"]
 
 
+@pytest.mark.light
 def test_an_agent_cannot_rendezvous_without_its_store_and_says_so(jobs, tmp_path):
     etcd = EtcdServer()  # never started: nothing listens on its port
     job = _job(jobs, tmp_path, etcd.url, agent=["--nowarm_start", "--rendezvous_timeout=2"])

@@ -472,6 +472,7 @@ def test_last_call_is_timed_on_the_freezers_own_clock_whatever_the_openers_wall_
 
 
 @pytest.mark.slow
+@pytest.mark.light
 def test_sixteen_simulated_hosts_through_a_loss_a_leave_and_a_join(rdzv_url):
     """The agents' own rendezvous and monitoring code (`rendezvous_sim`, two processes): every change is one
     new round, survivors keep their order and the lowest ranks, a joiner gets the last, and on etcd a round
