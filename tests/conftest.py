@@ -83,37 +83,50 @@ def machine_slots(tmp_path_factory) -> MachineSlots:
 
 
 def pytest_collection_modifyitems(items):
-    """The slow tests first; then the tests marked `alone`, one after another, each followed by an equal share
-    of the quick tests and of the `light` ones. These take no slot: they run on the other worker beside an
-    `alone` test, whose processes used 1.46 of the 2 cores on average (profiled), instead of idling it (the
-    alone tests' work outlasts the quick tests': the rest of the time beside them is idle). A test waiting for
-    every slot idles its worker until the slow test beside it ends (beside the chaos soak that was minutes),
-    so the alone tests come after the slow ones; the longest first (`alone(minutes=...)`: a test's minutes
-    alone, by default 1), so that the suite does not end on a long one with nothing left to run beside it.
-    The modules run on one worker (`xdist_group`) keep their place (pytest-xdist hands them out first)."""
+    """The slow tests first; then the tests marked `alone`, longest first (`alone(minutes=N)`), each followed
+    by a share of the quick tests and of the `light` ones in proportion to its minutes. These take no slot:
+    they run on the other worker beside an `alone` test, whose processes used 1.46 of the 2 cores on average
+    (profiled), instead of idling it (the alone tests' work outlasts theirs: the rest of the time beside them
+    is idle, and the suite should not end on a long alone test with nothing left to run beside it). A test
+    waiting for every slot idles its worker until the slow test beside it ends (beside the chaos soak that
+    was minutes), so the alone tests come after the slow ones. The modules run on one worker (`xdist_group`)
+    keep their place (pytest-xdist hands them out first)."""
     kinds = collections.defaultdict(list)
     for item in items:
         marker = item.get_closest_marker
         kinds["grouped" if marker("xdist_group") else "alone" if marker("alone") else "light" if marker("light")
               else "slow" if marker("slow") else "quick"].append(item)
-    alone = sorted(kinds["alone"], key=lambda item: -item.get_closest_marker("alone").kwargs.get("minutes", 1))
-    shares = [_shares(kinds[kind], max(len(alone), 1)) for kind in ("light", "quick")]
+    minutes = {item: _alone_minutes(item) for item in kinds["alone"]}
+    alone = sorted(kinds["alone"], key=lambda item: -minutes[item])
+    weights = [minutes[item] for item in alone] or [1.0]
+    shares = [_shares(kinds[kind], weights) for kind in ("light", "quick")]
     order = kinds["grouped"] + kinds["slow"]
     for n, test in enumerate(alone):
         order += [test, *shares[0][n], *shares[1][n]]
     items[:] = order + ([] if alone else shares[0][0] + shares[1][0])
 
 
-def _shares(tests: list, count: int) -> list:
-    """`tests` in `count` consecutive shares of (nearly) equal length."""
-    size = -(-len(tests) // count)
-    return [tests[n * size:(n + 1) * size] for n in range(count)]
+def _alone_minutes(item) -> float:
+    """`alone(minutes=N)`: the test's minutes alone (default 1), for the order and the shares beside it."""
+    marker = item.get_closest_marker("alone")
+    if marker.args or set(marker.kwargs) - {"minutes"}:
+        raise pytest.UsageError(f"{item.nodeid}: alone takes only minutes=N; got {marker.args} {marker.kwargs}")
+    return float(marker.kwargs.get("minutes", 1))
+
+
+def _shares(tests: list, weights: list) -> list:
+    """`tests` in consecutive shares, one for each weight, of lengths in proportion to the weights."""
+    total, ends, cumulative = sum(weights), [], 0.0
+    for weight in weights:
+        cumulative += weight
+        ends.append(round(len(tests) * cumulative / total))
+    return [tests[begin:end] for begin, end in zip([0] + ends[:-1], ends)]
 
 
 @pytest.fixture(autouse=True)
 def _machine_share(request, machine_slots):
     marker = request.node.get_closest_marker
-    if marker("light") or not marker("slow") and not marker("alone"):
+    if not marker("alone") and (marker("light") or not marker("slow")):
         yield
         return
     with machine_slots.held(alone=bool(marker("alone"))):

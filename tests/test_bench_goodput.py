@@ -127,7 +127,8 @@ def test_progress_counts_a_restore_of_commits_that_were_never_announced():
     def record(event, time, epoch, samples):
         return {"event": event, "time": time, "epoch": epoch, "samples": samples}
 
-    records = [record("commit", 10.0, 0, 1536), record("commit", 11.0, 1, 1344),
+    records = [record("restore", 9.5, 0, 0),  # a run's start: nothing committed yet, no point
+               record("commit", 10.0, 0, 1536), record("commit", 11.0, 1, 1344),
                record("restore", 12.0, 1, 1200),  # redone work: no point
                record("restore", 20.0, 2, 0)]
     assert preemption_trace.committed(records, 9.0, 1536) == [[1.0, 1536], [2.0, 2880], [11.0, 3072]]

@@ -27,7 +27,7 @@ from tf_elastic.optimizers import LARS
 from tf_elastic.schedules import BatchResizeSchedule
 from tf_elastic.elastic import audit
 from tf_elastic.testing import faults
-from tf_elastic.testing.local_job import REPO, LocalJob, repo_env
+from tf_elastic.testing.local_job import REPO, LocalJob, repo_env, signal_pid
 
 
 def _setup(width: int = 8):
@@ -400,9 +400,10 @@ def _pause_and_kill(job, pause: Path, point: str, rank: int) -> int:
     job.wait_for(reached.exists, what=f"rank {rank} at {point}")
     pid = int(reached.read_text())
     assert pid in job.worker_pids_alive(), (pid, "not a worker of this job")
-    os.kill(pid, signal.SIGKILL)
+    round_ = [e["round"] for e in job.events(Event.WORKER_START) if e["worker_pid"] == pid][-1]  # before a reuse
+    signal_pid(pid, signal.SIGKILL)
     (pause / point).unlink()
-    return [e["round"] for e in job.events(Event.WORKER_START) if e["worker_pid"] == pid][-1]
+    return round_
 
 
 @pytest.mark.slow

@@ -23,7 +23,8 @@ EPOCHS = 500
 RETURNED_SECONDS = 10.0  # five probes' cadence (--probe_every_seconds=2), over a whole window of 3: no new eviction
 # A factor of 3: the three hosts share two cores, so c's probation pass, timed beside a's and b's training,
 # ran 1.4-2.3x the median of their probes (timed together, the training paused) once c was no longer
-# throttled; throttled to 0.1 of a core, 11-12x. (On hosts of their own nothing runs beside the pass.)
+# throttled; throttled to 0.1 of a core, 11-12x (measured when the job read the digits from memory, before
+# it read TFRecords). (On hosts of their own nothing runs beside the pass.)
 AGENT = ["--min_workers=2", "--max_workers=3", "--index_log", "--last_call=1", "--probe_every_seconds=2",
          "--probe_seconds=0.2", "--straggler_window=3", "--evict_stragglers", "--straggler_hold_off=4",
          "--probation_interval=4", "--straggler_factor=3"]
@@ -230,9 +231,12 @@ def test_a_host_slowed_by_its_cpu_then_by_its_reads_is_reported_evicted_and_read
             back = _train_with_c_back_then_stop(job, (by_reads or by_cpu)["back"])
         finally:
             job.cleanup()
+    assert {e["host"] for e in job.events(Event.STRAGGLER)} == {"c"}, job.events(Event.STRAGGLER)
     evictions = job.events(Event.EVICTED)
     assert [(e["host"], e["cause"], e["hold_off"]) for e in evictions] == [("c", "compute", 4.0)] + (
         [("c", "input", 8.0)] if disk else []), "once by each slowdown, the hold-off doubled; not again"
+    rounds = [three] + [by[phase] for by in (by_cpu, by_reads) if by for phase in ("two", "back")]
+    assert [r["round"] for r in rounds] == sorted({r["round"] for r in rounds}), rounds  # each a new round
     _check_readmitted_by_cpu(job, by_cpu)
     if disk:
         _check_readmitted_by_reads(job, by_reads)
@@ -297,7 +301,8 @@ def _cap_c_reads_until_readmitted(job: LocalJob, disk, since: dict) -> dict:
     disk.add(job.agents["c"].pid)
     disk.limit(READ_BYTES_PER_SECOND)
     capped = time.time()
-    evicted = job.wait_for(lambda: job.events(Event.EVICTED)[1:], timeout=120, what="an eviction by input")
+    evicted = job.wait_for(lambda: [e for e in job.events(Event.EVICTED) if e["time"] > capped], timeout=120,
+                           what="an eviction by input")
     two = job.first_step_after(evicted[0]["time"], world_size=2)
     job.wait_for(lambda: [e for e in job.events(Event.PROBATION) if e["time"] > evicted[0]["time"]],
                  timeout=180, what="c's probation while capped")
@@ -310,8 +315,7 @@ def _check_readmitted_by_cpu(job: LocalJob, by_cpu: dict) -> None:
     leave c out past the job's end) and kept it out; it rejoined once its own pass, timed on probation, was
     back within the factor (the event's figures)."""
     reported = [e for e in job.events(Event.STRAGGLER) if e["time"] < by_cpu["back"]["time"]]
-    assert reported and {e["host"] for e in reported} == {"c"}, reported
-    assert reported[0]["slowness"] >= 3 and reported[0]["cause"] == "compute", reported
+    assert reported and reported[0]["slowness"] >= 3 and reported[0]["cause"] == "compute", reported
     probations = [e for e in job.events(Event.PROBATION) if e["time"] < by_cpu["back"]["time"]]
     first, last = probations[0], probations[-1]
     assert not first["back"] and not first["late"] and first["seconds"] / first["median"] >= 3, first  # timing-ok
@@ -322,8 +326,7 @@ def _check_readmitted_by_reads(job: LocalJob, by_reads: dict) -> None:
     """Reported by its input; on probation, still capped, its read alone is over the factor of the group's
     step, or too slow to time (None), and it stays out; uncapped, its read is judged and it rejoins."""
     reported = [e for e in job.events(Event.STRAGGLER) if e["time"] > by_reads["capped"]]
-    assert ("c", "input") in {(e["host"], e["cause"]) for e in reported}, reported
-    assert {e["host"] for e in job.events(Event.STRAGGLER)} == {"c"}, job.events(Event.STRAGGLER)
+    assert {(e["host"], e["cause"]) for e in reported} == {("c", "input")}, reported
     probations = [e for e in job.events(Event.PROBATION) if e["time"] > by_reads["capped"]]
     first, last = probations[0], probations[-1]
     assert not first["back"] and (first["input_seconds"] is None or  # timing-ok: the cap's premise

@@ -112,8 +112,8 @@ def committed(records: List[Dict], clock0: float, dataset_size: int) -> List[Lis
 
 
 def steady_rate(points: List[List[float]]) -> Optional[float]:
-    """Samples/s between the first commit past the first third of a run and its last (warm-up left out:
-    the first steps trace and compile); None with fewer than three commits there."""
+    """Samples/s between the first point (`committed`) past the first third of a run and its last (warm-up
+    left out: the first steps trace and compile); None with fewer than three points there."""
     if not points:
         return None
     late = [p for p in points if p[0] >= points[-1][0] / 3]
@@ -124,7 +124,7 @@ def steady_rate(points: List[List[float]]) -> Optional[float]:
 
 def above_ideal(points: List[List[float]], trace: Trace, rates: Dict[int, float], slack: float,
                 tolerance: float = 0.03) -> Optional[List[float]]:
-    """The commit (trace seconds, samples) at which a method's samples-committed curve is furthest above the
+    """The point (trace seconds, samples) at which a method's samples-committed curve is furthest above the
     ideal's, if any is beyond noise: more than `tolerance` of the ideal's samples and `slack` samples (a
     commit's worth: commits come in steps) above it. None when the curve stays under the bound."""
     worst, excess = None, 0.0
