@@ -83,35 +83,46 @@ def machine_slots(tmp_path_factory) -> MachineSlots:
 
 
 def pytest_collection_modifyitems(items):
-    """The slow tests first; then the tests marked `alone`, longest first (`alone(minutes=N)`), each followed
-    by a share of the quick tests and of the `light` ones in proportion to its minutes. These take no slot:
-    they run on the other worker beside an `alone` test, whose processes used 1.46 of the 2 cores on average
-    (profiled), instead of idling it (the alone tests' work outlasts theirs: the rest of the time beside them
-    is idle, and the suite should not end on a long alone test with nothing left to run beside it). A test
-    waiting for every slot idles its worker until the slow test beside it ends (beside the chaos soak that
-    was minutes), so the alone tests come after the slow ones. The modules run on one worker (`xdist_group`)
-    keep their place (pytest-xdist hands them out first)."""
+    """The slow tests first, longest first (`slow(minutes=N)`: a test's minutes, by default 1); then the tests
+    marked `alone`, longest first too, each followed by a share of the quick tests and of the `light` ones in
+    proportion to its minutes, and a share before the first. These take no slot: they run on the other
+    worker beside an `alone` test, whose processes used 1.46 of the 2 cores on average (profiled), instead
+    of idling it (the alone tests' work outlasts theirs: the rest of the time beside them is idle). A test
+    waiting for every slot idles its worker until the slow test beside it ends, and a slow test queued behind
+    another on a worker (pytest-xdist hands each worker two ahead) waited 168 s for an alone test to end: so
+    the alone tests come after the slow ones, the longest slow tests come first (their queued tests are slow
+    ones too, run while slow tests still run), a share of quick tests comes between (what a worker takes while
+    the other ends its last slow test), and the suite does not end on a long alone test with nothing left to
+    run beside it. The modules run on one worker (`xdist_group`) keep their place (pytest-xdist hands them
+    out first)."""
     kinds = collections.defaultdict(list)
     for item in items:
         marker = item.get_closest_marker
         kinds["grouped" if marker("xdist_group") else "alone" if marker("alone") else "light" if marker("light")
               else "slow" if marker("slow") else "quick"].append(item)
-    minutes = {item: _alone_minutes(item) for item in kinds["alone"]}
-    alone = sorted(kinds["alone"], key=lambda item: -minutes[item])
-    weights = [minutes[item] for item in alone] or [1.0]
+    alone = _longest_first(kinds["alone"], "alone")
+    weights = [BETWEEN_MINUTES] + [_minutes(item, "alone") for item in alone]
     shares = [_shares(kinds[kind], weights) for kind in ("light", "quick")]
-    order = kinds["grouped"] + kinds["slow"]
-    for n, test in enumerate(alone):
-        order += [test, *shares[0][n], *shares[1][n]]
-    items[:] = order + ([] if alone else shares[0][0] + shares[1][0])
+    order = kinds["grouped"] + _longest_first(kinds["slow"], "slow")
+    for n, test in enumerate([*alone, None]):
+        order += [*shares[0][n], *shares[1][n], *([test] if test else [])]
+    items[:] = order
 
 
-def _alone_minutes(item) -> float:
-    """`alone(minutes=N)`: the test's minutes alone (default 1), for the order and the shares beside it."""
-    marker = item.get_closest_marker("alone")
+# The share of the quick tests between the slow ones and the first alone test, in minutes of an alone test.
+BETWEEN_MINUTES = 0.5
+
+
+def _minutes(item, name: str) -> float:
+    """`slow(minutes=N)`, `alone(minutes=N)`: the test's minutes (default 1), for the order and the shares."""
+    marker = item.get_closest_marker(name)
     if marker.args or set(marker.kwargs) - {"minutes"}:
-        raise pytest.UsageError(f"{item.nodeid}: alone takes only minutes=N; got {marker.args} {marker.kwargs}")
+        raise pytest.UsageError(f"{item.nodeid}: {name} takes only minutes=N; got {marker.args} {marker.kwargs}")
     return float(marker.kwargs.get("minutes", 1))
+
+
+def _longest_first(tests: list, name: str) -> list:
+    return sorted(tests, key=lambda item: -_minutes(item, name))
 
 
 def _shares(tests: list, weights: list) -> list:

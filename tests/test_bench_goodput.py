@@ -69,7 +69,7 @@ def test_bad_flags_end_the_bench_before_it_starts_anything(tmp_path, argument, f
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=2.5)
 def test_quick_replays_the_trace_as_given_and_every_method_trains_the_same_samples(tmp_path):
     """Host 1 leaves on a notice and comes back; then host 0 goes without one (the elastic group may be left
     with no host and resume from the durable copies) and comes back. No result is asserted, only the design."""

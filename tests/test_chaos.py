@@ -4,7 +4,7 @@ import pytest
 from tf_elastic.testing import soak
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=6)
 def test_a_fault_of_every_kind_loses_nothing(tmp_path):
     # The soak draws every kind once before it repeats one (in a seeded order), so a broken injection of
     # any kind fails here; failed_invariants also wants every fault recovered and every epoch checked.

@@ -133,6 +133,7 @@ def _committed_steps(job) -> dict:
 
 
 @pytest.mark.parametrize("pipeline", ["dataset", "pydataset"])
+@pytest.mark.slow(minutes=2)
 def test_a_users_pipeline_trains_a_fault_free_runs_batches_through_a_kill_an_empty_disk_join_and_2_1_2(tmp_path,
                                                                                                        pipeline):
     """The workers' own input, dict features, two outputs and sample weights, a short last batch: a tf.data

@@ -741,7 +741,7 @@ def test_whole_step_xla_matches_eager_with_ema_and_accumulation(jit_compile):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.5)
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="started from the TensorFlow session")
 def test_conformance_on_jax_backend():
     """This module on Keras's JAX backend with two host CPU devices (for DataParallel), in a fresh process."""

@@ -93,7 +93,7 @@ EPOCHS = 24  # 2-3 s an epoch at two workers: c stood by after 4 epochs alone he
 AGENT = ["--min_workers=1", "--max_workers=2", "--heartbeat_timeout=5", "--last_call=1"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(minutes=1.5)
 def test_batchnorm_lars_ema_and_loss_scale_stay_identical_through_a_kill_and_a_standby_joining(tmp_path):
     """Every commit of the job passed the per-variable check across workers (a difference ends the job with
     exit 78), every round of two started from the same bits, and the last one ended with them; class
