@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import keras
 import numpy as np
@@ -391,9 +392,10 @@ def _in_force_step(directory) -> int:
     return commit_id(posixpath.basename(path)).step if path else -1
 
 
-def _pause_and_kill(job, pause: Path, point: str, rank: int) -> int:
-    """Holds every commit at `point`, SIGKILLs the worker of `rank` that got there, then lets go; returns the
-    round it trained in (a round change may come between the test's look at the events and the hold)."""
+def _pause_and_kill(job, pause: Path, point: str, rank: int, while_held: Callable[[], object] = lambda: None):
+    """Holds every commit at `point`, calls `while_held` once the worker of `rank` is there, SIGKILLs that worker
+    and lets go; returns the round it trained in (a round change may come between the test's look at the
+    events and the hold) and what `while_held` returned."""
     reached = pause / f"{point}.reached-rank{rank}"
     reached.unlink(missing_ok=True)  # an earlier hold's
     (pause / point).touch()
@@ -401,9 +403,10 @@ def _pause_and_kill(job, pause: Path, point: str, rank: int) -> int:
     pid = int(reached.read_text())
     assert pid in job.worker_pids_alive(), (pid, "not a worker of this job")
     round_ = [e["round"] for e in job.events(Event.WORKER_START) if e["worker_pid"] == pid][-1]  # before a reuse
+    seen = while_held()
     signal_pid(pid, signal.SIGKILL)
     (pause / point).unlink()
-    return round_
+    return round_, seen
 
 
 @pytest.mark.slow
@@ -478,7 +481,7 @@ def _kill_a_worker_in_its_local_commit(job, pause: Path, joined_round: int) -> d
     """c's worker (rank 1) is SIGKILLed with a commit's files written and its state file not naming it yet;
     returns the chief's first step of the next round of two."""
     job.wait_for(lambda: job.events(Event.COMMIT, round=joined_round), what="a commit with c")
-    killed_round = _pause_and_kill(job, pause, "local", 1)  # c: files written, state file not yet
+    killed_round, _ = _pause_and_kill(job, pause, "local", 1)  # c: files written, state file not yet
     after_local = _first_step(job, killed_round, 2)
     assert _restored(job, after_local["round"]) >= _last_commit_before(job, after_local["round"])
     # c restarts from its previous commit and receives the newer one, if the group holds one: the chief
@@ -490,13 +493,17 @@ def _kill_a_worker_in_its_local_commit(job, pause: Path, joined_round: int) -> d
 
 
 def _kill_the_chief_in_a_durable_copy(job, pause: Path, remote: str, after_local_round: int):
-    """The chief is SIGKILLed with a durable copy's files up and its marker not yet written; returns the copies
-    without a marker and the chief's first step of the next round of two."""
+    """The chief is SIGKILLed with a durable copy's files up and its marker not yet written (the copies are
+    listed while it is held there); returns the copies without a marker and the chief's first step of the next
+    round of two."""
     job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local_round), what="a durable copy")
-    killed_round = _pause_and_kill(job, pause, "durable", 0)  # the chief: marker not yet written
-    partial = [c for c in DurableCopies(remote).copies() if not c.complete]
+    def held_copies():  # the chief at the marker: its copy's files are up
+        copies = DurableCopies(remote).copies()
+        return [c for c in copies if not c.complete], [c for c in copies if c.complete]
+
+    killed_round, (partial, complete) = _pause_and_kill(job, pause, "durable", 0, held_copies)
     assert partial, "the copy cut short is there, without its marker"
-    assert DurableCopies(remote).newest().step < partial[-1].step
+    assert complete[-1].step < partial[-1].step, (complete, partial)
     after_durable = _first_step(job, killed_round, 2)
     assert _restored(job, after_durable["round"]) >= _last_commit_before(job, after_durable["round"])
     return partial, after_durable
