@@ -497,6 +497,7 @@ def _kill_the_chief_in_a_durable_copy(job, pause: Path, remote: str, after_local
     listed while it is held there); returns the copies without a marker and the chief's first step of the next
     round of two."""
     job.wait_for(lambda: job.events(Event.DURABLE_COPY, round=after_local_round), what="a durable copy")
+
     def held_copies():  # the chief at the marker: its copy's files are up
         copies = DurableCopies(remote).copies()
         return [c for c in copies if not c.complete], [c for c in copies if c.complete]

@@ -228,7 +228,8 @@ def test_a_host_slowed_by_its_cpu_then_by_its_reads_is_reported_evicted_and_read
             three = job.first_step_after(0, world_size=3, timeout=300)
             by_cpu = _throttle_c_until_readmitted(job)
             by_reads = _cap_c_reads_until_readmitted(job, disk, by_cpu["back"]) if disk else None
-            back = _train_with_c_back_then_stop(job, (by_reads or by_cpu)["back"])
+            back = (by_reads or by_cpu)["back"]
+            _train_with_c_back_then_stop(job, back)
         finally:
             job.cleanup()
     assert {e["host"] for e in job.events(Event.STRAGGLER)} == {"c"}, job.events(Event.STRAGGLER)
@@ -335,12 +336,11 @@ def _check_readmitted_by_reads(job: LocalJob, by_reads: dict) -> None:
     assert last["time"] < by_reads["back"]["time"], last
 
 
-def _train_with_c_back_then_stop(job: LocalJob, back: dict) -> dict:
+def _train_with_c_back_then_stop(job: LocalJob, back: dict) -> None:
     """Waits for RETURNED_SECONDS of training with c back (`back`: the first step of the round it rejoined),
-    then stops the job with a SIGTERM to every agent (each leaves at an agreed step); returns `back`."""
+    then stops the job with a SIGTERM to every agent (each leaves at an agreed step)."""
     job.wait_for(lambda: job.events(Event.COMMIT, round=back["round"]) and time.time() > back["time"] +
                  RETURNED_SECONDS, timeout=120, what=f"{RETURNED_SECONDS} s of training with c back")
     for agent in job.agents.values():
         agent.send_signal(signal.SIGTERM)
     assert job.wait_agents(timeout=400) == {"a": 0, "b": 0, "c": 0}, job.describe()
-    return back
