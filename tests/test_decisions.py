@@ -130,6 +130,22 @@ def test_next_round_expects_the_ranked_hosts_but_a_leaving_one_and_counts_failur
     assert after_leave.opener == "a", "a leaving host hands the freezing to the first survivor"
 
 
+@pytest.mark.parametrize("round_, leaving, expected, opener", [
+    (_round(4, expected=["a", "b", "c"], opener="a"), "b", ["a", "c"], "a"),
+    (_round(4, expected=["a", "b", "c"], opener="a"), "a", ["b", "c"], "b"),  # the freezing goes on
+    (_round(4, expected=["a"], opener="a"), "a", [], "a"),  # nobody expected: a joiner takes over the opener
+    (_round(4, expected=["a", "c"], opener="a"), "b", None, None),  # not expected: nothing to change
+    (_round(4, "frozen", expected=["a", "b"], assignment={"a": [0]}), "b", None, None),  # frozen: too late
+])
+def test_a_joining_round_stops_expecting_a_host_that_leaves(round_, leaving, expected, opener):
+    changed = decisions.without_leaving_host(round_, leaving)
+    if expected is None:
+        assert changed is None
+    else:
+        assert (changed.expected, changed.opener, changed.number, changed.restarts) == (
+            expected, opener, round_.number, round_.restarts)
+
+
 @pytest.mark.parametrize("outcome, current, change", [
     (JobStatus.FAILED, None, GroupChange.JOB_FAILED),
     (JobStatus.DONE, None, GroupChange.JOB_DONE),

@@ -787,6 +787,36 @@ def test_a_host_noticed_to_leave_after_a_round_froze_with_it_makes_the_next_a_le
     assert look.current.expected == ["a"] and look.current.reason == "leave b"
 
 
+def _leave_while_training(agent, trained):
+    assert not agent.open_after(trained.number, reason="leave b", failure=False, leaving=True)
+    agent.leave()
+
+
+def _leave_while_joining(agent, trained):
+    agent._joined = trained.number
+    agent.withdraw(after=trained.number)
+
+
+@pytest.mark.parametrize("leave", [_leave_while_training, _leave_while_joining], ids=["training", "joining"])
+def test_a_host_that_leaves_while_a_failure_opens_the_next_round_is_not_counted_lost(rdzv_url, job, leave):
+    """a's worker fails and a opens the next round, expecting b back; b, noticed to leave (as its workers
+    train, or as it joins), finds the round past its own and gives its lease up. a then froze the round with
+    b among the lost (the chaos soak's `leaves_counted_as_lost`): a graceful leave read as an expired lease."""
+    store = open_store(rdzv_url)
+    trained = _train_in_one_round(store, job, ["a", "b"])
+    a, b = (_rendezvous(open_store(rdzv_url), job, h) for h in "ab")
+    for host, agent in (("a", a), ("b", b)):
+        agent._claimed, agent._lease_value = True, store.get(agent.keys.host(host))
+        agent.incarnation = json.loads(agent._lease_value)["incarnation"]
+    assert a.open_after(trained.number, reason="worker_exit rank=0", failure=True)
+    assert b.current().expected == ["a", "b"]
+    leave(b, trained)
+    assert store.get(b.keys.host("b")) is None
+    round_ = a.join(previous_ranks=trained.assignment["a"], after=trained.number)
+    assert round_.number == trained.number + 1 and round_.assignment == {"a": [0]}
+    assert round_.lost == [] and round_.expected == ["a"] and round_.restarts == trained.restarts + 1
+
+
 def test_a_restarted_agent_never_takes_the_round_its_predecessor_was_ranked_in(tmp_path, job):
     """Its claim waits out the dead predecessor's lease; meanwhile another agent replaces the round that
     ranks this host id. The round read before the claim used to be taken: workers in a replaced round."""

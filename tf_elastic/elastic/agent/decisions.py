@@ -111,6 +111,17 @@ def next_round(seen: Round, reason: str, failure: bool, opened: float, opener: s
                  opener)
 
 
+def without_leaving_host(round_: Round, host: str) -> Optional[Round]:
+    """`round_`, still joining, no longer expecting `host`, which leaves gracefully as it opened: freezing it
+    then neither waits for the host nor records it lost (a leave counted as a lost host). A leaving opener
+    hands the freezing to the first host still expected. None when nothing changes (frozen, not expected)."""
+    if round_.phase != Phase.JOINING.value or host not in round_.expected:
+        return None
+    expected = [h for h in round_.expected if h != host]
+    opener = expected[0] if round_.opener == host and expected else round_.opener
+    return dataclasses.replace(round_, expected=expected, opener=opener)
+
+
 # Watching a round --------------------------------------------------------------------------------
 class GroupChange(enum.Enum):
     NONE = "none"

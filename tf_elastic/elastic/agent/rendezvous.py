@@ -215,9 +215,23 @@ class Rendezvous:
         current = self.current()
         if self._is_opening(current):
             return self._opened()
+        if leaving and current is not None and current.number > number:
+            self._stop_being_expected(after=number)
         if current is None or current.number != number:
             return False
         return self.open_next(current, reason, failure, leaving)
+
+    def _stop_being_expected(self, after: int) -> None:
+        """This host leaves while a round opened after `after` (another host's failure, a join) expects it
+        back: takes itself out of that round (`decisions.without_leaving_host`), or its opener, finding the
+        lease gone, would record a graceful leave as a lost host. Reads again when another write came first
+        (a join, the freeze); each retry follows someone else's progress."""
+        for _ in range(10):
+            _, round_, raw = self.read_group()
+            changed = round_ is not None and round_.number > after and decisions.without_leaving_host(
+                round_, self.host_id)
+            if not changed or self.store.compare_and_set(self.keys.round, raw, changed.to_json()):
+                return
 
     def _is_opening(self, round_: Optional[Round]) -> bool:
         """Whether `round_` is the one this agent last tried to open (by its number and opening time: a
@@ -382,12 +396,14 @@ class Rendezvous:
         listing ranks this host, but still shows it alive (gone now, a ring watcher or a standby would count
         a lost host if a round froze with it); if a round had frozen with it ranked all the same (its opener
         listed the leases just before), opens the next round as this host's leave, so that the others commit
-        and regroup instead of counting a restart; then gives the lease up."""
+        and regroup instead of counting a restart; then gives the lease up. A round still joining that expects
+        this host back stops expecting it (`_stop_being_expected`)."""
         if not self._claimed:
             return
         joined = self._joined
         try:
             self.keepalive(self._lease_record())
+            self._stop_being_expected(after)
             deadline = time.monotonic() + self.timeouts.host_ttl  # a freeze follows the listing it rests on at once
             while True:
                 round_ = self.current()
