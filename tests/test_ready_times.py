@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.python.data.experimental.ops import testing
+from tensorflow.python.distribute import input_lib
 
 from tf_elastic.elastic.worker import data
+from tf_elastic.elastic.worker.data import feed
 from tf_elastic.elastic.worker.data.dataset_feed import DatasetFeed
 from tf_elastic.elastic.worker.data.planned_feed import PlannedFeed
 from tf_elastic.elastic.worker.data.pydataset_feed import PyDatasetFeed
@@ -293,3 +295,36 @@ def test_a_read_alone_is_timed_in_its_steady_state_and_one_that_fails_or_hangs_t
     assert data.feed.seconds_per_step(hanging(), 1, 0.1, limit=0.3) == math.inf  # too slow to time
     assert data.feed.seconds_per_step(iter([1]), 1, 0.1) == 0.0  # only the first element, which starts the read
     assert data.feed.seconds_per_step(iter(range(3)), 4, 0.0) == 0.0  # two of a step of four
+
+
+def test_a_planned_epochs_fit_opens_one_iterator_and_reads_its_batches_once(monkeypatch):
+    """`feed.to_replicas`: where Keras knows a dataset's length and it equals the steps, `model.fit` opens the
+    next epoch's iterator as its epoch ends, for an epoch a call of one epoch never trains: with several
+    workers (a MultiDeviceIterator, whose prefetch starts at once) it read ahead and instantiated the
+    pipeline's functions again. Two iterators a call before."""
+    reads, opened = [], []
+    open_iterator = input_lib.DistributedDatasetsFromFunction.__iter__
+    monkeypatch.setattr(input_lib.DistributedDatasetsFromFunction, "__iter__",
+                        lambda dataset: opened.append(1) or open_iterator(dataset))
+
+    def batched(batch):
+        def note(i):
+            reads.append(int(i))
+            return i
+        ids = tf.data.Dataset.range(EXAMPLES).map(lambda i: tf.ensure_shape(tf.py_function(note, [i], tf.int64), []))
+        ids = ids.apply(tf.data.experimental.assert_cardinality(EXAMPLES))
+        pairs = ids.map(lambda i: (tf.fill([1], tf.cast(i, tf.float32)), tf.cast(i, tf.float32)))
+        return pairs.batch(batch).prefetch(2)
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    # As with several workers (`keras_compat` builds from the element spec), no build opens an iterator.
+    model._maybe_symbolic_build = lambda iterator=None, data_batch=None: None
+    steps = EXAMPLES // 4
+    for _ in range(2):
+        model.fit(feed.to_replicas(strategy, 1, 4, batched), steps_per_epoch=steps, epochs=1, verbose=0)
+    time.sleep(0.5)  # a dropped iterator's reads end
+    assert len(opened) == 2, "an iterator for an epoch no call trains"
+    assert len(reads) == 2 * EXAMPLES and int(model.optimizer.iterations.numpy()) == 2 * steps

@@ -25,11 +25,16 @@ def to_replicas(strategy: tf.distribute.Strategy, world_size: int, worker_batch:
                 batched: Callable[[int], tf.data.Dataset]) -> tf.distribute.DistributedDataset:
     """`batched(per_replica_batch)` (this worker's whole share, batched per replica) fed to its replicas.
 
-    Its cardinality counts per-replica batches, not steps: pass `steps_per_epoch` to `model.fit`."""
+    Its length is hidden (pass `steps_per_epoch` to `model.fit`): where Keras 3 knows it and it equals the
+    steps (one replica a worker), `model.fit` opens the next epoch's iterator as its epoch ends, for an epoch
+    a call of one epoch never trains. With several workers that is a MultiDeviceIterator, which starts
+    reading at once and instantiates the pipeline's functions through grappler on the main thread (seen in
+    native stacks at the epochs' ends in `bench_straggler`), then is dropped with the call."""
     local = local_replicas(strategy, world_size)
     if worker_batch % local:
         raise ValueError(f"a worker batch of {worker_batch} does not split over {local} local replicas")
-    return strategy.distribute_datasets_from_function(lambda context: batched(worker_batch // local))
+    return strategy.distribute_datasets_from_function(
+        lambda context: batched(worker_batch // local).filter(lambda *_: True))
 
 
 # A read alone that has not ended after this many seconds (its first element included) is too slow to time

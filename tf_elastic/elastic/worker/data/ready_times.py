@@ -41,9 +41,8 @@ class ReadyTimes:
 
     def stamp(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """`dataset` with each element's ready time recorded as it is produced: put it before the prefetch.
-        Each new pipeline (an epoch's) calls it once; its elements count from 0. (Keras may open a second
-        iterator on the same dataset, at an epoch's end: its stamp stage runs only once it is read, and it is
-        never read.)"""
+        Each new pipeline (an epoch's) calls it once; its elements count from 0. (Keras opens no second
+        iterator at an epoch's end: `feed.to_replicas` hides the length.)"""
         self._flush()
         if not self.measuring:
             return dataset
