@@ -787,34 +787,62 @@ def test_a_host_noticed_to_leave_after_a_round_froze_with_it_makes_the_next_a_le
     assert look.current.expected == ["a"] and look.current.reason == "leave b"
 
 
-def _leave_while_training(agent, trained):
-    assert not agent.open_after(trained.number, reason="leave b", failure=False, leaving=True)
-    agent.leave()
+def _fail(a, trained):
+    assert a.open_after(trained.number, reason="worker_exit rank=0", failure=True)
 
 
-def _leave_while_joining(agent, trained):
-    agent._joined = trained.number
-    agent.withdraw(after=trained.number)
+def _leave_while_training(a, b, trained):
+    _fail(a, trained)
+    assert not b.open_after(trained.number, reason="leave b", failure=False, leaving=True)
+    b.leave()
 
 
-@pytest.mark.parametrize("leave", [_leave_while_training, _leave_while_joining], ids=["training", "joining"])
+def _leave_as_the_failure_opens_the_round(a, b, trained):
+    """b read its round, then a opened the next one before b's write: b's own leave round is refused."""
+    real = b.store.compare_and_set
+
+    def a_first(key, expected, value, ttl=None):
+        if key == b.keys.round and b.current().number == trained.number:
+            _fail(a, trained)
+        return real(key, expected, value, ttl)
+
+    b.store.compare_and_set = a_first
+    assert not b.open_after(trained.number, reason="leave b", failure=False, leaving=True)
+    b.leave()
+
+
+def _leave_while_joining(a, b, trained):
+    _fail(a, trained)
+    b._joined = trained.number
+    b.withdraw(after=trained.number)
+
+
+def _leave_after_joining_the_next_round(a, b, trained):
+    _fail(a, trained)
+    b.keepalive(b._join_record(b.current(), trained.assignment["b"]))  # its lease announces the new round
+    b._joined = trained.number + 1
+    b.withdraw(after=trained.number)
+
+
+@pytest.mark.parametrize("leave", [_leave_while_training, _leave_as_the_failure_opens_the_round, _leave_while_joining,
+                                   _leave_after_joining_the_next_round],
+                         ids=["training", "raced", "joining", "joined"])
 def test_a_host_that_leaves_while_a_failure_opens_the_next_round_is_not_counted_lost(rdzv_url, job, leave):
     """a's worker fails and a opens the next round, expecting b back; b, noticed to leave (as its workers
-    train, or as it joins), finds the round past its own and gives its lease up. a then froze the round with
-    b among the lost (the chaos soak's `leaves_counted_as_lost`): a graceful leave read as an expired lease."""
+    train, as a opens the round, as it joins, or joined), finds the round past its own and gives its lease
+    up. a then froze the round with b among the lost (the chaos soak's `leaves_counted_as_lost`): a graceful
+    leave read as an expired lease."""
     store = open_store(rdzv_url)
     trained = _train_in_one_round(store, job, ["a", "b"])
     a, b = (_rendezvous(open_store(rdzv_url), job, h) for h in "ab")
     for host, agent in (("a", a), ("b", b)):
         agent._claimed, agent._lease_value = True, store.get(agent.keys.host(host))
         agent.incarnation = json.loads(agent._lease_value)["incarnation"]
-    assert a.open_after(trained.number, reason="worker_exit rank=0", failure=True)
-    assert b.current().expected == ["a", "b"]
-    leave(b, trained)
-    assert store.get(b.keys.host("b")) is None
+    leave(a, b, trained)
+    assert store.get(b.keys.host("b")) is None and a.current().expected == ["a"]
     round_ = a.join(previous_ranks=trained.assignment["a"], after=trained.number)
     assert round_.number == trained.number + 1 and round_.assignment == {"a": [0]}
-    assert round_.lost == [] and round_.expected == ["a"] and round_.restarts == trained.restarts + 1
+    assert round_.lost == [] and round_.restarts == trained.restarts + 1
 
 
 def test_a_restarted_agent_never_takes_the_round_its_predecessor_was_ranked_in(tmp_path, job):

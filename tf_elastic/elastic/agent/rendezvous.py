@@ -214,23 +214,29 @@ class Rendezvous:
         wrote (its reply lost) is recognised and counts as opened here."""
         current = self.current()
         if self._is_opening(current):
-            return self._opened()
-        if leaving and current is not None and current.number > number:
+            opened = self._opened()
+        else:
+            opened = current is not None and current.number == number and self.open_next(
+                current, reason, failure, leaving)
+        if leaving:  # another host may have opened the next round first, expecting this one back
             self._stop_being_expected(after=number)
-        if current is None or current.number != number:
-            return False
-        return self.open_next(current, reason, failure, leaving)
+        return opened
 
     def _stop_being_expected(self, after: int) -> None:
         """This host leaves while a round opened after `after` (another host's failure, a join) expects it
         back: takes itself out of that round (`decisions.without_leaving_host`), or its opener, finding the
         lease gone, would record a graceful leave as a lost host. Reads again when another write came first
-        (a join, the freeze); each retry follows someone else's progress."""
-        for _ in range(10):
+        (a join, the freeze, another host leaving), for up to a host TTL (then its lease expires as a loss)."""
+        deadline = time.monotonic() + self.timeouts.host_ttl
+        while True:
             _, round_, raw = self.read_group()
             changed = round_ is not None and round_.number > after and decisions.without_leaving_host(
                 round_, self.host_id)
             if not changed or self.store.compare_and_set(self.keys.round, raw, changed.to_json()):
+                return
+            if time.monotonic() > deadline:
+                logging.warning("round %d still expects %s, which leaves: its other writers kept the round busy "
+                                "for --host_ttl; it will count this host lost", round_.number, self.host_id)
                 return
 
     def _is_opening(self, round_: Optional[Round]) -> bool:
@@ -403,7 +409,10 @@ class Rendezvous:
         joined = self._joined
         try:
             self.keepalive(self._lease_record())
-            self._stop_being_expected(after)
+            try:
+                self._stop_being_expected(after)
+            except StoreError as error:  # the round's own look below still comes
+                logging.warning("%s leaves, still expected by the next round: %s", self.host_id, error)
             deadline = time.monotonic() + self.timeouts.host_ttl  # a freeze follows the listing it rests on at once
             while True:
                 round_ = self.current()
