@@ -41,8 +41,9 @@ class ReadyTimes:
 
     def stamp(self, dataset: tf.data.Dataset) -> tf.data.Dataset:
         """`dataset` with each element's ready time recorded as it is produced: put it before the prefetch.
-        Each new pipeline (an epoch's) calls it once; its elements count from 0. (Keras opens no second
-        iterator at an epoch's end: `feed.to_replicas` hides the length.)"""
+        Each new pipeline (an epoch's) calls it once; its elements count from 0. (Keras opens no iterator
+        for a next epoch: `feed.to_replicas` hides the length; in a world of one replica its build reads a
+        batch at each `fit` first, whose stamps the epoch's own iterator writes again.)"""
         self._flush()
         if not self.measuring:
             return dataset

@@ -237,7 +237,8 @@ def pipeline(source: Source, indices: np.ndarray, batch_size: int, *, preprocess
     dataset = dataset.batch(batch_size, drop_remainder=drop_remainder, num_parallel_calls=AUTOTUNE,
                             deterministic=True)
     # A known length: with an unknown one Keras 3.15 counts one extra optimizer iteration per epoch, and
-    # warns that the input "ran out of data" after every evaluation.
+    # warns that the input "ran out of data" after every evaluation (training, always given its steps,
+    # hides it again: `feed.to_replicas`).
     batches = len(indices) // batch_size if drop_remainder else -(-len(indices) // batch_size)
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(batches))
     if stamp is not None:
