@@ -211,7 +211,8 @@ class Rendezvous:
     def open_after(self, number: int, reason: str, failure: bool, leaving: bool = False) -> bool:
         """`open_next` from round `number`, if the group is still in it (read now); True if this agent
         opened the next round. Safe to call again after a `StoreError`: a round that an earlier call
-        wrote (its reply lost) is recognised and counts as opened here."""
+        wrote (its reply lost) is recognised and counts as opened here. `leaving`: whatever it opened, a
+        later round still joining stops expecting this host (`_stop_being_expected`)."""
         current = self.current()
         if self._is_opening(current):
             opened = self._opened()
